@@ -1,0 +1,179 @@
+//! The admin listener: health, readiness, metrics, and the fences themselves
+//! (`GET`/`PUT /v1/fences/{resource}`, G7). Errors are `application/problem+json`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+
+use crate::fence::{AdmitError, FenceToken, Gate, ResourceKey};
+
+/// A registration body is `{"token": N}`; anything much larger is not one.
+const REGISTRATION_BYTES_MAX: usize = 4096;
+
+/// Problem types are `https://fencegate.dev/problems/<Code>`; the code is what scripts match.
+const PROBLEM_BASE: &str = "https://fencegate.dev/problems/";
+
+pub struct Admin {
+    gate: Arc<Gate>,
+    metrics: PrometheusHandle,
+    /// `Bearer <token>` expected in `Authorization`, when configured.
+    bearer: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Registration {
+    token: u64,
+}
+
+type AdminResponse = Response<Full<Bytes>>;
+
+impl Admin {
+    pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>) -> Self {
+        Self { gate, metrics, bearer: admin_token.map(|t| format!("Bearer {t}")) }
+    }
+
+    pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
+        if let Some(expected) = &self.bearer {
+            let presented = req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
+            if !presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
+                return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", "a valid admin bearer token is required"));
+            }
+        }
+        let path = req.uri().path().to_owned();
+        let response = match (req.method(), path.as_str()) {
+            (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+            (&Method::GET, "/readyz") => match self.gate.store().ping().await {
+                Ok(()) => text(StatusCode::OK, "ready\n"),
+                Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
+            },
+            (&Method::GET, "/metrics") => {
+                let mut resp = text(StatusCode::OK, &self.metrics.render());
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8".parse().expect("static"));
+                resp
+            }
+            (method, p) if p.starts_with("/v1/fences/") => {
+                let raw = &p["/v1/fences/".len()..];
+                match decode_resource(raw) {
+                    Err(detail) => problem(StatusCode::BAD_REQUEST, "InvalidFencingResource", &detail),
+                    Ok(resource) => match *method {
+                        Method::GET => self.get_fence(&resource).await,
+                        Method::PUT => self.put_fence(&resource, req.into_body()).await,
+                        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use GET or PUT"),
+                    },
+                }
+            }
+            _ => problem(StatusCode::NOT_FOUND, "NotFound", "no such admin endpoint"),
+        };
+        Ok(response)
+    }
+
+    async fn get_fence(&self, resource: &ResourceKey) -> AdminResponse {
+        match self.gate.fence(resource).await {
+            Ok(Some(token)) => fence_json(StatusCode::OK, resource, token),
+            Ok(None) => problem(StatusCode::NOT_FOUND, "NoSuchFence", "no token was ever accepted for this resource"),
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
+        }
+    }
+
+    async fn put_fence(&self, resource: &ResourceKey, body: Incoming) -> AdminResponse {
+        let bytes = match Limited::new(body, REGISTRATION_BYTES_MAX).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(_) => return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "the body is not a small JSON object"),
+        };
+        let registration: Registration = match serde_json::from_slice(&bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                let detail = format!("expected {{\"token\": <0..18446744073709551615>}}: {e}");
+                return problem(StatusCode::BAD_REQUEST, "InvalidFencingToken", &detail);
+            }
+        };
+        match self.gate.advance(resource, FenceToken(registration.token)).await {
+            Ok(token) => {
+                tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
+                fence_json(StatusCode::OK, resource, token)
+            }
+            Err(AdmitError::Stale { current, .. }) => fence_json(StatusCode::CONFLICT, resource, current),
+            Err(AdmitError::StoreUnavailable(e)) => {
+                problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string())
+            }
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "SlowDown", &e.to_string()),
+        }
+    }
+}
+
+fn decode_resource(raw: &str) -> Result<ResourceKey, String> {
+    let decoded = percent_decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
+    ResourceKey::new(&decoded).map_err(|e| e.to_string())
+}
+
+fn percent_decode(raw: &str) -> Option<String> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn text(status: StatusCode, body: &str) -> AdminResponse {
+    let mut resp = Response::new(Full::new(Bytes::from(body.to_owned())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, "text/plain; charset=utf-8".parse().expect("static"));
+    resp
+}
+
+fn fence_json(status: StatusCode, resource: &ResourceKey, token: FenceToken) -> AdminResponse {
+    let body = serde_json::json!({ "resource": resource.as_str(), "token": token.0 });
+    json(status, "application/json", &body)
+}
+
+/// An RFC 9457 problem whose `type` ends in `code`.
+fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
+    let body = serde_json::json!({
+        "type": format!("{PROBLEM_BASE}{code}"),
+        "title": code,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    json(status, "application/problem+json", &body)
+}
+
+fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> AdminResponse {
+    let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, content_type.parse().expect("static"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resources_are_percent_decoded() {
+        assert_eq!(decode_resource("bkt%2Fkey").unwrap().as_str(), "bkt/key");
+        assert_eq!(decode_resource("job:a").unwrap().as_str(), "job:a");
+        assert!(decode_resource("%zz").is_err());
+        assert!(decode_resource("").is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! Wiring: from a validated config to running listeners.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use hyper::service::service_fn;
+use tokio::net::TcpListener;
+
+use crate::admin::Admin;
+use crate::config::{Config, ProbeMode, StoreKind, ms};
+use crate::fence::{FenceStore, Gate, GateLimits};
+use crate::server::{self, ConnectionLimits};
+use crate::store::EmbeddedStore;
+use crate::upstream::{self, Upstream, probe_preconditions};
+
+/// How long open requests may finish after shutdown was asked for.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+
+/// Everything fencegate runs, built from a config.
+pub struct App {
+    config: Config,
+    gate: Arc<Gate>,
+    upstream: Arc<dyn Upstream>,
+}
+
+/// The listeners' bound addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    pub s3: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl App {
+    /// Opens the fence store and the upstream. Fails with a message naming what is wrong.
+    pub fn build(config: Config) -> anyhow::Result<Self> {
+        let store: Arc<dyn FenceStore> = match config.store.kind {
+            StoreKind::Embedded => {
+                let path = config.store.path.as_deref().expect("validated: store.path");
+                Arc::new(EmbeddedStore::open(path)?)
+            }
+            StoreKind::Redis => anyhow::bail!("store.kind = \"redis\" is not available in this build"),
+        };
+        let limits = GateLimits {
+            inflight_deadline: ms(config.fencing.inflight_deadline_ms),
+            store_timeout: ms(config.store.timeout_ms),
+            inflight_per_resource_max: config.fencing.inflight_per_resource_max,
+            cached_resources_max: config.fencing.cached_resources_max,
+        };
+        let gate = Arc::new(Gate::new(store, limits));
+        let upstream = upstream::from_config(&config)?;
+        Ok(Self { config, gate, upstream })
+    }
+
+    /// The start-up probe (G6). With the embedded store fencegate is the only writer, the
+    /// gate orders every commit, so a failed probe is a loud warning unless
+    /// `upstream.probe = "require"`.
+    pub async fn probe(&self) -> anyhow::Result<()> {
+        let mode = self.config.upstream.probe;
+        if mode == ProbeMode::Off {
+            return Ok(());
+        }
+        match probe_preconditions(self.upstream.as_ref(), self.config.upstream.probe_bucket.as_deref()).await {
+            Ok(bucket) => {
+                tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
+                Ok(())
+            }
+            Err(crate::upstream::ProbeError::NoBucket) => {
+                tracing::warn!("upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)");
+                Ok(())
+            }
+            Err(error) if mode == ProbeMode::Require => {
+                Err(anyhow::anyhow!("upstream precondition probe failed: {error}; refusing to start (upstream.probe = \"require\")"))
+            }
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    "UPSTREAM PRECONDITION PROBE FAILED: per-object store-side checks (G4) are not enforced by this \
+                     upstream; the single-process gate still orders every commit, but do not run several replicas"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Binds both listeners (port 0 picks a free port).
+    pub async fn bind(&self) -> anyhow::Result<(TcpListener, TcpListener)> {
+        let s3 = TcpListener::bind(self.config.server.listen)
+            .await
+            .with_context(|| format!("server.listen: cannot bind {}", self.config.server.listen))?;
+        let admin = TcpListener::bind(self.config.server.admin_listen)
+            .await
+            .with_context(|| format!("server.admin_listen: cannot bind {}", self.config.server.admin_listen))?;
+        Ok((s3, admin))
+    }
+
+    /// Serves on bound listeners until `shutdown` resolves.
+    pub async fn serve(
+        self,
+        s3_listener: TcpListener,
+        admin_listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let metrics = crate::metrics::install();
+        let s3_service = crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone())?;
+        let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+            let svc = s3_service.clone();
+            async move { svc.call(req.map(s3s::Body::from)).await }
+        });
+        let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));
+        let admin_service = service_fn(move |req| admin.clone().handle(req));
+
+        let server = &self.config.server;
+        let limits = ConnectionLimits {
+            connections_max: server.connections_max,
+            header_bytes_max: server.header_bytes_max,
+            header_read_timeout: ms(server.header_read_timeout_ms),
+            idle_timeout: ms(server.idle_timeout_ms),
+        };
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut admin_stop = stop_rx.clone();
+        let mut s3_stop = stop_rx;
+        let admin_task = tokio::spawn(server::run(
+            admin_listener,
+            admin_service,
+            ConnectionLimits { connections_max: 64, ..limits.clone() },
+            async move {
+                let _ = admin_stop.wait_for(|stop| *stop).await;
+            },
+            SHUTDOWN_DRAIN,
+        ));
+        let s3_task = tokio::spawn(server::run(
+            s3_listener,
+            s3_service,
+            limits,
+            async move {
+                let _ = s3_stop.wait_for(|stop| *stop).await;
+            },
+            SHUTDOWN_DRAIN,
+        ));
+        shutdown.await;
+        tracing::info!("shutting down: finishing open requests");
+        let _ = stop_tx.send(true);
+        let _ = tokio::join!(s3_task, admin_task);
+        Ok(())
+    }
+}

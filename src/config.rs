@@ -1,0 +1,439 @@
+//! Configuration: one struct, read from a TOML file and the environment, validated once at
+//! start-up. Every limit has a unit in its name and a documented default (README,
+//! "Configuration").
+//!
+//! Environment overrides: `FENCEGATE_<SECTION>__<KEY>`, e.g. `FENCEGATE_SERVER__LISTEN` or
+//! `FENCEGATE_UPSTREAM__SECRET_ACCESS_KEY`; they win over the file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use serde::Deserialize;
+
+/// The environment prefix of every override.
+pub const ENV_PREFIX: &str = "FENCEGATE_";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub upstream: UpstreamConfig,
+    #[serde(default)]
+    pub credentials: Vec<CredentialConfig>,
+    #[serde(default)]
+    pub fencing: FencingConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// The S3 (and API gateway) listener.
+    pub listen: SocketAddr,
+    /// The admin listener: health, metrics, fences. Keep it off public networks.
+    pub admin_listen: SocketAddr,
+    /// When set, the admin API wants `Authorization: Bearer <admin_token>`.
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// Base domain for virtual-hosted addressing (`bucket.<domain>`); path-style always works.
+    #[serde(default)]
+    pub domain: Option<String>,
+    /// Largest request head (request line and headers) accepted.
+    #[serde(default = "defaults::header_bytes_max")]
+    pub header_bytes_max: usize,
+    /// Largest request body accepted (S3's own limit for one PUT is 5 GiB).
+    #[serde(default = "defaults::body_bytes_max")]
+    pub body_bytes_max: u64,
+    /// Time a client has to send its request head.
+    #[serde(default = "defaults::header_read_timeout_ms")]
+    pub header_read_timeout_ms: u64,
+    /// A connection with no request in flight is closed after this long.
+    #[serde(default = "defaults::idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// Open client connections at most; further ones wait in the kernel's backlog.
+    #[serde(default = "defaults::connections_max")]
+    pub connections_max: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    Embedded,
+    Redis,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    /// Directory of the embedded store.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Redis URL of the redis store.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// A store call that takes longer has an unknown outcome: the write gets 503.
+    #[serde(default = "defaults::store_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamKind {
+    Local,
+    S3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeMode {
+    /// Probe, and refuse to start if the upstream ignores preconditions.
+    Require,
+    /// Probe, and warn loudly if the upstream ignores preconditions.
+    Warn,
+    /// Do not probe.
+    Off,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub kind: UpstreamKind,
+    /// Directory of the local upstream; each bucket is a sub-directory.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Base URL of the S3-compatible upstream (`http://127.0.0.1:9100`, `https://s3.amazonaws.com`).
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    #[serde(default = "defaults::region")]
+    pub region: String,
+    #[serde(default)]
+    pub access_key_id: Option<String>,
+    #[serde(default)]
+    pub secret_access_key: Option<String>,
+    #[serde(default = "defaults::upstream_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Time from sending a request to the upstream until its response head arrives.
+    #[serde(default = "defaults::upstream_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// Idle pooled connections kept per upstream host.
+    #[serde(default = "defaults::upstream_idle_connections_max")]
+    pub idle_connections_max: usize,
+    /// The start-up probe of precondition support (G6).
+    #[serde(default = "defaults::probe")]
+    pub probe: ProbeMode,
+    /// Bucket the probe writes its object into; default: the first bucket listed.
+    #[serde(default)]
+    pub probe_bucket: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialConfig {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FencingConfig {
+    /// `false`: writes without a token pass unchecked (gradual adoption). A write that carries
+    /// a token is always checked.
+    #[serde(default = "defaults::require_token")]
+    pub require_token: bool,
+    /// Request header carrying the token.
+    #[serde(default = "defaults::token_header")]
+    pub token_header: String,
+    /// Request header naming the resource.
+    #[serde(default = "defaults::resource_header")]
+    pub resource_header: String,
+    /// How long a newer token waits for older in-flight writes on its resource before 503.
+    #[serde(default = "defaults::inflight_deadline_ms")]
+    pub inflight_deadline_ms: u64,
+    /// Admitted, unfinished writes per resource at most; one more gets 503.
+    #[serde(default = "defaults::inflight_per_resource_max")]
+    pub inflight_per_resource_max: usize,
+    /// Resources whose fence is cached in memory.
+    #[serde(default = "defaults::cached_resources_max")]
+    pub cached_resources_max: usize,
+    /// Objects whose last ETag is remembered (saves a HEAD before a conditional write).
+    #[serde(default = "defaults::etag_cache_entries_max")]
+    pub etag_cache_entries_max: usize,
+    /// Bodies up to this size are kept in memory while forwarded, so that a write that lost a
+    /// precondition race can be retried once without the client.
+    #[serde(default = "defaults::retry_body_bytes_max")]
+    pub retry_body_bytes_max: usize,
+    #[serde(default)]
+    pub rules: Vec<RuleConfig>,
+}
+
+impl Default for FencingConfig {
+    fn default() -> Self {
+        Self {
+            require_token: defaults::require_token(),
+            token_header: defaults::token_header(),
+            resource_header: defaults::resource_header(),
+            inflight_deadline_ms: defaults::inflight_deadline_ms(),
+            inflight_per_resource_max: defaults::inflight_per_resource_max(),
+            cached_resources_max: defaults::cached_resources_max(),
+            etag_cache_entries_max: defaults::etag_cache_entries_max(),
+            retry_body_bytes_max: defaults::retry_body_bytes_max(),
+            rules: Vec::new(),
+        }
+    }
+}
+
+/// Maps objects to a resource: every key of `bucket` under `prefix` belongs to `resource`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    pub bucket: String,
+    #[serde(default)]
+    pub prefix: String,
+    pub resource: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A `tracing` filter (`info`, `fencegate=debug`); `RUST_LOG` wins when set.
+    #[serde(default = "defaults::log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::default(), level: defaults::log_level() }
+    }
+}
+
+mod defaults {
+    use super::ProbeMode;
+    pub fn header_bytes_max() -> usize {
+        64 * 1024
+    }
+    pub fn body_bytes_max() -> u64 {
+        5 * 1024 * 1024 * 1024
+    }
+    pub fn header_read_timeout_ms() -> u64 {
+        10_000
+    }
+    pub fn idle_timeout_ms() -> u64 {
+        60_000
+    }
+    pub fn connections_max() -> usize {
+        4096
+    }
+    pub fn store_timeout_ms() -> u64 {
+        2_000
+    }
+    pub fn region() -> String {
+        "us-east-1".into()
+    }
+    pub fn upstream_connect_timeout_ms() -> u64 {
+        5_000
+    }
+    pub fn upstream_request_timeout_ms() -> u64 {
+        300_000
+    }
+    pub fn upstream_idle_connections_max() -> usize {
+        256
+    }
+    pub fn probe() -> ProbeMode {
+        ProbeMode::Warn
+    }
+    pub fn require_token() -> bool {
+        true
+    }
+    pub fn token_header() -> String {
+        "Fencing-Token".into()
+    }
+    pub fn resource_header() -> String {
+        "Fencing-Resource".into()
+    }
+    pub fn inflight_deadline_ms() -> u64 {
+        30_000
+    }
+    pub fn inflight_per_resource_max() -> usize {
+        1024
+    }
+    pub fn cached_resources_max() -> usize {
+        100_000
+    }
+    pub fn etag_cache_entries_max() -> usize {
+        100_000
+    }
+    pub fn retry_body_bytes_max() -> usize {
+        1024 * 1024
+    }
+    pub fn log_level() -> String {
+        "info".into()
+    }
+}
+
+/// A configuration that cannot be used, with the key and the file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {file}: not found")]
+    NotFound { file: PathBuf },
+    #[error("config file {file}: {source}")]
+    Parse { file: PathBuf, source: Box<figment::Error> },
+    #[error("config file {file}: key `{key}`: {reason}")]
+    Invalid { file: PathBuf, key: &'static str, reason: String },
+}
+
+impl Config {
+    /// Reads `file`, applies `FENCEGATE_*` environment overrides, and validates the result.
+    pub fn load(file: &Path) -> Result<Self, ConfigError> {
+        if !file.is_file() {
+            return Err(ConfigError::NotFound { file: file.into() });
+        }
+        let figment = Figment::new().merge(Toml::file(file)).merge(Env::prefixed(ENV_PREFIX).split("__"));
+        Self::from_figment(figment, file)
+    }
+
+    /// Parses a TOML text (no environment); for tests and embedding.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        Self::from_figment(Figment::new().merge(Toml::string(text)), Path::new("<inline>"))
+    }
+
+    fn from_figment(figment: Figment, file: &Path) -> Result<Self, ConfigError> {
+        let config: Config =
+            figment.extract().map_err(|e| ConfigError::Parse { file: file.into(), source: Box::new(e) })?;
+        config.validate().map_err(|(key, reason)| ConfigError::Invalid { file: file.into(), key, reason })?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        match self.store.kind {
+            StoreKind::Embedded if self.store.path.is_none() => {
+                return Err(("store.path", "required when store.kind = \"embedded\"".into()));
+            }
+            StoreKind::Redis => {
+                return Err(("store.kind", "\"redis\" is not available in this build yet; use \"embedded\"".into()));
+            }
+            StoreKind::Embedded => {}
+        }
+        match self.upstream.kind {
+            UpstreamKind::Local if self.upstream.path.is_none() => {
+                return Err(("upstream.path", "required when upstream.kind = \"local\"".into()));
+            }
+            UpstreamKind::S3 => {
+                let endpoint = self.upstream.endpoint.as_deref().ok_or(("upstream.endpoint", "required when upstream.kind = \"s3\"".to_string()))?;
+                let uri: http::Uri = endpoint.parse().map_err(|e| ("upstream.endpoint", format!("{endpoint:?} is not a URL: {e}")))?;
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+                    return Err(("upstream.endpoint", format!("{endpoint:?} must be http://host[:port] or https://host[:port]")));
+                }
+                if self.upstream.access_key_id.is_none() {
+                    return Err(("upstream.access_key_id", "required when upstream.kind = \"s3\"".into()));
+                }
+                if self.upstream.secret_access_key.is_none() {
+                    return Err(("upstream.secret_access_key", "required when upstream.kind = \"s3\"".into()));
+                }
+            }
+            UpstreamKind::Local => {}
+        }
+        if self.credentials.is_empty() {
+            return Err(("credentials", "at least one [[credentials]] entry is required: fencegate only serves signed requests".into()));
+        }
+        for c in &self.credentials {
+            if c.access_key_id.is_empty() || c.secret_access_key.is_empty() {
+                return Err(("credentials", "access_key_id and secret_access_key must not be empty".into()));
+            }
+        }
+        for (key, name) in [("fencing.token_header", &self.fencing.token_header), ("fencing.resource_header", &self.fencing.resource_header)] {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err((key, format!("{name:?} is not a valid header name")));
+            }
+        }
+        for rule in &self.fencing.rules {
+            if rule.bucket.is_empty() {
+                return Err(("fencing.rules.bucket", "must not be empty".into()));
+            }
+            if let Err(e) = crate::fence::ResourceKey::new(&rule.resource) {
+                return Err(("fencing.rules.resource", format!("{:?}: {e}", rule.resource)));
+            }
+        }
+        let positive = [
+            ("fencing.inflight_deadline_ms", self.fencing.inflight_deadline_ms),
+            ("store.timeout_ms", self.store.timeout_ms),
+            ("upstream.request_timeout_ms", self.upstream.request_timeout_ms),
+            ("upstream.connect_timeout_ms", self.upstream.connect_timeout_ms),
+            ("server.header_read_timeout_ms", self.server.header_read_timeout_ms),
+            ("server.idle_timeout_ms", self.server.idle_timeout_ms),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err((key, "must be greater than 0".into()));
+            }
+        }
+        if self.server.connections_max == 0 {
+            return Err(("server.connections_max", "must be greater than 0".into()));
+        }
+        if self.fencing.inflight_per_resource_max == 0 {
+            return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
+        }
+        if self.server.header_bytes_max < 8192 {
+            return Err(("server.header_bytes_max", "must be at least 8192 (hyper's minimum read buffer)".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Milliseconds from config to a `Duration`.
+pub fn ms(value: u64) -> Duration {
+    Duration::from_millis(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [server]
+        listen = "127.0.0.1:9000"
+        admin_listen = "127.0.0.1:9001"
+        [store]
+        kind = "embedded"
+        path = "data/fences"
+        [upstream]
+        kind = "local"
+        path = "data/objects"
+        [[credentials]]
+        access_key_id = "k"
+        secret_access_key = "s"
+    "#;
+
+    #[test]
+    fn the_minimal_config_gets_documented_defaults() {
+        let c = Config::from_toml(MINIMAL).unwrap();
+        assert!(c.fencing.require_token);
+        assert_eq!(c.fencing.token_header, "Fencing-Token");
+        assert_eq!(c.store.timeout_ms, 2_000);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let err = Config::from_toml(&MINIMAL.replace("kind = \"local\"", "kind = \"s3\"")).unwrap_err();
+        assert!(err.to_string().contains("upstream.endpoint"), "{err}");
+        let err = Config::from_toml(&MINIMAL.replace("listen = \"127.0.0.1:9000\"", "listen = \"nope\"")).unwrap_err();
+        assert!(err.to_string().contains("listen"), "{err}");
+        let err = Config::from_toml(&format!("{MINIMAL}\n[fencing]\nrequire_tokn = true\n")).unwrap_err();
+        assert!(err.to_string().contains("require_tokn"), "{err}");
+    }
+}

@@ -1,0 +1,460 @@
+//! The gate: orders writes per resource so that no write with an older token commits after a
+//! write with a newer one was forwarded (G2, G3). See `docs/design.md`, section 3.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::{AdvanceOutcome, Decision, FenceStore, FenceToken, ResourceKey, StoreError, decide};
+use crate::metrics;
+
+/// The gate's named limits.
+#[derive(Debug, Clone)]
+pub struct GateLimits {
+    /// How long a write may wait for older in-flight writes (or an advance) on its resource.
+    pub inflight_deadline: Duration,
+    /// How long one fence store call may take before its outcome counts as unknown.
+    pub store_timeout: Duration,
+    /// Admitted, unfinished writes per resource; one more is refused with 503.
+    pub inflight_per_resource_max: usize,
+    /// Resources whose fence is kept in memory; idle ones beyond this are forgotten (and
+    /// reloaded from the store when used again).
+    pub cached_resources_max: usize,
+}
+
+impl Default for GateLimits {
+    fn default() -> Self {
+        Self {
+            inflight_deadline: Duration::from_millis(30_000),
+            store_timeout: Duration::from_millis(2_000),
+            inflight_per_resource_max: 1024,
+            cached_resources_max: 100_000,
+        }
+    }
+}
+
+/// Why a write (or a registration) was not admitted.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmitError {
+    #[error("token {presented} is older than the fence {current}")]
+    Stale { presented: FenceToken, current: FenceToken },
+    #[error("fence state unknown")]
+    StoreUnavailable(#[from] StoreError),
+    #[error("older writes on the resource were still in flight after {waited_ms} ms")]
+    DrainTimeout { waited_ms: u64 },
+    #[error("{max} writes are already in flight on the resource")]
+    TooManyInflight { max: usize },
+}
+
+/// Orders writes per resource against a [`FenceStore`].
+pub struct Gate {
+    store: Arc<dyn FenceStore>,
+    limits: GateLimits,
+    slots: Mutex<HashMap<ResourceKey, Arc<Slot>>>,
+    next_write_id: AtomicU64,
+}
+
+/// The in-memory state of one resource in use.
+struct Slot {
+    state: Mutex<SlotState>,
+    /// Serialises store I/O (first load, advances) for this resource, so that at most one
+    /// advance is in progress and waiters re-check the fence after it.
+    io: tokio::sync::Mutex<()>,
+    /// Woken when the fence changes or an in-flight write finishes.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// `None` until loaded from the store.
+    fence: Option<Option<FenceToken>>,
+    inflight: Vec<Inflight>,
+}
+
+struct Inflight {
+    id: u64,
+    token: FenceToken,
+    cancel: CancellationToken,
+    /// Set once the whole body was handed to the upstream: from then on the write can only be
+    /// awaited, never cancelled.
+    body_sent: Arc<AtomicBool>,
+}
+
+/// What the admit loop does next, decided under the slot's lock.
+enum Step {
+    Load,
+    Advance,
+    WaitForOlder,
+}
+
+impl SlotState {
+    fn has_older(&self, token: FenceToken) -> bool {
+        self.inflight.iter().any(|w| w.token < token)
+    }
+
+    /// Cancels older writes whose body has not fully reached the upstream.
+    fn cancel_unsent_older(&self, token: FenceToken) {
+        for w in self.inflight.iter().filter(|w| w.token < token) {
+            if !w.body_sent.load(Ordering::Acquire) && !w.cancel.is_cancelled() {
+                w.cancel.cancel();
+                metrics::inflight_cancelled();
+            }
+        }
+    }
+}
+
+impl Gate {
+    pub fn new(store: Arc<dyn FenceStore>, limits: GateLimits) -> Self {
+        Self { store, limits, slots: Mutex::new(HashMap::new()), next_write_id: AtomicU64::new(1) }
+    }
+
+    pub fn store(&self) -> &Arc<dyn FenceStore> {
+        &self.store
+    }
+
+    /// Admits a write with `token` on `resource`: advances the fence durably if `token` is
+    /// newer, resolves older in-flight writes, and registers the write. The returned permit
+    /// must live until the upstream outcome of the write is known.
+    pub async fn admit(&self, resource: &ResourceKey, token: FenceToken) -> Result<Permit, AdmitError> {
+        let slot = self.slot(resource);
+        let permit = self.settle(&slot, resource, token, true).await?;
+        Ok(permit.expect("settle registers when asked to"))
+    }
+
+    /// Registers `token` as the fence of `resource` without writing (G7): from the moment this
+    /// returns, every older token is rejected and no older write is in flight. Returns the
+    /// fence, which is `token`.
+    pub async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<FenceToken, AdmitError> {
+        let slot = self.slot(resource);
+        self.settle(&slot, resource, token, false).await?;
+        Ok(token)
+    }
+
+    /// The fence of `resource` as the store has it.
+    pub async fn fence(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
+        let slot = self.slot(resource);
+        if let Some(fence) = slot.state().fence {
+            return Ok(fence);
+        }
+        self.load(&slot, resource).await?;
+        Ok(slot.state().fence.flatten())
+    }
+
+    /// Loops until `token` is the fence and no older write is in flight, then (if `register`)
+    /// registers the write in the same critical section as that last check.
+    async fn settle(
+        &self,
+        slot: &Arc<Slot>,
+        resource: &ResourceKey,
+        token: FenceToken,
+        register: bool,
+    ) -> Result<Option<Permit>, AdmitError> {
+        let started = Instant::now();
+        let deadline = started + self.limits.inflight_deadline;
+        loop {
+            let step = {
+                let mut state = slot.state();
+                match state.fence {
+                    None => Step::Load,
+                    Some(fence) => match decide(fence, token) {
+                        Decision::Stale { current } => {
+                            return Err(AdmitError::Stale { presented: token, current });
+                        }
+                        Decision::Advance => Step::Advance,
+                        Decision::Current if state.has_older(token) => {
+                            state.cancel_unsent_older(token);
+                            Step::WaitForOlder
+                        }
+                        Decision::Current if !register => return Ok(None),
+                        Decision::Current => {
+                            if state.inflight.len() >= self.limits.inflight_per_resource_max {
+                                return Err(AdmitError::TooManyInflight {
+                                    max: self.limits.inflight_per_resource_max,
+                                });
+                            }
+                            return Ok(Some(self.register(slot, &mut state, token)));
+                        }
+                    },
+                }
+            };
+            match step {
+                Step::Load => self.load(slot, resource).await?,
+                Step::Advance => self.advance_store(slot, resource, token).await?,
+                Step::WaitForOlder => {
+                    let wait_started = Instant::now();
+                    let woken = slot.wait_until(deadline, |state| !state.has_older(token)).await;
+                    metrics::drain_wait(wait_started.elapsed());
+                    if !woken {
+                        return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
+                    }
+                }
+            }
+        }
+    }
+
+    fn register(&self, slot: &Arc<Slot>, state: &mut MutexGuard<'_, SlotState>, token: FenceToken) -> Permit {
+        let id = self.next_write_id.fetch_add(1, Ordering::Relaxed);
+        let cancel = CancellationToken::new();
+        let body_sent = Arc::new(AtomicBool::new(false));
+        state.inflight.push(Inflight { id, token, cancel: cancel.clone(), body_sent: body_sent.clone() });
+        metrics::inflight_changed(1);
+        Permit { slot: slot.clone(), id, token, cancel, body_sent }
+    }
+
+    /// Reads the fence from the store the first time the slot is used.
+    async fn load(&self, slot: &Slot, resource: &ResourceKey) -> Result<(), StoreError> {
+        let _io = slot.io.lock().await;
+        if slot.state().fence.is_some() {
+            return Ok(());
+        }
+        let fence = self.store_call(self.store.load(resource)).await?;
+        slot.state().fence = Some(fence);
+        Ok(())
+    }
+
+    /// Makes `token` the fence, durably, unless someone else already raised it meanwhile.
+    async fn advance_store(&self, slot: &Slot, resource: &ResourceKey, token: FenceToken) -> Result<(), StoreError> {
+        let _io = slot.io.lock().await;
+        let fence = slot.state().fence.flatten();
+        if decide(fence, token) != Decision::Advance {
+            return Ok(()); // raised while we waited for the io lock: the caller re-decides
+        }
+        let outcome = self.store_call(self.store.advance(resource, token)).await?;
+        let new_fence = match outcome {
+            AdvanceOutcome::Advanced { .. } => {
+                metrics::advanced();
+                token
+            }
+            AdvanceOutcome::Unchanged { current } => current,
+        };
+        slot.state().fence = Some(Some(new_fence));
+        slot.changed.notify_waiters();
+        Ok(())
+    }
+
+    async fn store_call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.limits.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.limits.store_timeout) }),
+        };
+        metrics::store_call(self.store.kind(), started.elapsed(), result.is_ok());
+        result
+    }
+
+    fn slot(&self, resource: &ResourceKey) -> Arc<Slot> {
+        let mut slots = self.slots.lock().expect("gate map lock poisoned");
+        if let Some(slot) = slots.get(resource) {
+            return slot.clone();
+        }
+        if slots.len() >= self.limits.cached_resources_max {
+            // Forget idle resources: nobody but the map holds them, so no write is in flight
+            // and no task waits on them. Their fence is reloaded from the store on next use.
+            slots.retain(|_, slot| Arc::strong_count(slot) > 1);
+        }
+        let slot = Arc::new(Slot {
+            state: Mutex::new(SlotState::default()),
+            io: tokio::sync::Mutex::new(()),
+            changed: Notify::new(),
+        });
+        slots.insert(resource.clone(), slot.clone());
+        slot
+    }
+}
+
+impl Slot {
+    fn state(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().expect("slot lock poisoned")
+    }
+
+    /// Waits until `ready(state)` holds or the deadline passes; `false` on the deadline.
+    async fn wait_until(&self, deadline: Instant, ready: impl Fn(&SlotState) -> bool) -> bool {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a wake-up between the check and the await is
+            // not lost.
+            notified.as_mut().enable();
+            if ready(&self.state()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return ready(&self.state());
+            }
+        }
+    }
+}
+
+/// An admitted write. Keep it until the upstream outcome is known; dropping it lets newer
+/// tokens on the resource proceed.
+pub struct Permit {
+    slot: Arc<Slot>,
+    id: u64,
+    token: FenceToken,
+    cancel: CancellationToken,
+    body_sent: Arc<AtomicBool>,
+}
+
+impl Permit {
+    pub fn token(&self) -> FenceToken {
+        self.token
+    }
+
+    /// Fires when a newer token needs this write gone before its body reached the upstream.
+    pub fn cancellation(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Records that the whole body was handed to the upstream: the write is no longer
+    /// cancellable. Returns `false` if it was cancelled first (then the body must not finish).
+    pub fn mark_body_sent(&self) -> bool {
+        let _state = self.slot.state(); // ordered against cancel_unsent_older
+        if self.cancel.is_cancelled() {
+            return false;
+        }
+        self.body_sent.store(true, Ordering::Release);
+        true
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        {
+            let mut state = self.slot.state();
+            state.inflight.retain(|w| w.id != self.id);
+        }
+        metrics::inflight_changed(-1);
+        self.slot.changed.notify_waiters();
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    fn gate() -> Gate {
+        Gate::new(Arc::new(MemoryStore::default()), GateLimits::default())
+    }
+
+    fn key(name: &str) -> ResourceKey {
+        ResourceKey::new(name).unwrap()
+    }
+
+    /// Stale tokens are refused with the current fence; equal tokens run side by side.
+    #[tokio::test]
+    async fn stale_is_refused_and_current_runs_concurrently() {
+        let gate = gate();
+        let r = key("job:a");
+        let first = gate.admit(&r, FenceToken(12)).await.unwrap();
+        let second = gate.admit(&r, FenceToken(12)).await.unwrap();
+        match gate.admit(&r, FenceToken(11)).await {
+            Err(AdmitError::Stale { current, .. }) => assert_eq!(current, FenceToken(12)),
+            other => panic!("expected stale, got {:?}", other.map(|p| p.token())),
+        }
+        drop((first, second));
+    }
+
+    /// A newer token cancels an older write whose body is still streaming, and is admitted
+    /// only after that write is gone (G3).
+    #[tokio::test]
+    async fn newer_token_cancels_unsent_older_write_and_waits_for_it() {
+        let gate = Arc::new(gate());
+        let r = key("job:b");
+        let old = gate.admit(&r, FenceToken(11)).await.unwrap();
+        let cancelled = old.cancellation().clone();
+
+        let newer = tokio::spawn({
+            let gate = gate.clone();
+            let r = r.clone();
+            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
+        });
+        cancelled.cancelled().await;
+        assert!(!newer.is_finished(), "newer write admitted while the older one is in flight");
+        assert!(!old.mark_body_sent(), "a cancelled write must not finish its body");
+        drop(old);
+        assert_eq!(newer.await.unwrap().unwrap(), FenceToken(12));
+    }
+
+    /// An older write whose body was fully sent is awaited, not cancelled.
+    #[tokio::test]
+    async fn sent_older_write_is_awaited_not_cancelled() {
+        let gate = Arc::new(gate());
+        let r = key("job:c");
+        let old = gate.admit(&r, FenceToken(11)).await.unwrap();
+        assert!(old.mark_body_sent());
+        let newer = tokio::spawn({
+            let gate = gate.clone();
+            let r = r.clone();
+            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
+        });
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!old.cancellation().is_cancelled());
+        assert!(!newer.is_finished());
+        drop(old);
+        assert_eq!(newer.await.unwrap().unwrap(), FenceToken(12));
+    }
+
+    /// Once a newer token is registered, the older token is refused even before any write
+    /// with the newer one (G7).
+    #[tokio::test]
+    async fn registration_fences_older_tokens() {
+        let gate = gate();
+        let r = key("job:d");
+        gate.admit(&r, FenceToken(11)).await.unwrap();
+        assert_eq!(gate.advance(&r, FenceToken(12)).await.unwrap(), FenceToken(12));
+        assert!(matches!(gate.admit(&r, FenceToken(11)).await, Err(AdmitError::Stale { .. })));
+        assert!(matches!(gate.advance(&r, FenceToken(10)).await, Err(AdmitError::Stale { .. })));
+        assert_eq!(gate.fence(&r).await.unwrap(), Some(FenceToken(12)));
+    }
+
+    /// A write that cannot drain older writes within the deadline gets an error, not an
+    /// admission; the fence stays advanced.
+    #[tokio::test(start_paused = true)]
+    async fn drain_is_bounded_by_the_deadline() {
+        let limits = GateLimits { inflight_deadline: Duration::from_millis(500), ..GateLimits::default() };
+        let gate = Gate::new(Arc::new(MemoryStore::default()), limits);
+        let r = key("job:e");
+        let old = gate.admit(&r, FenceToken(1)).await.unwrap();
+        assert!(old.mark_body_sent());
+        assert!(matches!(gate.admit(&r, FenceToken(2)).await, Err(AdmitError::DrainTimeout { .. })));
+        assert!(matches!(gate.admit(&r, FenceToken(1)).await, Err(AdmitError::Stale { .. })));
+        drop(old);
+        assert!(gate.admit(&r, FenceToken(2)).await.is_ok());
+    }
+
+    /// A store that fails makes the gate fail closed.
+    #[tokio::test]
+    async fn store_failure_fails_closed() {
+        let store = Arc::new(MemoryStore::default());
+        let gate = Gate::new(store.clone(), GateLimits::default());
+        store.set_failing(true);
+        assert!(matches!(gate.admit(&key("job:f"), FenceToken(3)).await, Err(AdmitError::StoreUnavailable(_))));
+    }
+
+    /// Idle resources are forgotten beyond the cache limit and come back from the store.
+    #[tokio::test]
+    async fn forgotten_resources_reload_their_fence() {
+        let limits = GateLimits { cached_resources_max: 4, ..GateLimits::default() };
+        let gate = Gate::new(Arc::new(MemoryStore::default()), limits);
+        for i in 0..20 {
+            drop(gate.admit(&key(&format!("r{i}")), FenceToken(i + 5)).await.unwrap());
+        }
+        assert!(gate.slots.lock().unwrap().len() <= 5);
+        assert!(matches!(gate.admit(&key("r0"), FenceToken(4)).await, Err(AdmitError::Stale { .. })));
+    }
+}

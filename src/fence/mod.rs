@@ -1,0 +1,11 @@
+//! The fence core: tokens, the pure decision, the store trait and the gate that orders writes.
+
+mod decision;
+mod gate;
+mod store;
+mod token;
+
+pub use decision::{Decision, decide};
+pub use gate::{AdmitError, Gate, GateLimits, Permit};
+pub use store::{AdvanceOutcome, FenceStore, StoreError};
+pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

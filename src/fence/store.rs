@@ -1,0 +1,47 @@
+//! The contract every fence store keeps.
+
+use async_trait::async_trait;
+
+use super::{FenceToken, ResourceKey};
+
+/// The result of a check-and-advance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdvanceOutcome {
+    /// The fence is now the requested token, durably. `previous` is what it replaced.
+    Advanced { previous: Option<FenceToken> },
+    /// The fence was already at or above the requested token; nothing changed.
+    Unchanged { current: FenceToken },
+}
+
+/// A store call whose outcome is not known. Callers must treat every variant as "the fence
+/// state is unknown" and fail closed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("fence store backend failed")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("fence store did not answer within {after_ms} ms")]
+    Timeout { after_ms: u64 },
+    #[error("fence store refuses work after an earlier I/O failure; restart fencegate to recover it")]
+    Poisoned,
+    #[error("fence store is shut down")]
+    Closed,
+}
+
+/// Durable, monotonic per-resource fences.
+///
+/// Implementations guarantee: a fence never decreases (G1), and `advance` returns `Advanced`
+/// only once the new value is durable (G2).
+#[async_trait]
+pub trait FenceStore: Send + Sync + 'static {
+    /// The current fence of `resource`, `None` if no token was ever accepted for it.
+    async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError>;
+
+    /// Raises the fence of `resource` to `token` if `token` is greater, atomically.
+    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError>;
+
+    /// A short name for logs and metrics.
+    fn kind(&self) -> &'static str;
+
+    /// Whether the store answers at all (for `/readyz`).
+    async fn ping(&self) -> Result<(), StoreError>;
+}

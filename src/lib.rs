@@ -1,0 +1,28 @@
+//! fencegate: a fenced write proxy. Writes carry a fencing token; fencegate rejects any write
+//! whose token is older than the newest one seen for its resource, atomically with the commit.
+//!
+//! The layout:
+//! - [`fence`]: the core. Tokens and resources, the pure [`fence::decide`], the
+//!   [`fence::FenceStore`] trait, and the [`fence::Gate`] that orders writes per resource.
+//! - [`store`]: the fence stores (`embedded`: redb).
+//! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked; fencing and forwarding here).
+//! - [`upstream`]: where writes land (`local` directory, `s3` endpoint) and the start-up probe.
+//! - [`admin`]: the admin listener (health, metrics, fences).
+//! - [`server`]: accept loops, connection limits, graceful shutdown.
+//! - [`config`]: the one configuration struct, validated at start-up.
+//! - [`metrics`]: every exported metric.
+//!
+//! The design, with the commit protocol and every crash point, is in `docs/design.md`.
+
+pub mod admin;
+pub mod config;
+pub mod fence;
+pub mod metrics;
+pub mod s3;
+pub mod server;
+pub mod store;
+pub mod upstream;
+
+mod app;
+
+pub use app::{App, Bound};

@@ -1,0 +1,105 @@
+//! The `fencegate` command.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use fencegate::App;
+use fencegate::config::{Config, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+/// A fenced write proxy: rejects writes from stale lease holders in front of S3-compatible
+/// object storage.
+#[derive(Parser)]
+#[command(name = "fencegate", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy and the admin listener.
+    Serve {
+        /// The TOML config file. Every key can be overridden from the environment as
+        /// FENCEGATE_<SECTION>__<KEY> (e.g. FENCEGATE_SERVER__LISTEN=127.0.0.1:9000).
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
+    /// Validate a config file (with environment overrides) and print the result.
+    CheckConfig {
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
+    /// Check that the configured upstream enforces If-Match / If-None-Match, then exit.
+    Probe {
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve { config } => load(&config).and_then(|c| runtime()?.block_on(serve(c))),
+        Command::CheckConfig { config } => load(&config).map(|c| println!("{c:#?}")),
+        Command::Probe { config } => load(&config).and_then(|c| {
+            runtime()?.block_on(async {
+                let app = App::build(c)?;
+                app.probe().await
+            })
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("fencegate: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(path: &std::path::Path) -> anyhow::Result<Config> {
+    let config = Config::load(path)?;
+    init_tracing(&config);
+    Ok(config)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let app = App::build(config)?;
+    app.probe().await?;
+    let (s3, admin) = app.bind().await?;
+    let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };
+    // One parseable line on stdout: scripts and tests wait for it.
+    println!("fencegate ready: s3={} admin={}", bound.s3, bound.admin);
+    tracing::info!(s3 = %bound.s3, admin = %bound.admin, "listening");
+    app.serve(s3, admin, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+fn init_tracing(config: &Config) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}

@@ -1,0 +1,84 @@
+//! Prometheus metrics. Every metric fencegate exports is named here, once.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Latency buckets in seconds: 50 µs to 10 s.
+const LATENCY_BUCKETS_S: &[f64] =
+    &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+
+/// Installs the process-wide recorder (once) and returns the handle that renders it.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS_S)
+                .expect("static buckets are valid")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may already be installed (tests embedding several servers);
+            // then this handle renders an empty set, which is still valid output.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}
+
+/// A decision on a write: `accepted`, `advanced`, `stale`, `missing_token`, `invalid_token`,
+/// `unchecked` (no token, `require_token = false`), `store_unavailable`, `drain_timeout`.
+pub fn decision(outcome: &'static str) {
+    counter!("fencegate_decisions_total", "outcome" => outcome).increment(1);
+}
+
+pub fn advanced() {
+    counter!("fencegate_advances_total").increment(1);
+}
+
+pub fn inflight_changed(delta: i32) {
+    gauge!("fencegate_inflight_writes").increment(f64::from(delta));
+}
+
+pub fn inflight_cancelled() {
+    counter!("fencegate_inflight_cancelled_total").increment(1);
+}
+
+/// Time a newer token waited for older in-flight writes on its resource.
+pub fn drain_wait(waited: Duration) {
+    histogram!("fencegate_drain_wait_seconds").record(waited.as_secs_f64());
+}
+
+pub fn store_call(store: &'static str, took: Duration, ok: bool) {
+    histogram!("fencegate_store_latency_seconds", "store" => store).record(took.as_secs_f64());
+    if !ok {
+        counter!("fencegate_store_errors_total", "store" => store).increment(1);
+    }
+}
+
+pub fn upstream_call(op: &'static str, took: Duration, status: Option<u16>) {
+    histogram!("fencegate_upstream_latency_seconds", "op" => op).record(took.as_secs_f64());
+    match status {
+        Some(s) if s < 500 => {}
+        _ => counter!("fencegate_upstream_errors_total", "op" => op).increment(1),
+    }
+}
+
+/// A write whose upstream outcome could not be known (the connection broke after the body
+/// was sent).
+pub fn ambiguous_outcome(op: &'static str) {
+    counter!("fencegate_ambiguous_outcomes_total", "op" => op).increment(1);
+}
+
+/// The upstream refused a conditional write (412/409): `stale`, `retried` or `gave_up`.
+pub fn precondition_conflict(result: &'static str) {
+    counter!("fencegate_precondition_conflicts_total", "result" => result).increment(1);
+}
+
+/// A body rejected while streaming: `checksum`, `cancelled`, `client`.
+pub fn body_aborted(reason: &'static str) {
+    counter!("fencegate_body_aborted_total", "reason" => reason).increment(1);
+}

@@ -1,0 +1,202 @@
+//! What an S3 request is: its target (bucket, key) and whether it is a fenced write.
+//! Pure functions of the request line and headers.
+
+use http::{HeaderMap, Method, Uri};
+
+use super::error::FrontError;
+
+/// The object (or bucket) a request addresses, in path-style form for the upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub bucket: Option<String>,
+    /// The decoded key.
+    pub key: Option<String>,
+    /// `/bucket/key` exactly as the client encoded it (virtual-hosted requests rewritten to
+    /// path-style): what the upstream receives, so no key is re-encoded differently.
+    pub raw_path: String,
+}
+
+impl Target {
+    /// `bucket/key`, the default resource of an object write.
+    pub fn object_name(&self) -> Option<String> {
+        Some(format!("{}/{}", self.bucket.as_ref()?, self.key.as_ref()?))
+    }
+}
+
+/// Parses the target; `domain` enables virtual-hosted addressing (`bucket.<domain>`).
+pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Target, FrontError> {
+    let raw = uri.path();
+    let host_bucket = domain.and_then(|d| virtual_host_bucket(headers, d));
+    let raw_path = match &host_bucket {
+        Some(bucket) => format!("/{bucket}{raw}"),
+        None => raw.to_owned(),
+    };
+    let decoded = percent_decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
+    let rest = decoded.strip_prefix('/').unwrap_or(&decoded);
+    let (bucket, key) = match rest.split_once('/') {
+        Some((b, k)) if !k.is_empty() => (Some(b.to_owned()), Some(k.to_owned())),
+        Some((b, _)) => (Some(b.to_owned()), None),
+        None if rest.is_empty() => (None, None),
+        None => (Some(rest.to_owned()), None),
+    };
+    if let Some(key) = &key
+        && key.split('/').any(|segment| segment == "." || segment == "..")
+    {
+        return Err(FrontError::UnsafeKey);
+    }
+    Ok(Target { bucket, key, raw_path })
+}
+
+fn virtual_host_bucket(headers: &HeaderMap, domain: &str) -> Option<String> {
+    let host = headers.get(http::header::HOST)?.to_str().ok()?;
+    let host = host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
+    let bucket = host.strip_suffix(domain)?.strip_suffix('.')?;
+    (!bucket.is_empty()).then(|| bucket.to_owned())
+}
+
+fn percent_decode(raw: &str) -> Option<String> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The S3 operations fencegate treats differently. Everything else passes through unfenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    PutObject,
+    CopyObject,
+    DeleteObject,
+    DeleteObjects,
+    CreateMultipartUpload,
+    UploadPart,
+    UploadPartCopy,
+    CompleteMultipartUpload,
+    AbortMultipartUpload,
+    /// Tagging, ACL, retention, legal hold.
+    ObjectSubresourceWrite,
+    /// Reads, listings, bucket operations.
+    PassThrough,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::PutObject => "PutObject",
+            Self::CopyObject => "CopyObject",
+            Self::DeleteObject => "DeleteObject",
+            Self::DeleteObjects => "DeleteObjects",
+            Self::CreateMultipartUpload => "CreateMultipartUpload",
+            Self::UploadPart => "UploadPart",
+            Self::UploadPartCopy => "UploadPartCopy",
+            Self::CompleteMultipartUpload => "CompleteMultipartUpload",
+            Self::AbortMultipartUpload => "AbortMultipartUpload",
+            Self::ObjectSubresourceWrite => "ObjectSubresourceWrite",
+            Self::PassThrough => "PassThrough",
+        }
+    }
+
+    pub fn is_fenced_write(self) -> bool {
+        self != Self::PassThrough
+    }
+}
+
+/// Object sub-resources whose PUT/DELETE changes the object.
+const OBJECT_SUBRESOURCES: &[&str] = &["tagging", "acl", "retention", "legal-hold"];
+
+pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: &HeaderMap) -> Op {
+    let has = |name: &str| query_has(query, name);
+    let copy = headers.contains_key("x-amz-copy-source");
+    if target.key.is_none() {
+        return if *method == Method::POST && has("delete") { Op::DeleteObjects } else { Op::PassThrough };
+    }
+    match *method {
+        Method::PUT if has("uploadId") && has("partNumber") => {
+            if copy { Op::UploadPartCopy } else { Op::UploadPart }
+        }
+        Method::PUT if OBJECT_SUBRESOURCES.iter().any(|s| has(s)) => Op::ObjectSubresourceWrite,
+        Method::PUT if copy => Op::CopyObject,
+        Method::PUT => Op::PutObject,
+        Method::DELETE if has("uploadId") => Op::AbortMultipartUpload,
+        Method::DELETE if has("tagging") => Op::ObjectSubresourceWrite,
+        Method::DELETE => Op::DeleteObject,
+        Method::POST if has("uploads") => Op::CreateMultipartUpload,
+        Method::POST if has("uploadId") => Op::CompleteMultipartUpload,
+        _ => Op::PassThrough,
+    }
+}
+
+/// Whether the query has parameter `name` (with or without a value).
+pub fn query_has(query: Option<&str>, name: &str) -> bool {
+    query.is_some_and(|q| q.split('&').any(|pair| pair.split('=').next() == Some(name)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(method: Method, uri: &str, copy: bool) -> Op {
+        let uri: Uri = uri.parse().unwrap();
+        let mut headers = HeaderMap::new();
+        if copy {
+            headers.insert("x-amz-copy-source", "/src/k".parse().unwrap());
+        }
+        let t = target(&uri, &headers, None).unwrap();
+        classify(&method, &t, uri.query(), &headers)
+    }
+
+    #[test]
+    fn every_object_write_is_classified() {
+        assert_eq!(op(Method::PUT, "/b/k", false), Op::PutObject);
+        assert_eq!(op(Method::PUT, "/b/k", true), Op::CopyObject);
+        assert_eq!(op(Method::DELETE, "/b/k", false), Op::DeleteObject);
+        assert_eq!(op(Method::POST, "/b?delete", false), Op::DeleteObjects);
+        assert_eq!(op(Method::POST, "/b/k?uploads", false), Op::CreateMultipartUpload);
+        assert_eq!(op(Method::PUT, "/b/k?partNumber=1&uploadId=x", false), Op::UploadPart);
+        assert_eq!(op(Method::PUT, "/b/k?partNumber=1&uploadId=x", true), Op::UploadPartCopy);
+        assert_eq!(op(Method::POST, "/b/k?uploadId=x", false), Op::CompleteMultipartUpload);
+        assert_eq!(op(Method::DELETE, "/b/k?uploadId=x", false), Op::AbortMultipartUpload);
+        assert_eq!(op(Method::PUT, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
+        assert_eq!(op(Method::PUT, "/b/k?legal-hold", false), Op::ObjectSubresourceWrite);
+        assert_eq!(op(Method::DELETE, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
+    }
+
+    #[test]
+    fn reads_and_bucket_operations_pass_through() {
+        assert_eq!(op(Method::GET, "/b/k", false), Op::PassThrough);
+        assert_eq!(op(Method::HEAD, "/b/k", false), Op::PassThrough);
+        assert_eq!(op(Method::GET, "/b?list-type=2", false), Op::PassThrough);
+        assert_eq!(op(Method::PUT, "/b", false), Op::PassThrough);
+        assert_eq!(op(Method::GET, "/", false), Op::PassThrough);
+    }
+
+    #[test]
+    fn targets_decode_keys_and_refuse_dot_segments() {
+        let t = target(&"/b/a%20b/c".parse().unwrap(), &HeaderMap::new(), None).unwrap();
+        assert_eq!(t.object_name().as_deref(), Some("b/a b/c"));
+        assert_eq!(t.raw_path, "/b/a%20b/c");
+        for bad in ["/b/../x", "/b/a/./x", "/b/%2e%2e/x", "/b/%ff"] {
+            assert!(target(&bad.parse().unwrap(), &HeaderMap::new(), None).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn virtual_hosted_requests_become_path_style() {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::HOST, "photos.s3.example.test:9000".parse().unwrap());
+        let t = target(&"/2026/a.jpg".parse().unwrap(), &headers, Some("s3.example.test")).unwrap();
+        assert_eq!(t.raw_path, "/photos/2026/a.jpg");
+        assert_eq!(t.object_name().as_deref(), Some("photos/2026/a.jpg"));
+    }
+}

@@ -1,0 +1,124 @@
+//! Every error of the S3 front, and the one place it becomes an S3 error response.
+//!
+//! Each variant says who is at fault: the client (4xx, retrying the same request will not
+//! help), the fence store or the upstream (5xx, a retry may help), or fencegate itself.
+
+use http::{HeaderMap, HeaderValue, StatusCode};
+use s3s::{S3Error, S3ErrorCode};
+
+use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
+use crate::upstream::UpstreamError;
+
+/// The response header that tells a rejected writer the current fence.
+pub const CURRENT_TOKEN_HEADER: &str = "fencing-token-current";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrontError {
+    #[error("this write needs a fencing token")]
+    MissingToken,
+    #[error("invalid fencing token: {0}")]
+    InvalidToken(TokenParseError),
+    #[error("the fencing token appears more than once in the {0} header")]
+    RepeatedToken(&'static str),
+    #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
+    TokenMismatch { header: FenceToken, metadata: FenceToken },
+    #[error("invalid fencing resource: {0}")]
+    InvalidResource(ResourceKeyError),
+    #[error("the key belongs to resource {bound:?} by a rule, not to {presented:?}")]
+    ResourceMismatch { bound: String, presented: String },
+    #[error("fencing token {presented} is older than the current fence {current}")]
+    Stale { presented: FenceToken, current: FenceToken },
+    #[error("fence state unknown; the write was not forwarded")]
+    StoreUnavailable(#[source] StoreError),
+    #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
+    DrainTimeout { waited_ms: u64 },
+    #[error("{max} writes are already in flight on the resource; retry")]
+    TooManyInflight { max: usize },
+    #[error("the body is {bytes} bytes, more than server.body_bytes_max ({max})")]
+    TooLarge { bytes: u64, max: u64 },
+    #[error("object keys with `.` or `..` path segments are refused")]
+    UnsafeKey,
+    #[error("{0} is not supported through fencegate yet")]
+    NotSupported(&'static str),
+    #[error("the body's {algorithm} checksum does not match its trailer; nothing was committed")]
+    BadDigest { algorithm: &'static str },
+    #[error("the client's body ended early or failed; nothing was committed")]
+    IncompleteBody,
+    #[error("the object changed under a concurrent write with the same token; retry")]
+    PreconditionRace,
+    #[error("upstream request failed")]
+    Upstream(#[source] UpstreamError),
+    #[error("upstream answered {status} to {step}")]
+    UpstreamStatus { step: &'static str, status: StatusCode },
+}
+
+impl From<AdmitError> for FrontError {
+    fn from(e: AdmitError) -> Self {
+        match e {
+            AdmitError::Stale { presented, current } => Self::Stale { presented, current },
+            AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
+            AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
+            AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
+        }
+    }
+}
+
+impl FrontError {
+    /// The label of `fencegate_decisions_total` for errors that are decisions.
+    pub fn decision(&self) -> &'static str {
+        match self {
+            Self::MissingToken => "missing_token",
+            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => "invalid_token",
+            Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
+            Self::Stale { .. } => "stale",
+            Self::StoreUnavailable(_) => "store_unavailable",
+            Self::DrainTimeout { .. } => "drain_timeout",
+            Self::TooManyInflight { .. } => "too_many_inflight",
+            _ => "error",
+        }
+    }
+
+    fn parts(&self) -> (StatusCode, &'static str) {
+        use StatusCode as S;
+        match self {
+            Self::MissingToken => (S::PRECONDITION_REQUIRED, "FencingTokenRequired"),
+            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => {
+                (S::BAD_REQUEST, "InvalidFencingToken")
+            }
+            Self::InvalidResource(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
+            Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
+            Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
+            Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::PreconditionRace => {
+                (S::SERVICE_UNAVAILABLE, "SlowDown")
+            }
+            Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
+            Self::UnsafeKey => (S::BAD_REQUEST, "InvalidArgument"),
+            Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
+            Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
+            Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
+            Self::Upstream(UpstreamError::Timeout { .. }) => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
+            Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
+        }
+    }
+
+    /// The S3 error this becomes: status, code, message, and `Fencing-Token-Current` on stale.
+    pub fn into_s3_error(self, request_id: &str) -> S3Error {
+        let (status, code) = self.parts();
+        let code = S3ErrorCode::from_bytes(code.as_bytes()).expect("error codes are ASCII");
+        let mut error = S3Error::with_message(code, self.to_string());
+        error.set_status_code(status);
+        error.set_request_id(request_id);
+        let mut headers = HeaderMap::new();
+        if let Self::Stale { current, .. } = &self {
+            headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        headers.insert("x-amz-request-id", HeaderValue::from_str(request_id).expect("request ids are ASCII"));
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+        error.set_headers(headers);
+        error
+    }
+}

@@ -1,0 +1,690 @@
+//! The S3 front end. s3s verifies the signature (header or presigned, every
+//! `x-amz-content-sha256` mode) and decodes `aws-chunked` bodies; a catch-all route then hands
+//! every authenticated request to fencegate, which classifies it, fences writes through the
+//! gate, and forwards on raw HTTP to the upstream.
+
+mod body;
+mod classify;
+mod error;
+mod objects;
+mod wire;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use s3s::route::S3Route;
+use s3s::service::{S3Service, S3ServiceBuilder};
+use s3s::{Body, S3Request, S3Response, S3Result};
+use tracing::{Instrument, field};
+
+pub use self::classify::{Op, Target, classify, target};
+pub use self::error::{CURRENT_TOKEN_HEADER, FrontError};
+pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
+
+use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
+use self::objects::{EtagCache, ObjectState};
+use crate::config::Config;
+use crate::fence::{FenceToken, Gate, Permit, ResourceKey};
+use crate::metrics;
+use crate::upstream::Upstream;
+
+/// Request headers that concern the hop to fencegate (authentication, framing, fencing) and
+/// are never forwarded.
+const HOP_HEADERS: &[&str] = &[
+    "host",
+    "authorization",
+    "x-amz-date",
+    "x-amz-content-sha256",
+    "x-amz-security-token",
+    "x-amz-decoded-content-length",
+    "x-amz-trailer",
+    "x-amz-sdk-checksum-algorithm",
+    "expect",
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Response headers that concern the hop from the upstream.
+const RESPONSE_HOP_HEADERS: &[&str] = &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
+
+/// Query parameters of presigned URLs: fencegate's own signature, not the upstream's.
+const PRESIGN_PARAMS: &[&str] = &[
+    "X-Amz-Algorithm",
+    "X-Amz-Credential",
+    "X-Amz-Date",
+    "X-Amz-Expires",
+    "X-Amz-SignedHeaders",
+    "X-Amz-Signature",
+    "X-Amz-Security-Token",
+    "AWSAccessKeyId",
+    "Signature",
+    "Expires",
+];
+
+/// Success responses of these operations can still carry an `<Error>` body; they are read
+/// (bounded) before the write counts as committed.
+const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
+
+/// Builds the S3 service: authentication from `[[credentials]]`, virtual hosts from
+/// `server.domain`, and fencegate's handler behind it.
+pub fn service(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) -> anyhow::Result<S3Service> {
+    let mut auth = s3s::auth::SimpleAuth::new();
+    for c in &config.credentials {
+        auth.register(c.access_key_id.clone(), c.secret_access_key.clone().into());
+    }
+    let front = Front::new(config, gate, upstream)?;
+    let mut builder = S3ServiceBuilder::new(NoOperations);
+    builder.set_auth(auth);
+    builder.set_route(FencegateRoute(Arc::new(front)));
+    if let Some(domain) = &config.server.domain {
+        builder.set_host(s3s::host::SingleDomain::new(domain).map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?);
+    }
+    Ok(builder.build())
+}
+
+/// s3s wants an implementation of its typed operations; fencegate's route takes every request
+/// before they are reached.
+struct NoOperations;
+
+#[async_trait::async_trait]
+impl s3s::S3 for NoOperations {}
+
+struct FencegateRoute(Arc<Front>);
+
+#[async_trait::async_trait]
+impl S3Route for FencegateRoute {
+    fn is_match(&self, _: &Method, _: &http::Uri, _: &HeaderMap, _: &mut http::Extensions) -> bool {
+        true
+    }
+
+    async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+        self.0.handle(req).await
+    }
+}
+
+/// The S3 front's state.
+pub struct Front {
+    gate: Arc<Gate>,
+    upstream: Arc<dyn Upstream>,
+    wire: WireContract,
+    require_token: bool,
+    domain: Option<String>,
+    body_bytes_max: u64,
+    retry_body_bytes_max: usize,
+    etags: EtagCache,
+    request_ids: RequestIds,
+}
+
+/// What the handler knows of a request after classification.
+struct Request {
+    method: Method,
+    target: Target,
+    /// The query as forwarded (presign parameters removed), with its `?`, or empty.
+    query: String,
+    headers: HeaderMap,
+    body: Body,
+    trailers: Option<s3s::TrailingHeaders>,
+    content_length: Option<u64>,
+}
+
+impl Request {
+    fn path_and_query(&self) -> String {
+        format!("{}{}", self.target.raw_path, self.query)
+    }
+}
+
+/// A write that the gate admitted.
+struct Admitted {
+    token: FenceToken,
+    resource: ResourceKey,
+    permit: Arc<Permit>,
+}
+
+impl Front {
+    fn new(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) -> anyhow::Result<Self> {
+        let wire = WireContract {
+            token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
+            resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
+            rules: config.fencing.rules.clone(),
+        };
+        Ok(Self {
+            gate,
+            upstream,
+            wire,
+            require_token: config.fencing.require_token,
+            domain: config.server.domain.clone(),
+            body_bytes_max: config.server.body_bytes_max,
+            retry_body_bytes_max: config.fencing.retry_body_bytes_max,
+            etags: EtagCache::new(config.fencing.etag_cache_entries_max),
+            request_ids: RequestIds::new(),
+        })
+    }
+
+    async fn handle(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+        let request_id = self.request_ids.next();
+        let span = tracing::info_span!(
+            "s3",
+            request_id = %request_id,
+            method = %req.method,
+            op = field::Empty,
+            resource = field::Empty,
+            token = field::Empty,
+            fence = field::Empty,
+            decision = field::Empty,
+            upstream_status = field::Empty,
+            duration_ms = field::Empty,
+        );
+        let started = Instant::now();
+        let result = self.route(req).instrument(span.clone()).await;
+        span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
+        match result {
+            Ok(resp) => {
+                span.record("upstream_status", resp.status.map_or(0, |s| s.as_u16()));
+                span.in_scope(|| tracing::debug!("done"));
+                Ok(resp)
+            }
+            Err(error) => {
+                span.record("decision", error.decision());
+                if let FrontError::Stale { current, .. } = &error {
+                    span.record("fence", current.0);
+                }
+                span.in_scope(|| tracing::info!(%error, "refused"));
+                // Rendered here rather than returned as an error, which s3s would log again.
+                let resp = error.into_s3_error(&request_id).to_http_response()?;
+                Ok(client_response(resp))
+            }
+        }
+    }
+
+    async fn route(&self, req: S3Request<Body>) -> Result<S3Response<Body>, FrontError> {
+        let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
+        let op = classify(&req.method, &target, req.uri.query(), &req.headers);
+        tracing::Span::current().record("op", op.name());
+        let content_length = content_length(&req.headers);
+        if let Some(bytes) = content_length
+            && bytes > self.body_bytes_max
+        {
+            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
+        }
+        let request = Request {
+            method: req.method,
+            query: forwarded_query(req.uri.query()),
+            target,
+            headers: req.headers,
+            body: req.input,
+            trailers: req.trailing_headers,
+            content_length,
+        };
+        if !op.is_fenced_write() {
+            return self.pass_through(request).await;
+        }
+        if op == Op::DeleteObjects {
+            return Err(FrontError::NotSupported("DeleteObjects (delete keys one by one)"));
+        }
+        let Some(token) = self.wire.token(&request.headers)? else {
+            if self.require_token {
+                return Err(FrontError::MissingToken);
+            }
+            metrics::decision("unchecked");
+            tracing::Span::current().record("decision", "unchecked");
+            return self.pass_through(request).await;
+        };
+        let (bucket, key) = match (&request.target.bucket, &request.target.key) {
+            (Some(b), Some(k)) => (b.as_str(), k.as_str()),
+            _ => unreachable!("fenced writes address an object"),
+        };
+        let resource = self.wire.resource(&request.headers, bucket, key)?;
+        let span = tracing::Span::current();
+        span.record("resource", resource.as_str());
+        span.record("token", token.0);
+        let permit = Arc::new(self.gate.admit(&resource, token).await?);
+        metrics::decision("accepted");
+        span.record("decision", "accepted");
+        let admitted = Admitted { token, resource, permit };
+        match op {
+            Op::PutObject => self.put_object(request, admitted).await,
+            Op::CopyObject => self.copy_object(request, admitted).await,
+            Op::DeleteObject => self.delete_object(request, admitted).await,
+            Op::CreateMultipartUpload => {
+                let mut request = request;
+                stamp(&mut request.headers, token);
+                self.forward_admitted(request, admitted).await
+            }
+            _ => self.forward_admitted(request, admitted).await,
+        }
+    }
+
+    /// Reads, listings, bucket operations, and unchecked writes: forwarded as they are.
+    async fn pass_through(&self, request: Request) -> Result<S3Response<Body>, FrontError> {
+        let path = request.path_and_query();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
+        Ok(client_response(resp))
+    }
+
+    /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
+    /// gate orders it, and its body is cancellable like any other.
+    async fn forward_admitted(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let path = request.path_and_query();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let check = trailer_check(&request);
+        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
+        let result = self.send("fenced_write", request.method, &path, headers, Body::http_body(body)).await;
+        let resp = self.settle_body(result, &report, &admitted).await?;
+        Ok(client_response(resp))
+    }
+
+    /// PutObject: stamped, conditional on the object's last known state, retried once from the
+    /// retained body when a same-token writer changed the object meanwhile.
+    async fn put_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let object = request.target.object_name().expect("object write");
+        let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
+        let state = self.object_state(&request.target, &object, retainable, admitted.token).await?;
+        let path = request.path_and_query();
+        stamp(&mut request.headers, admitted.token);
+        let mut headers = upstream_headers(&request.headers, &self.wire);
+        set_precondition(&mut headers, &state);
+
+        let check = trailer_check(&request);
+        let retain = if retainable { self.retry_body_bytes_max } else { 0 };
+        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
+        let result = self.send("put_object", Method::PUT, &path, headers.clone(), Body::http_body(body)).await;
+        let resp = self.settle_body(result, &report, &admitted).await?;
+        if resp.status().is_success() {
+            self.remember_write(object, resp.headers(), admitted.token);
+            return Ok(client_response(resp));
+        }
+        if !lost_precondition(resp.status()) {
+            return Ok(client_response(resp));
+        }
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let Some(chunks) = report.retained() else {
+            metrics::precondition_conflict("gave_up");
+            return Err(FrontError::PreconditionRace);
+        };
+        set_precondition(&mut headers, &fresh);
+        let body = Body::http_body(http_body_util::StreamBody::new(futures_util::stream::iter(
+            chunks.into_iter().map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
+        )));
+        let resp = self.send("put_object", Method::PUT, &path, headers, body).await?;
+        self.finish_retry(object, resp, admitted.token)
+    }
+
+    /// CopyObject: the destination is stamped and conditional. With the `COPY` metadata
+    /// directive the source's metadata is read and re-sent with `REPLACE`, so the stamp can be
+    /// added without losing the rest.
+    async fn copy_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let object = request.target.object_name().expect("object write");
+        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let replaces = request
+            .headers
+            .get("x-amz-metadata-directive")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
+        if !replaces {
+            self.copy_source_metadata(&mut request.headers).await?;
+        }
+        stamp(&mut request.headers, admitted.token);
+        let path = request.path_and_query();
+        let mut headers = upstream_headers(&request.headers, &self.wire);
+        set_precondition(&mut headers, &state);
+        let resp = self.send("copy_object", Method::PUT, &path, headers.clone(), Body::empty()).await?;
+        let (resp, committed) = read_xml_response(resp).await?;
+        if committed {
+            self.remember_write(object, resp.headers(), admitted.token);
+            return Ok(client_response(resp));
+        }
+        if !lost_precondition(resp.status()) {
+            return Ok(client_response(resp));
+        }
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        set_precondition(&mut headers, &fresh);
+        let resp = self.send("copy_object", Method::PUT, &path, headers, Body::empty()).await?;
+        let (resp, _) = read_xml_response(resp).await?;
+        self.finish_retry(object, resp, admitted.token)
+    }
+
+    /// DeleteObject: conditional on the ETag of the version the token may delete.
+    async fn delete_object(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let object = request.target.object_name().expect("object write");
+        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let path = request.path_and_query();
+        let mut headers = upstream_headers(&request.headers, &self.wire);
+        if let ObjectState::Present { .. } = state {
+            set_precondition(&mut headers, &state);
+        }
+        let resp = self.send("delete_object", Method::DELETE, &path, headers.clone(), Body::empty()).await?;
+        if resp.status().is_success() {
+            self.etags.put(object, ObjectState::Absent);
+            return Ok(client_response(resp));
+        }
+        if !lost_precondition(resp.status()) {
+            return Ok(client_response(resp));
+        }
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        headers.remove(http::header::IF_MATCH);
+        if let ObjectState::Present { .. } = fresh {
+            set_precondition(&mut headers, &fresh);
+        }
+        let resp = self.send("delete_object", Method::DELETE, &path, headers, Body::empty()).await?;
+        if resp.status().is_success() {
+            metrics::precondition_conflict("retried");
+            self.etags.put(object, ObjectState::Absent);
+            return Ok(client_response(resp));
+        }
+        if lost_precondition(resp.status()) {
+            metrics::precondition_conflict("gave_up");
+            return Err(FrontError::PreconditionRace);
+        }
+        Ok(client_response(resp))
+    }
+
+    /// The object's state for a precondition: from the cache when allowed, else a head read.
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    async fn object_state(
+        &self,
+        target: &Target,
+        object: &str,
+        use_cache: bool,
+        token: FenceToken,
+    ) -> Result<ObjectState, FrontError> {
+        let cached = if use_cache { self.etags.get(object) } else { None };
+        let state = match cached {
+            Some(state) => state,
+            None => objects::head(self.upstream.as_ref(), &target.raw_path).await?,
+        };
+        if let Some(newer) = state.newer_stamp(token) {
+            tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
+            return Err(FrontError::Stale { presented: token, current: newer });
+        }
+        Ok(state)
+    }
+
+    /// After the upstream refused a precondition: re-read the object; a newer stamp means the
+    /// write is stale, anything else is a same-or-older writer and the write may retry.
+    async fn reread_after_conflict(&self, target: &Target, object: &str, token: FenceToken) -> Result<ObjectState, FrontError> {
+        self.etags.forget(object);
+        let fresh = objects::head(self.upstream.as_ref(), &target.raw_path).await?;
+        if let Some(newer) = fresh.newer_stamp(token) {
+            metrics::precondition_conflict("stale");
+            return Err(FrontError::Stale { presented: token, current: newer });
+        }
+        Ok(fresh)
+    }
+
+    fn finish_retry(&self, object: String, resp: http::Response<Body>, token: FenceToken) -> Result<S3Response<Body>, FrontError> {
+        if resp.status().is_success() {
+            metrics::precondition_conflict("retried");
+            self.remember_write(object, resp.headers(), token);
+            return Ok(client_response(resp));
+        }
+        if lost_precondition(resp.status()) {
+            metrics::precondition_conflict("gave_up");
+            return Err(FrontError::PreconditionRace);
+        }
+        Ok(client_response(resp))
+    }
+
+    fn remember_write(&self, object: String, headers: &HeaderMap, token: FenceToken) {
+        match headers.get(http::header::ETAG) {
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag: etag.clone(), stamp: Some(token) }),
+            None => self.etags.forget(&object),
+        }
+    }
+
+    /// Replaces a COPY directive by REPLACE with the source's own metadata.
+    async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
+        let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
+            return Ok(());
+        };
+        let source_path = format!("/{}", source.trim_start_matches('/'));
+        let (path, version) = match source_path.split_once("?versionId=") {
+            Some((p, v)) => (p.to_owned(), Some(v.to_owned())),
+            None => (source_path.clone(), None),
+        };
+        let uri = match &version {
+            Some(v) => format!("{path}?versionId={v}"),
+            None => path,
+        };
+        let req = http::Request::builder().method(Method::HEAD).uri(uri).body(Body::empty()).map_err(|_| FrontError::UnsafeKey)?;
+        let resp = self.upstream.send(req).await.map_err(FrontError::Upstream)?;
+        if !resp.status().is_success() {
+            return Ok(()); // the copy itself will fail with the upstream's own error
+        }
+        const COPIED: &[HeaderName] = &[
+            http::header::CONTENT_TYPE,
+            http::header::CONTENT_ENCODING,
+            http::header::CONTENT_DISPOSITION,
+            http::header::CONTENT_LANGUAGE,
+            http::header::CACHE_CONTROL,
+            http::header::EXPIRES,
+        ];
+        for (name, value) in resp.headers() {
+            let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
+            if user_metadata || COPIED.contains(name) {
+                headers.insert(name.clone(), value.clone());
+            }
+        }
+        headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
+        Ok(())
+    }
+
+    /// Maps what happened to a forwarded body onto the write's outcome.
+    async fn settle_body(
+        &self,
+        result: Result<http::Response<Body>, FrontError>,
+        report: &BodyReport,
+        admitted: &Admitted,
+    ) -> Result<http::Response<Body>, FrontError> {
+        match report.failure() {
+            Some(BodyFailure::Cancelled) => {
+                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
+                Err(FrontError::Stale { presented: admitted.token, current })
+            }
+            Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
+            Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
+            None => {
+                if let Err(FrontError::Upstream(_)) = &result
+                    && admitted.permit.cancellation().is_cancelled().not()
+                {
+                    // The body may have reached the upstream: the outcome is unknown.
+                    metrics::ambiguous_outcome("write");
+                }
+                result
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        op: &'static str,
+        method: Method,
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let mut req = http::Request::builder().method(method).uri(path_and_query).body(body).map_err(|_| FrontError::UnsafeKey)?;
+        *req.headers_mut() = headers;
+        let started = Instant::now();
+        let result = self.upstream.send(req).await;
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        metrics::upstream_call(op, started.elapsed(), status);
+        if let Some(status) = status {
+            tracing::Span::current().record("upstream_status", status);
+        }
+        result.map_err(FrontError::Upstream)
+    }
+}
+
+use std::ops::Not;
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    let decoded = headers.get("x-amz-decoded-content-length");
+    let raw = decoded.or_else(|| headers.get(http::header::CONTENT_LENGTH))?;
+    raw.to_str().ok()?.parse().ok()
+}
+
+fn trailer_check(request: &Request) -> Option<TrailerCheck> {
+    let announced = request.headers.get("x-amz-trailer")?.to_str().ok()?;
+    TrailerCheck::new(announced, request.trailers.clone()?)
+}
+
+/// The stamp every object write carries (G4).
+fn stamp(headers: &mut HeaderMap, token: FenceToken) {
+    headers.insert(METADATA_TOKEN_HEADER, HeaderValue::from(token.0));
+}
+
+fn set_precondition(headers: &mut HeaderMap, state: &ObjectState) {
+    headers.remove(http::header::IF_MATCH);
+    headers.remove(http::header::IF_NONE_MATCH);
+    let (name, value) = state.precondition();
+    headers.insert(name, value);
+}
+
+/// 412, or 409 (S3's `ConditionalRequestConflict` for a concurrent conditional write).
+fn lost_precondition(status: StatusCode) -> bool {
+    status == StatusCode::PRECONDITION_FAILED || status == StatusCode::CONFLICT
+}
+
+/// The client's headers minus everything about the hop to fencegate.
+fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let n = name.as_str();
+        if HOP_HEADERS.contains(&n) || *name == wire.token_header || *name == wire.resource_header {
+            continue;
+        }
+        if *name == http::header::CONTENT_ENCODING {
+            // aws-chunked is the framing s3s already removed; keep any real encoding.
+            let rest: Vec<&str> = value
+                .to_str()
+                .unwrap_or("")
+                .split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("aws-chunked"))
+                .collect();
+            if !rest.is_empty()
+                && let Ok(v) = HeaderValue::from_str(&rest.join(","))
+            {
+                out.append(name.clone(), v);
+            }
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    if let Some(decoded) = headers.get("x-amz-decoded-content-length") {
+        out.insert(http::header::CONTENT_LENGTH, decoded.clone());
+    }
+    out
+}
+
+/// The query to forward: the client's, less fencegate's own presign parameters.
+fn forwarded_query(query: Option<&str>) -> String {
+    let Some(query) = query.filter(|q| !q.is_empty()) else { return String::new() };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let name = pair.split('=').next().unwrap_or("");
+            !PRESIGN_PARAMS.contains(&name)
+        })
+        .collect();
+    if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) }
+}
+
+fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
+    let (parts, body) = resp.into_parts();
+    let mut headers = parts.headers;
+    for name in RESPONSE_HOP_HEADERS {
+        headers.remove(*name);
+    }
+    let mut out = S3Response::with_headers(body, headers);
+    out.status = Some(parts.status);
+    out
+}
+
+/// Reads a small XML response (CopyObject, CompleteMultipartUpload) and says whether it is a
+/// real success: S3 can answer 200 with an `<Error>` body.
+async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
+    let (parts, body) = resp.into_parts();
+    let limited = http_body_util::Limited::new(body, XML_RESPONSE_BYTES_MAX);
+    let bytes: Bytes = limited
+        .collect()
+        .await
+        .map_err(|e| FrontError::Upstream(crate::upstream::UpstreamError::Transport(e)))?
+        .to_bytes();
+    let committed = parts.status.is_success() && !contains_error_element(&bytes);
+    Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
+}
+
+fn contains_error_element(xml: &[u8]) -> bool {
+    xml.windows(b"<Error>".len()).any(|w| w == b"<Error>")
+}
+
+/// Request ids: unique per process (a random boot prefix and a counter), cheap to make.
+struct RequestIds {
+    prefix: u32,
+    counter: AtomicU64,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        Self { prefix: nanos ^ std::process::id(), counter: AtomicU64::new(1) }
+    }
+
+    fn next(&self) -> String {
+        format!("{:08X}{:012X}", self.prefix, self.counter.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presign_parameters_are_not_forwarded() {
+        assert_eq!(forwarded_query(None), "");
+        assert_eq!(forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")), "");
+        assert_eq!(forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")), "?uploadId=7&partNumber=2");
+    }
+
+    #[test]
+    fn hop_headers_and_fencing_headers_are_not_forwarded() {
+        let wire = WireContract {
+            token_header: HeaderName::from_static("fencing-token"),
+            resource_header: HeaderName::from_static("fencing-resource"),
+            rules: vec![],
+        };
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("authorization", "AWS4-HMAC-SHA256 ..."),
+            ("fencing-token", "12"),
+            ("content-encoding", "aws-chunked,gzip"),
+            ("x-amz-decoded-content-length", "5"),
+            ("content-length", "90"),
+            ("x-amz-meta-a", "b"),
+        ] {
+            h.insert(k, v.parse().unwrap());
+        }
+        let out = upstream_headers(&h, &wire);
+        assert!(out.get("authorization").is_none() && out.get("fencing-token").is_none());
+        assert_eq!(out["content-encoding"], "gzip");
+        assert_eq!(out["content-length"], "5");
+        assert_eq!(out["x-amz-meta-a"], "b");
+    }
+
+    #[test]
+    fn error_bodies_in_success_responses_are_seen() {
+        assert!(contains_error_element(b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"));
+        assert!(!contains_error_element(b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"));
+    }
+}

@@ -1,0 +1,155 @@
+//! Serving connections: an accept loop over a bound listener, with the connection limit,
+//! header limits and timeouts applied, and graceful shutdown.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper::service::Service;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+/// The limits of one listener.
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    pub connections_max: usize,
+    pub header_bytes_max: usize,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// Serves `service` on `listener` until `shutdown` resolves, then lets open requests finish
+/// (for at most `drain_for`).
+pub async fn run<S, B>(
+    listener: TcpListener,
+    service: S,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
+    drain_for: Duration,
+) where
+    S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let permits = Arc::new(Semaphore::new(limits.connections_max));
+    let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.header_bytes_max)
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new()).max_header_list_size(limits.header_bytes_max as u32);
+    let builder = Arc::new(builder);
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => break,
+            permit = permits.clone().acquire_owned() => permit.expect("semaphore never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(AtomicU64::new(0));
+        let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
+        let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
+        let conn = graceful.watch(conn);
+        let idle_timeout = limits.idle_timeout;
+        tokio::spawn(async move {
+            let _permit = permit;
+            tokio::pin!(conn);
+            let idle = idle_watch(activity, idle_timeout);
+            tokio::pin!(idle);
+            tokio::select! {
+                result = conn.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(%peer, error = %error, "connection ended with an error");
+                    }
+                }
+                () = &mut idle => tracing::debug!(%peer, "closing idle connection"),
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
+        tracing::warn!(drain_ms = drain_for.as_millis() as u64, "connections still open after the drain period");
+    }
+}
+
+/// Resolves once no byte moved on the connection for `idle_timeout`.
+async fn idle_watch(activity: Arc<AtomicU64>, idle_timeout: Duration) {
+    let mut seen = activity.load(Ordering::Relaxed);
+    loop {
+        tokio::time::sleep(idle_timeout).await;
+        let now = activity.load(Ordering::Relaxed);
+        if now == seen {
+            return;
+        }
+        seen = now;
+    }
+}
+
+/// A TCP stream that counts activity, for the idle timeout.
+struct Tracked {
+    inner: TcpStream,
+    activity: Arc<AtomicU64>,
+}
+
+impl Tracked {
+    fn touch(&self) {
+        self.activity.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.touch();
+        }
+        result
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let result = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &result
+            && *n > 0
+        {
+            self.touch();
+        }
+        result
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

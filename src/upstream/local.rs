@@ -1,0 +1,60 @@
+//! The embedded upstream: an S3 store on a local directory (s3s-fs), driven in-process through
+//! the same HTTP-shaped interface as a remote upstream.
+//!
+//! Conditional writes are made atomic here: s3s-fs checks `If-Match`/`If-None-Match` and then
+//! writes, so two writers could both pass the check; every object write takes a per-object
+//! lock (striped) around the call, which closes that gap.
+
+use std::hash::{BuildHasher, RandomState};
+use std::path::Path;
+
+use async_trait::async_trait;
+use http::Method;
+use s3s::Body;
+use s3s::service::{S3Service, S3ServiceBuilder};
+
+use super::{Upstream, UpstreamError};
+
+/// Lock stripes for object writes; collisions only serialise unrelated writes.
+const OBJECT_LOCK_STRIPES: usize = 1024;
+
+pub struct LocalUpstream {
+    service: S3Service,
+    object_locks: Vec<tokio::sync::Mutex<()>>,
+    hasher: RandomState,
+}
+
+impl LocalUpstream {
+    pub fn open(root: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(root)
+            .map_err(|e| anyhow::anyhow!("cannot create the local upstream directory {}: {e}", root.display()))?;
+        let fs = s3s_fs::FileSystem::new(root)
+            .map_err(|e| anyhow::anyhow!("cannot open the local upstream at {}: {e:?}", root.display()))?;
+        let service = S3ServiceBuilder::new(fs).build();
+        let object_locks = (0..OBJECT_LOCK_STRIPES).map(|_| tokio::sync::Mutex::new(())).collect();
+        Ok(Self { service, object_locks, hasher: RandomState::new() })
+    }
+
+    fn is_object_write(req: &http::Request<Body>) -> bool {
+        let writes = matches!(*req.method(), Method::PUT | Method::POST | Method::DELETE);
+        // `/bucket/key...`: a second slash means an object path.
+        writes && req.uri().path().trim_start_matches('/').contains('/')
+    }
+}
+
+#[async_trait]
+impl Upstream for LocalUpstream {
+    async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
+        let _object_lock = if Self::is_object_write(&req) {
+            let stripe = self.hasher.hash_one(req.uri().path()) as usize % OBJECT_LOCK_STRIPES;
+            Some(self.object_locks[stripe].lock().await)
+        } else {
+            None
+        };
+        self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
+    }
+
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+}

@@ -1,0 +1,54 @@
+//! Where writes land: the upstream adapters, behind one HTTP-shaped interface so the S3 front
+//! forwards the same way to both.
+//!
+//! A request given to [`Upstream::send`] is path-style (`/bucket/key?query`), carries only the
+//! headers meant for the upstream, and no authentication: the adapter adds host and signature.
+
+mod local;
+mod probe;
+mod s3;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use s3s::Body;
+
+pub use local::LocalUpstream;
+pub use probe::{ProbeError, probe_preconditions};
+pub use s3::S3Upstream;
+
+use crate::config::{Config, UpstreamKind};
+
+/// Why the upstream gave no response. Who is at fault decides the status: the upstream (502,
+/// 504) or fencegate's own configuration (500).
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("upstream did not answer within {after_ms} ms")]
+    Timeout { after_ms: u64 },
+    #[error("upstream connection failed")]
+    Transport(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("cannot sign the upstream request")]
+    Sign(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("local upstream failed")]
+    Local(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+#[async_trait]
+pub trait Upstream: Send + Sync + 'static {
+    async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError>;
+
+    /// A short name for logs and metrics.
+    fn kind(&self) -> &'static str;
+}
+
+/// Builds the upstream named by the config.
+pub fn from_config(config: &Config) -> anyhow::Result<Arc<dyn Upstream>> {
+    let up = &config.upstream;
+    Ok(match up.kind {
+        UpstreamKind::Local => {
+            let path = up.path.as_deref().expect("validated: upstream.path");
+            Arc::new(LocalUpstream::open(path)?)
+        }
+        UpstreamKind::S3 => Arc::new(S3Upstream::new(up)?),
+    })
+}

@@ -1,0 +1,77 @@
+"""Proves G1/G2 across crashes: a fence advanced before `kill -9` still rejects older tokens after restart."""
+
+from __future__ import annotations
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import code_of, head_status, header_of, read_object, status_of
+
+
+def assert_stale(exc_info, current: int):
+    exc = exc_info.value
+    assert status_of(exc) == 409, exc.response
+    assert code_of(exc) == "FencingTokenStale", exc.response
+    assert header_of(exc, "Fencing-Token-Current") == str(current), exc.response
+
+
+def test_advance_by_write_survives_kill9(fg):
+    bucket = "crash"
+    fg.client().create_bucket(Bucket=bucket)
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"written with 12")
+
+    fg.restart(kill=True)
+
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"stale 11")
+    assert_stale(exc_info, 12)
+    assert read_object(fg.client(), bucket, "k") == b"written with 12"
+    assert fg.get_fence(f"{bucket}/k").json() == {"resource": f"{bucket}/k", "token": 12}
+    # The holder of 12 carries on.
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12 again")
+
+
+def test_advance_by_admin_survives_kill9(fg):
+    bucket = "crash2"
+    fg.client().create_bucket(Bucket=bucket)
+    r = fg.put_fence(f"{bucket}/k", 20)
+    assert r.status_code == 200, r.text
+    r = fg.put_fence("job:crash", 7)
+    assert r.status_code == 200, r.text
+
+    fg.restart(kill=True)
+
+    assert fg.get_fence(f"{bucket}/k").json()["token"] == 20
+    assert fg.get_fence("job:crash").json()["token"] == 7
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=19).put_object(Bucket=bucket, Key="k", Body=b"stale 19")
+    assert_stale(exc_info, 20)
+    assert head_status(fg.client(), bucket, "k") == 404
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=6, resource="job:crash").put_object(Bucket=bucket, Key="j", Body=b"6")
+    assert_stale(exc_info, 7)
+
+
+def test_many_advances_then_kill9_twice(fg):
+    """Every acknowledged advance is durable, not only the last one before the crash."""
+    bucket = "crash3"
+    fg.client().create_bucket(Bucket=bucket)
+    for i in range(10):
+        fg.client(token=100 + i).put_object(Bucket=bucket, Key=f"k{i}", Body=b"x")
+    fg.restart(kill=True)
+    fg.restart(kill=True)
+    for i in range(10):
+        assert fg.get_fence(f"{bucket}/k{i}").json()["token"] == 100 + i
+        with pytest.raises(ClientError) as exc_info:
+            fg.client(token=99 + i).put_object(Bucket=bucket, Key=f"k{i}", Body=b"old")
+        assert_stale(exc_info, 100 + i)
+
+
+def test_graceful_restart_keeps_fences(fg):
+    bucket = "crash4"
+    fg.client().create_bucket(Bucket=bucket)
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12")
+    fg.restart(kill=False)
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"11")
+    assert_stale(exc_info, 12)
