@@ -41,7 +41,9 @@ impl App {
                 let path = config.store.path.as_deref().expect("validated: store.path");
                 Arc::new(EmbeddedStore::open(path)?)
             }
-            StoreKind::Redis => anyhow::bail!("store.kind = \"redis\" is not available in this build"),
+            StoreKind::Redis => {
+                anyhow::bail!("store.kind = \"redis\" is not available in this build")
+            }
         };
         let limits = GateLimits {
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),
@@ -51,7 +53,11 @@ impl App {
         };
         let gate = Arc::new(Gate::new(store, limits));
         let upstream = upstream::from_config(&config)?;
-        Ok(Self { config, gate, upstream })
+        Ok(Self {
+            config,
+            gate,
+            upstream,
+        })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer, the
@@ -62,18 +68,29 @@ impl App {
         if mode == ProbeMode::Off {
             return Ok(());
         }
-        match probe_preconditions(self.upstream.as_ref(), self.config.upstream.probe_bucket.as_deref()).await {
+        match probe_preconditions(
+            self.upstream.as_ref(),
+            self.config.upstream.probe_bucket.as_deref(),
+        )
+        .await
+        {
             Ok(bucket) => {
-                tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
+                tracing::info!(
+                    bucket,
+                    upstream = self.upstream.kind(),
+                    "upstream enforces preconditions"
+                );
                 Ok(())
             }
             Err(crate::upstream::ProbeError::NoBucket) => {
-                tracing::warn!("upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)");
+                tracing::warn!(
+                    "upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)"
+                );
                 Ok(())
             }
-            Err(error) if mode == ProbeMode::Require => {
-                Err(anyhow::anyhow!("upstream precondition probe failed: {error}; refusing to start (upstream.probe = \"require\")"))
-            }
+            Err(error) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
+                "upstream precondition probe failed: {error}; refusing to start (upstream.probe = \"require\")"
+            )),
             Err(error) => {
                 tracing::warn!(
                     %error,
@@ -92,7 +109,12 @@ impl App {
             .with_context(|| format!("server.listen: cannot bind {}", self.config.server.listen))?;
         let admin = TcpListener::bind(self.config.server.admin_listen)
             .await
-            .with_context(|| format!("server.admin_listen: cannot bind {}", self.config.server.admin_listen))?;
+            .with_context(|| {
+                format!(
+                    "server.admin_listen: cannot bind {}",
+                    self.config.server.admin_listen
+                )
+            })?;
         Ok((s3, admin))
     }
 
@@ -104,12 +126,17 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let metrics = crate::metrics::install();
-        let s3_service = crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone())?;
+        let s3_service =
+            crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone())?;
         let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let svc = s3_service.clone();
             async move { svc.call(req.map(s3s::Body::from)).await }
         });
-        let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));
+        let admin = Arc::new(Admin::new(
+            self.gate.clone(),
+            metrics,
+            self.config.server.admin_token.clone(),
+        ));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 
         let server = &self.config.server;
@@ -125,7 +152,10 @@ impl App {
         let admin_task = tokio::spawn(server::run(
             admin_listener,
             admin_service,
-            ConnectionLimits { connections_max: 64, ..limits.clone() },
+            ConnectionLimits {
+                connections_max: 64,
+                ..limits.clone()
+            },
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },

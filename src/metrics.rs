@@ -9,8 +9,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Latency buckets in seconds: 50 µs to 10 s.
-const LATENCY_BUCKETS_S: &[f64] =
-    &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+const LATENCY_BUCKETS_S: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 10.0,
+];
 
 /// Installs the process-wide recorder (once) and returns the handle that renders it.
 pub fn install() -> PrometheusHandle {

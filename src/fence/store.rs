@@ -21,7 +21,9 @@ pub enum StoreError {
     Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("fence store did not answer within {after_ms} ms")]
     Timeout { after_ms: u64 },
-    #[error("fence store refuses work after an earlier I/O failure; restart fencegate to recover it")]
+    #[error(
+        "fence store refuses work after an earlier I/O failure; restart fencegate to recover it"
+    )]
     Poisoned,
     #[error("fence store is shut down")]
     Closed,
@@ -37,7 +39,11 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError>;
 
     /// Raises the fence of `resource` to `token` if `token` is greater, atomically.
-    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError>;
+    async fn advance(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+    ) -> Result<AdvanceOutcome, StoreError>;
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;

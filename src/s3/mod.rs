@@ -55,7 +55,14 @@ const HOP_HEADERS: &[&str] = &[
 ];
 
 /// Response headers that concern the hop from the upstream.
-const RESPONSE_HOP_HEADERS: &[&str] = &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
+const RESPONSE_HOP_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+];
 
 /// Query parameters of presigned URLs: fencegate's own signature, not the upstream's.
 const PRESIGN_PARAMS: &[&str] = &[
@@ -77,7 +84,11 @@ const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 
 /// Builds the S3 service: authentication from `[[credentials]]`, virtual hosts from
 /// `server.domain`, and fencegate's handler behind it.
-pub fn service(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) -> anyhow::Result<S3Service> {
+pub fn service(
+    config: &Config,
+    gate: Arc<Gate>,
+    upstream: Arc<dyn Upstream>,
+) -> anyhow::Result<S3Service> {
     let mut auth = s3s::auth::SimpleAuth::new();
     for c in &config.credentials {
         auth.register(c.access_key_id.clone(), c.secret_access_key.clone().into());
@@ -87,7 +98,10 @@ pub fn service(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) ->
     builder.set_auth(auth);
     builder.set_route(FencegateRoute(Arc::new(front)));
     if let Some(domain) = &config.server.domain {
-        builder.set_host(s3s::host::SingleDomain::new(domain).map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?);
+        builder.set_host(
+            s3s::host::SingleDomain::new(domain)
+                .map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?,
+        );
     }
     Ok(builder.build())
 }
@@ -214,7 +228,10 @@ impl Front {
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
         {
-            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
+            return Err(FrontError::TooLarge {
+                bytes,
+                max: self.body_bytes_max,
+            });
         }
         let request = Request {
             method: req.method,
@@ -229,7 +246,9 @@ impl Front {
             return self.pass_through(request).await;
         }
         if op == Op::DeleteObjects {
-            return Err(FrontError::NotSupported("DeleteObjects (delete keys one by one)"));
+            return Err(FrontError::NotSupported(
+                "DeleteObjects (delete keys one by one)",
+            ));
         }
         let Some(token) = self.wire.token(&request.headers)? else {
             if self.require_token {
@@ -250,7 +269,11 @@ impl Front {
         let permit = Arc::new(self.gate.admit(&resource, token).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
-        let admitted = Admitted { token, resource, permit };
+        let admitted = Admitted {
+            token,
+            resource,
+            permit,
+        };
         match op {
             Op::PutObject => self.put_object(request, admitted).await,
             Op::CopyObject => self.copy_object(request, admitted).await,
@@ -268,37 +291,73 @@ impl Front {
     async fn pass_through(&self, request: Request) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
-        let resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
+        let resp = self
+            .send("pass_through", request.method, &path, headers, request.body)
+            .await?;
         Ok(client_response(resp))
     }
 
     /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
     /// gate orders it, and its body is cancellable like any other.
-    async fn forward_admitted(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+    async fn forward_admitted(
+        &self,
+        request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
         let check = trailer_check(&request);
-        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
-        let result = self.send("fenced_write", request.method, &path, headers, Body::http_body(body)).await;
+        let (body, report) =
+            ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
+        let result = self
+            .send(
+                "fenced_write",
+                request.method,
+                &path,
+                headers,
+                Body::http_body(body),
+            )
+            .await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         Ok(client_response(resp))
     }
 
     /// PutObject: stamped, conditional on the object's last known state, retried once from the
     /// retained body when a same-token writer changed the object meanwhile.
-    async fn put_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+    async fn put_object(
+        &self,
+        mut request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
-        let state = self.object_state(&request.target, &object, retainable, admitted.token).await?;
+        let retainable = request
+            .content_length
+            .is_some_and(|n| n <= self.retry_body_bytes_max as u64);
+        let state = self
+            .object_state(&request.target, &object, retainable, admitted.token)
+            .await?;
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
 
         let check = trailer_check(&request);
-        let retain = if retainable { self.retry_body_bytes_max } else { 0 };
-        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
-        let result = self.send("put_object", Method::PUT, &path, headers.clone(), Body::http_body(body)).await;
+        let retain = if retainable {
+            self.retry_body_bytes_max
+        } else {
+            0
+        };
+        let (body, report) =
+            ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
+        let result = self
+            .send(
+                "put_object",
+                Method::PUT,
+                &path,
+                headers.clone(),
+                Body::http_body(body),
+            )
+            .await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         if resp.status().is_success() {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -307,25 +366,37 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self
+            .reread_after_conflict(&request.target, &object, admitted.token)
+            .await?;
         let Some(chunks) = report.retained() else {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
         };
         set_precondition(&mut headers, &fresh);
         let body = Body::http_body(http_body_util::StreamBody::new(futures_util::stream::iter(
-            chunks.into_iter().map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
+            chunks
+                .into_iter()
+                .map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
         )));
-        let resp = self.send("put_object", Method::PUT, &path, headers, body).await?;
+        let resp = self
+            .send("put_object", Method::PUT, &path, headers, body)
+            .await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
     /// CopyObject: the destination is stamped and conditional. With the `COPY` metadata
     /// directive the source's metadata is read and re-sent with `REPLACE`, so the stamp can be
     /// added without losing the rest.
-    async fn copy_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+    async fn copy_object(
+        &self,
+        mut request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let state = self
+            .object_state(&request.target, &object, true, admitted.token)
+            .await?;
         let replaces = request
             .headers
             .get("x-amz-metadata-directive")
@@ -337,7 +408,15 @@ impl Front {
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
-        let resp = self.send("copy_object", Method::PUT, &path, headers.clone(), Body::empty()).await?;
+        let resp = self
+            .send(
+                "copy_object",
+                Method::PUT,
+                &path,
+                headers.clone(),
+                Body::empty(),
+            )
+            .await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -346,23 +425,41 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self
+            .reread_after_conflict(&request.target, &object, admitted.token)
+            .await?;
         set_precondition(&mut headers, &fresh);
-        let resp = self.send("copy_object", Method::PUT, &path, headers, Body::empty()).await?;
+        let resp = self
+            .send("copy_object", Method::PUT, &path, headers, Body::empty())
+            .await?;
         let (resp, _) = read_xml_response(resp).await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
     /// DeleteObject: conditional on the ETag of the version the token may delete.
-    async fn delete_object(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+    async fn delete_object(
+        &self,
+        request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let state = self
+            .object_state(&request.target, &object, true, admitted.token)
+            .await?;
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         if let ObjectState::Present { .. } = state {
             set_precondition(&mut headers, &state);
         }
-        let resp = self.send("delete_object", Method::DELETE, &path, headers.clone(), Body::empty()).await?;
+        let resp = self
+            .send(
+                "delete_object",
+                Method::DELETE,
+                &path,
+                headers.clone(),
+                Body::empty(),
+            )
+            .await?;
         if resp.status().is_success() {
             self.etags.put(object, ObjectState::Absent);
             return Ok(client_response(resp));
@@ -370,12 +467,22 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self
+            .reread_after_conflict(&request.target, &object, admitted.token)
+            .await?;
         headers.remove(http::header::IF_MATCH);
         if let ObjectState::Present { .. } = fresh {
             set_precondition(&mut headers, &fresh);
         }
-        let resp = self.send("delete_object", Method::DELETE, &path, headers, Body::empty()).await?;
+        let resp = self
+            .send(
+                "delete_object",
+                Method::DELETE,
+                &path,
+                headers,
+                Body::empty(),
+            )
+            .await?;
         if resp.status().is_success() {
             metrics::precondition_conflict("retried");
             self.etags.put(object, ObjectState::Absent);
@@ -397,31 +504,55 @@ impl Front {
         use_cache: bool,
         token: FenceToken,
     ) -> Result<ObjectState, FrontError> {
-        let cached = if use_cache { self.etags.get(object) } else { None };
+        let cached = if use_cache {
+            self.etags.get(object)
+        } else {
+            None
+        };
         let state = match cached {
             Some(state) => state,
             None => objects::head(self.upstream.as_ref(), &target.raw_path).await?,
         };
         if let Some(newer) = state.newer_stamp(token) {
-            tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
-            return Err(FrontError::Stale { presented: token, current: newer });
+            tracing::warn!(
+                object,
+                stamp = newer.0,
+                "object carries a newer token than the fence store knows"
+            );
+            return Err(FrontError::Stale {
+                presented: token,
+                current: newer,
+            });
         }
         Ok(state)
     }
 
     /// After the upstream refused a precondition: re-read the object; a newer stamp means the
     /// write is stale, anything else is a same-or-older writer and the write may retry.
-    async fn reread_after_conflict(&self, target: &Target, object: &str, token: FenceToken) -> Result<ObjectState, FrontError> {
+    async fn reread_after_conflict(
+        &self,
+        target: &Target,
+        object: &str,
+        token: FenceToken,
+    ) -> Result<ObjectState, FrontError> {
         self.etags.forget(object);
         let fresh = objects::head(self.upstream.as_ref(), &target.raw_path).await?;
         if let Some(newer) = fresh.newer_stamp(token) {
             metrics::precondition_conflict("stale");
-            return Err(FrontError::Stale { presented: token, current: newer });
+            return Err(FrontError::Stale {
+                presented: token,
+                current: newer,
+            });
         }
         Ok(fresh)
     }
 
-    fn finish_retry(&self, object: String, resp: http::Response<Body>, token: FenceToken) -> Result<S3Response<Body>, FrontError> {
+    fn finish_retry(
+        &self,
+        object: String,
+        resp: http::Response<Body>,
+        token: FenceToken,
+    ) -> Result<S3Response<Body>, FrontError> {
         if resp.status().is_success() {
             metrics::precondition_conflict("retried");
             self.remember_write(object, resp.headers(), token);
@@ -436,14 +567,23 @@ impl Front {
 
     fn remember_write(&self, object: String, headers: &HeaderMap, token: FenceToken) {
         match headers.get(http::header::ETAG) {
-            Some(etag) => self.etags.put(object, ObjectState::Present { etag: etag.clone(), stamp: Some(token) }),
+            Some(etag) => self.etags.put(
+                object,
+                ObjectState::Present {
+                    etag: etag.clone(),
+                    stamp: Some(token),
+                },
+            ),
             None => self.etags.forget(&object),
         }
     }
 
     /// Replaces a COPY directive by REPLACE with the source's own metadata.
     async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
-        let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
+        let Some(source) = headers
+            .get("x-amz-copy-source")
+            .and_then(|v| v.to_str().ok())
+        else {
             return Ok(());
         };
         let source_path = format!("/{}", source.trim_start_matches('/'));
@@ -455,8 +595,16 @@ impl Front {
             Some(v) => format!("{path}?versionId={v}"),
             None => path,
         };
-        let req = http::Request::builder().method(Method::HEAD).uri(uri).body(Body::empty()).map_err(|_| FrontError::UnsafeKey)?;
-        let resp = self.upstream.send(req).await.map_err(FrontError::Upstream)?;
+        let req = http::Request::builder()
+            .method(Method::HEAD)
+            .uri(uri)
+            .body(Body::empty())
+            .map_err(|_| FrontError::UnsafeKey)?;
+        let resp = self
+            .upstream
+            .send(req)
+            .await
+            .map_err(FrontError::Upstream)?;
         if !resp.status().is_success() {
             return Ok(()); // the copy itself will fail with the upstream's own error
         }
@@ -469,12 +617,16 @@ impl Front {
             http::header::EXPIRES,
         ];
         for (name, value) in resp.headers() {
-            let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
+            let user_metadata =
+                name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
             if user_metadata || COPIED.contains(name) {
                 headers.insert(name.clone(), value.clone());
             }
         }
-        headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
+        headers.insert(
+            "x-amz-metadata-directive",
+            HeaderValue::from_static("REPLACE"),
+        );
         Ok(())
     }
 
@@ -487,8 +639,17 @@ impl Front {
     ) -> Result<http::Response<Body>, FrontError> {
         match report.failure() {
             Some(BodyFailure::Cancelled) => {
-                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
-                Err(FrontError::Stale { presented: admitted.token, current })
+                let current = self
+                    .gate
+                    .fence(&admitted.resource)
+                    .await
+                    .ok()
+                    .flatten()
+                    .unwrap_or(admitted.token);
+                Err(FrontError::Stale {
+                    presented: admitted.token,
+                    current,
+                })
             }
             Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
             Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
@@ -512,7 +673,11 @@ impl Front {
         headers: HeaderMap,
         body: Body,
     ) -> Result<http::Response<Body>, FrontError> {
-        let mut req = http::Request::builder().method(method).uri(path_and_query).body(body).map_err(|_| FrontError::UnsafeKey)?;
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(path_and_query)
+            .body(body)
+            .map_err(|_| FrontError::UnsafeKey)?;
         *req.headers_mut() = headers;
         let started = Instant::now();
         let result = self.upstream.send(req).await;
@@ -589,7 +754,9 @@ fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
 
 /// The query to forward: the client's, less fencegate's own presign parameters.
 fn forwarded_query(query: Option<&str>) -> String {
-    let Some(query) = query.filter(|q| !q.is_empty()) else { return String::new() };
+    let Some(query) = query.filter(|q| !q.is_empty()) else {
+        return String::new();
+    };
     let kept: Vec<&str> = query
         .split('&')
         .filter(|pair| {
@@ -597,7 +764,11 @@ fn forwarded_query(query: Option<&str>) -> String {
             !PRESIGN_PARAMS.contains(&name)
         })
         .collect();
-    if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) }
+    if kept.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", kept.join("&"))
+    }
 }
 
 fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
@@ -613,7 +784,9 @@ fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
 
 /// Reads a small XML response (CopyObject, CompleteMultipartUpload) and says whether it is a
 /// real success: S3 can answer 200 with an `<Error>` body.
-async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
+async fn read_xml_response(
+    resp: http::Response<Body>,
+) -> Result<(http::Response<Body>, bool), FrontError> {
     let (parts, body) = resp.into_parts();
     let limited = http_body_util::Limited::new(body, XML_RESPONSE_BYTES_MAX);
     let bytes: Bytes = limited
@@ -622,7 +795,10 @@ async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response
         .map_err(|e| FrontError::Upstream(crate::upstream::UpstreamError::Transport(e)))?
         .to_bytes();
     let committed = parts.status.is_success() && !contains_error_element(&bytes);
-    Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
+    Ok((
+        http::Response::from_parts(parts, Body::from(bytes)),
+        committed,
+    ))
 }
 
 fn contains_error_element(xml: &[u8]) -> bool {
@@ -637,12 +813,21 @@ struct RequestIds {
 
 impl RequestIds {
     fn new() -> Self {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        Self { prefix: nanos ^ std::process::id(), counter: AtomicU64::new(1) }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        Self {
+            prefix: nanos ^ std::process::id(),
+            counter: AtomicU64::new(1),
+        }
     }
 
     fn next(&self) -> String {
-        format!("{:08X}{:012X}", self.prefix, self.counter.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "{:08X}{:012X}",
+            self.prefix,
+            self.counter.fetch_add(1, Ordering::Relaxed)
+        )
     }
 }
 
@@ -653,8 +838,14 @@ mod tests {
     #[test]
     fn presign_parameters_are_not_forwarded() {
         assert_eq!(forwarded_query(None), "");
-        assert_eq!(forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")), "");
-        assert_eq!(forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")), "?uploadId=7&partNumber=2");
+        assert_eq!(
+            forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")),
+            ""
+        );
+        assert_eq!(
+            forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")),
+            "?uploadId=7&partNumber=2"
+        );
     }
 
     #[test]
@@ -684,7 +875,11 @@ mod tests {
 
     #[test]
     fn error_bodies_in_success_responses_are_seen() {
-        assert!(contains_error_element(b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"));
-        assert!(!contains_error_element(b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"));
+        assert!(contains_error_element(
+            b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"
+        ));
+        assert!(!contains_error_element(
+            b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"
+        ));
     }
 }

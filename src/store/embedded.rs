@@ -26,11 +26,20 @@ const ADVANCES_PER_COMMIT_MAX: usize = 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     #[error("cannot create the fence store directory {path}")]
-    CreateDir { path: PathBuf, source: std::io::Error },
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot open the fence store {path} (is another fencegate using it?)")]
-    Open { path: PathBuf, source: redb::DatabaseError },
+    Open {
+        path: PathBuf,
+        source: redb::DatabaseError,
+    },
     #[error("cannot initialise the fence store {path}")]
-    Init { path: PathBuf, source: Box<dyn std::error::Error + Send + Sync> },
+    Init {
+        path: PathBuf,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 struct AdvanceRequest {
@@ -51,9 +60,15 @@ impl EmbeddedStore {
     /// Opens (or creates) the store in directory `dir`, recovering it if the last process
     /// died mid-commit.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
-        std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir { path: dir.into(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir {
+            path: dir.into(),
+            source,
+        })?;
         let path = dir.join(FILE_NAME);
-        let db = Database::create(&path).map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        let db = Database::create(&path).map_err(|source| OpenError::Open {
+            path: path.clone(),
+            source,
+        })?;
         let init = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
@@ -65,12 +80,19 @@ impl EmbeddedStore {
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
         let (advances, queue) = mpsc::channel(ADVANCE_QUEUE_MAX);
-        let writer = Writer { db: db.clone(), poisoned: poisoned.clone() };
+        let writer = Writer {
+            db: db.clone(),
+            poisoned: poisoned.clone(),
+        };
         std::thread::Builder::new()
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, advances, poisoned })
+        Ok(Self {
+            db,
+            advances,
+            poisoned,
+        })
     }
 
     fn check_poisoned(&self) -> Result<(), StoreError> {
@@ -97,11 +119,22 @@ impl FenceStore for EmbeddedStore {
         .map_err(|e| StoreError::Backend(Box::new(e)))
     }
 
-    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
+    async fn advance(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+    ) -> Result<AdvanceOutcome, StoreError> {
         self.check_poisoned()?;
         let (reply, answer) = oneshot::channel();
-        let request = AdvanceRequest { resource: resource.clone(), token, reply };
-        self.advances.send(request).await.map_err(|_| StoreError::Closed)?;
+        let request = AdvanceRequest {
+            resource: resource.clone(),
+            token,
+            reply,
+        };
+        self.advances
+            .send(request)
+            .await
+            .map_err(|_| StoreError::Closed)?;
         // A dropped reply means the writer thread died: the outcome is unknown.
         answer.await.map_err(|_| StoreError::Closed)?
     }
@@ -162,9 +195,13 @@ impl Writer {
         {
             let mut table = txn.open_table(FENCES)?;
             for request in batch {
-                let previous = table.get(request.resource.as_str())?.map(|v| FenceToken(v.value()));
+                let previous = table
+                    .get(request.resource.as_str())?
+                    .map(|v| FenceToken(v.value()));
                 let outcome = match previous {
-                    Some(current) if current >= request.token => AdvanceOutcome::Unchanged { current },
+                    Some(current) if current >= request.token => {
+                        AdvanceOutcome::Unchanged { current }
+                    }
                     _ => {
                         table.insert(request.resource.as_str(), request.token.0)?;
                         AdvanceOutcome::Advanced { previous }

@@ -33,10 +33,19 @@ impl MemoryStore {
 impl FenceStore for MemoryStore {
     async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
         self.check()?;
-        Ok(self.fences.lock().expect("memory store lock").get(resource).copied())
+        Ok(self
+            .fences
+            .lock()
+            .expect("memory store lock")
+            .get(resource)
+            .copied())
     }
 
-    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
+    async fn advance(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+    ) -> Result<AdvanceOutcome, StoreError> {
         self.check()?;
         let mut fences = self.fences.lock().expect("memory store lock");
         let previous = fences.get(resource).copied();
