@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use crate::admin::Admin;
 use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{FenceStore, Gate, GateLimits};
+use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
 use crate::store::EmbeddedStore;
 use crate::upstream::{self, Upstream, probe_preconditions};
@@ -53,11 +54,7 @@ impl App {
         };
         let gate = Arc::new(Gate::new(store, limits));
         let upstream = upstream::from_config(&config)?;
-        Ok(Self {
-            config,
-            gate,
-            upstream,
-        })
+        Ok(Self { config, gate, upstream })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer, the
@@ -68,18 +65,9 @@ impl App {
         if mode == ProbeMode::Off {
             return Ok(());
         }
-        match probe_preconditions(
-            self.upstream.as_ref(),
-            self.config.upstream.probe_bucket.as_deref(),
-        )
-        .await
-        {
+        match probe_preconditions(self.upstream.as_ref(), self.config.upstream.probe_bucket.as_deref()).await {
             Ok(bucket) => {
-                tracing::info!(
-                    bucket,
-                    upstream = self.upstream.kind(),
-                    "upstream enforces preconditions"
-                );
+                tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
                 Ok(())
             }
             Err(crate::upstream::ProbeError::NoBucket) => {
@@ -109,12 +97,7 @@ impl App {
             .with_context(|| format!("server.listen: cannot bind {}", self.config.server.listen))?;
         let admin = TcpListener::bind(self.config.server.admin_listen)
             .await
-            .with_context(|| {
-                format!(
-                    "server.admin_listen: cannot bind {}",
-                    self.config.server.admin_listen
-                )
-            })?;
+            .with_context(|| format!("server.admin_listen: cannot bind {}", self.config.server.admin_listen))?;
         Ok((s3, admin))
     }
 
@@ -126,17 +109,18 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let metrics = crate::metrics::install();
-        let s3_service =
-            crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone())?;
+        let leases = Arc::new(LeaseService::new(
+            self.gate.clone(),
+            Arc::new(SystemClock),
+            Arc::new(RandomLeaseIds),
+            self.config.leases.ttl_ms_max,
+        ));
+        let s3_service = crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone(), leases)?;
         let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let svc = s3_service.clone();
             async move { svc.call(req.map(s3s::Body::from)).await }
         });
-        let admin = Arc::new(Admin::new(
-            self.gate.clone(),
-            metrics,
-            self.config.server.admin_token.clone(),
-        ));
+        let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 
         let server = &self.config.server;
@@ -152,10 +136,7 @@ impl App {
         let admin_task = tokio::spawn(server::run(
             admin_listener,
             admin_service,
-            ConnectionLimits {
-                connections_max: 64,
-                ..limits.clone()
-            },
+            ConnectionLimits { connections_max: 64, ..limits.clone() },
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },

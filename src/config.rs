@@ -27,7 +27,23 @@ pub struct Config {
     #[serde(default)]
     pub fencing: FencingConfig,
     #[serde(default)]
+    pub leases: LeasesConfig,
+    #[serde(default)]
     pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeasesConfig {
+    /// The longest lease a client may ask for.
+    #[serde(default = "defaults::lease_ttl_ms_max")]
+    pub ttl_ms_max: u64,
+}
+
+impl Default for LeasesConfig {
+    fn default() -> Self {
+        Self { ttl_ms_max: defaults::lease_ttl_ms_max() }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -218,10 +234,7 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self {
-            format: LogFormat::default(),
-            level: defaults::log_level(),
-        }
+        Self { format: LogFormat::default(), level: defaults::log_level() }
     }
 }
 
@@ -284,6 +297,9 @@ mod defaults {
     pub fn retry_body_bytes_max() -> usize {
         1024 * 1024
     }
+    pub fn lease_ttl_ms_max() -> u64 {
+        3_600_000
+    }
     pub fn log_level() -> String {
         "info".into()
     }
@@ -295,16 +311,9 @@ pub enum ConfigError {
     #[error("config file {file}: not found")]
     NotFound { file: PathBuf },
     #[error("config file {file}: {source}")]
-    Parse {
-        file: PathBuf,
-        source: Box<figment::Error>,
-    },
+    Parse { file: PathBuf, source: Box<figment::Error> },
     #[error("config file {file}: key `{key}`: {reason}")]
-    Invalid {
-        file: PathBuf,
-        key: &'static str,
-        reason: String,
-    },
+    Invalid { file: PathBuf, key: &'static str, reason: String },
 }
 
 impl Config {
@@ -313,100 +322,68 @@ impl Config {
         if !file.is_file() {
             return Err(ConfigError::NotFound { file: file.into() });
         }
-        let figment = Figment::new()
-            .merge(Toml::file(file))
-            .merge(Env::prefixed(ENV_PREFIX).split("__"));
+        let figment = Figment::new().merge(Toml::file(file)).merge(Env::prefixed(ENV_PREFIX).split("__"));
         Self::from_figment(figment, file)
     }
 
     /// Parses a TOML text (no environment); for tests and embedding.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        Self::from_figment(
-            Figment::new().merge(Toml::string(text)),
-            Path::new("<inline>"),
-        )
+        Self::from_figment(Figment::new().merge(Toml::string(text)), Path::new("<inline>"))
     }
 
     fn from_figment(figment: Figment, file: &Path) -> Result<Self, ConfigError> {
-        let config: Config = figment.extract().map_err(|e| ConfigError::Parse {
-            file: file.into(),
-            source: Box::new(e),
-        })?;
-        config
-            .validate()
-            .map_err(|(key, reason)| ConfigError::Invalid {
-                file: file.into(),
-                key,
-                reason,
-            })?;
+        let config: Config =
+            figment.extract().map_err(|e| ConfigError::Parse { file: file.into(), source: Box::new(e) })?;
+        config.validate().map_err(|(key, reason)| ConfigError::Invalid { file: file.into(), key, reason })?;
         Ok(config)
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
         match self.store.kind {
             StoreKind::Embedded if self.store.path.is_none() => {
-                return Err((
-                    "store.path",
-                    "required when store.kind = \"embedded\"".into(),
-                ));
+                return Err(("store.path", "required when store.kind = \"embedded\"".into()));
             }
             StoreKind::Redis => {
-                return Err((
-                    "store.kind",
-                    "\"redis\" is not available in this build yet; use \"embedded\"".into(),
-                ));
+                return Err(("store.kind", "\"redis\" is not available in this build yet; use \"embedded\"".into()));
             }
             StoreKind::Embedded => {}
         }
         match self.upstream.kind {
             UpstreamKind::Local if self.upstream.path.is_none() => {
-                return Err((
-                    "upstream.path",
-                    "required when upstream.kind = \"local\"".into(),
-                ));
+                return Err(("upstream.path", "required when upstream.kind = \"local\"".into()));
             }
             UpstreamKind::S3 => {
-                let endpoint = self.upstream.endpoint.as_deref().ok_or((
-                    "upstream.endpoint",
-                    "required when upstream.kind = \"s3\"".to_string(),
-                ))?;
-                let uri: http::Uri = endpoint.parse().map_err(|e| {
-                    (
-                        "upstream.endpoint",
-                        format!("{endpoint:?} is not a URL: {e}"),
-                    )
-                })?;
-                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none()
-                {
+                let endpoint = self
+                    .upstream
+                    .endpoint
+                    .as_deref()
+                    .ok_or(("upstream.endpoint", "required when upstream.kind = \"s3\"".to_string()))?;
+                let uri: http::Uri =
+                    endpoint.parse().map_err(|e| ("upstream.endpoint", format!("{endpoint:?} is not a URL: {e}")))?;
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
                     return Err((
                         "upstream.endpoint",
                         format!("{endpoint:?} must be http://host[:port] or https://host[:port]"),
                     ));
                 }
                 if self.upstream.access_key_id.is_none() {
-                    return Err((
-                        "upstream.access_key_id",
-                        "required when upstream.kind = \"s3\"".into(),
-                    ));
+                    return Err(("upstream.access_key_id", "required when upstream.kind = \"s3\"".into()));
                 }
                 if self.upstream.secret_access_key.is_none() {
-                    return Err((
-                        "upstream.secret_access_key",
-                        "required when upstream.kind = \"s3\"".into(),
-                    ));
+                    return Err(("upstream.secret_access_key", "required when upstream.kind = \"s3\"".into()));
                 }
             }
             UpstreamKind::Local => {}
         }
         if self.credentials.is_empty() {
-            return Err(("credentials", "at least one [[credentials]] entry is required: fencegate only serves signed requests".into()));
+            return Err((
+                "credentials",
+                "at least one [[credentials]] entry is required: fencegate only serves signed requests".into(),
+            ));
         }
         for c in &self.credentials {
             if c.access_key_id.is_empty() || c.secret_access_key.is_empty() {
-                return Err((
-                    "credentials",
-                    "access_key_id and secret_access_key must not be empty".into(),
-                ));
+                return Err(("credentials", "access_key_id and secret_access_key must not be empty".into()));
             }
         }
         for (key, name) in [
@@ -422,30 +399,15 @@ impl Config {
                 return Err(("fencing.rules.bucket", "must not be empty".into()));
             }
             if let Err(e) = crate::fence::ResourceKey::new(&rule.resource) {
-                return Err((
-                    "fencing.rules.resource",
-                    format!("{:?}: {e}", rule.resource),
-                ));
+                return Err(("fencing.rules.resource", format!("{:?}: {e}", rule.resource)));
             }
         }
         let positive = [
-            (
-                "fencing.inflight_deadline_ms",
-                self.fencing.inflight_deadline_ms,
-            ),
+            ("fencing.inflight_deadline_ms", self.fencing.inflight_deadline_ms),
             ("store.timeout_ms", self.store.timeout_ms),
-            (
-                "upstream.request_timeout_ms",
-                self.upstream.request_timeout_ms,
-            ),
-            (
-                "upstream.connect_timeout_ms",
-                self.upstream.connect_timeout_ms,
-            ),
-            (
-                "server.header_read_timeout_ms",
-                self.server.header_read_timeout_ms,
-            ),
+            ("upstream.request_timeout_ms", self.upstream.request_timeout_ms),
+            ("upstream.connect_timeout_ms", self.upstream.connect_timeout_ms),
+            ("server.header_read_timeout_ms", self.server.header_read_timeout_ms),
             ("server.idle_timeout_ms", self.server.idle_timeout_ms),
         ];
         for (key, value) in positive {
@@ -457,16 +419,10 @@ impl Config {
             return Err(("server.connections_max", "must be greater than 0".into()));
         }
         if self.fencing.inflight_per_resource_max == 0 {
-            return Err((
-                "fencing.inflight_per_resource_max",
-                "must be greater than 0".into(),
-            ));
+            return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
         }
         if self.server.header_bytes_max < 8192 {
-            return Err((
-                "server.header_bytes_max",
-                "must be at least 8192 (hyper's minimum read buffer)".into(),
-            ));
+            return Err(("server.header_bytes_max", "must be at least 8192 (hyper's minimum read buffer)".into()));
         }
         Ok(())
     }
@@ -506,15 +462,11 @@ mod tests {
 
     #[test]
     fn errors_name_the_key() {
-        let err =
-            Config::from_toml(&MINIMAL.replace("kind = \"local\"", "kind = \"s3\"")).unwrap_err();
+        let err = Config::from_toml(&MINIMAL.replace("kind = \"local\"", "kind = \"s3\"")).unwrap_err();
         assert!(err.to_string().contains("upstream.endpoint"), "{err}");
-        let err =
-            Config::from_toml(&MINIMAL.replace("listen = \"127.0.0.1:9000\"", "listen = \"nope\""))
-                .unwrap_err();
+        let err = Config::from_toml(&MINIMAL.replace("listen = \"127.0.0.1:9000\"", "listen = \"nope\"")).unwrap_err();
         assert!(err.to_string().contains("listen"), "{err}");
-        let err =
-            Config::from_toml(&format!("{MINIMAL}\n[fencing]\nrequire_tokn = true\n")).unwrap_err();
+        let err = Config::from_toml(&format!("{MINIMAL}\n[fencing]\nrequire_tokn = true\n")).unwrap_err();
         assert!(err.to_string().contains("require_tokn"), "{err}");
     }
 }

@@ -7,6 +7,7 @@
 //! - [`store`]: the fence stores (`embedded`: redb).
 //! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked; fencing and forwarding here).
 //! - [`upstream`]: where writes land (`local` directory, `s3` endpoint) and the start-up probe.
+//! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
 //! - [`server`]: accept loops, connection limits, graceful shutdown.
 //! - [`config`]: the one configuration struct, validated at start-up.
@@ -17,6 +18,7 @@
 pub mod admin;
 pub mod config;
 pub mod fence;
+pub mod lease;
 pub mod metrics;
 pub mod s3;
 pub mod server;

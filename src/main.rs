@@ -66,19 +66,14 @@ fn load(path: &std::path::Path) -> anyhow::Result<Config> {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
     let app = App::build(config)?;
     app.probe().await?;
     let (s3, admin) = app.bind().await?;
-    let bound = fencegate::Bound {
-        s3: s3.local_addr()?,
-        admin: admin.local_addr()?,
-    };
+    let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };
     // One parseable line on stdout: scripts and tests wait for it.
     println!("fencegate ready: s3={} admin={}", bound.s3, bound.admin);
     tracing::info!(s3 = %bound.s3, admin = %bound.admin, "listening");
@@ -101,11 +96,8 @@ async fn shutdown_signal() {
 }
 
 fn init_tracing(config: &Config) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -9,10 +9,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Latency buckets in seconds: 50 µs to 10 s.
-const LATENCY_BUCKETS_S: &[f64] = &[
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 10.0,
-];
+const LATENCY_BUCKETS_S: &[f64] =
+    &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
 /// Installs the process-wide recorder (once) and returns the handle that renders it.
 pub fn install() -> PrometheusHandle {
@@ -83,4 +81,10 @@ pub fn precondition_conflict(result: &'static str) {
 /// A body rejected while streaming: `checksum`, `cancelled`, `client`.
 pub fn body_aborted(reason: &'static str) {
     counter!("fencegate_body_aborted_total", "reason" => reason).increment(1);
+}
+
+/// A lease service event: `granted`, `renewed`, `released`, `gone` (a renewal or release of a
+/// lease that is not live any more, i.e. a holder that lost its lease).
+pub fn lease_event(event: &'static str) {
+    counter!("fencegate_lease_events_total", "event" => event).increment(1);
 }

@@ -35,11 +35,7 @@ pub async fn run<S, B>(
     shutdown: impl Future<Output = ()>,
     drain_for: Duration,
 ) where
-    S: Service<http::Request<Incoming>, Response = http::Response<B>>
-        + Clone
-        + Send
-        + Sync
-        + 'static,
+    S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     B: http_body::Body + Send + 'static,
@@ -55,10 +51,7 @@ pub async fn run<S, B>(
         .header_read_timeout(limits.header_read_timeout)
         .max_buf_size(limits.header_bytes_max)
         .keep_alive(true);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(limits.header_bytes_max as u32);
+    builder.http2().timer(TokioTimer::new()).max_header_list_size(limits.header_bytes_max as u32);
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {
@@ -80,13 +73,8 @@ pub async fn run<S, B>(
         };
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(AtomicU64::new(0));
-        let io = TokioIo::new(Tracked {
-            inner: stream,
-            activity: activity.clone(),
-        });
-        let conn = builder
-            .serve_connection_with_upgrades(io, service.clone())
-            .into_owned();
+        let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
+        let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
         let conn = graceful.watch(conn);
         let idle_timeout = limits.idle_timeout;
         tokio::spawn(async move {
@@ -105,14 +93,8 @@ pub async fn run<S, B>(
         });
     }
     drop(listener);
-    if tokio::time::timeout(drain_for, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            drain_ms = drain_for.as_millis() as u64,
-            "connections still open after the drain period"
-        );
+    if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
+        tracing::warn!(drain_ms = drain_for.as_millis() as u64, "connections still open after the drain period");
     }
 }
 
@@ -142,11 +124,7 @@ impl Tracked {
 }
 
 impl AsyncRead for Tracked {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let result = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
@@ -157,11 +135,7 @@ impl AsyncRead for Tracked {
 }
 
 impl AsyncWrite for Tracked {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         let result = Pin::new(&mut self.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(n)) = &result
             && *n > 0

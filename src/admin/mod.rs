@@ -16,8 +16,8 @@ use crate::fence::{AdmitError, FenceToken, Gate, ResourceKey};
 /// A registration body is `{"token": N}`; anything much larger is not one.
 const REGISTRATION_BYTES_MAX: usize = 4096;
 
-/// Problem types are `https://fencegate.dev/problems/<Code>`; the code is what scripts match.
-const PROBLEM_BASE: &str = "https://fencegate.dev/problems/";
+/// Problem types are `urn:fencegate:problem:<Code>`; the code is what scripts match.
+pub const PROBLEM_BASE: &str = "urn:fencegate:problem:";
 
 pub struct Admin {
     gate: Arc<Gate>,
@@ -36,28 +36,14 @@ type AdminResponse = Response<Full<Bytes>>;
 
 impl Admin {
     pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>) -> Self {
-        Self {
-            gate,
-            metrics,
-            bearer: admin_token.map(|t| format!("Bearer {t}")),
-        }
+        Self { gate, metrics, bearer: admin_token.map(|t| format!("Bearer {t}")) }
     }
 
-    pub async fn handle(
-        self: Arc<Self>,
-        req: http::Request<Incoming>,
-    ) -> Result<AdminResponse, Infallible> {
+    pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
         if let Some(expected) = &self.bearer {
-            let presented = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .map(|v| v.as_bytes());
+            let presented = req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
             if !presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
-                return Ok(problem(
-                    StatusCode::UNAUTHORIZED,
-                    "Unauthorized",
-                    "a valid admin bearer token is required",
-                ));
+                return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", "a valid admin bearer token is required"));
             }
         }
         let path = req.uri().path().to_owned();
@@ -65,36 +51,22 @@ impl Admin {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => match self.gate.store().ping().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(e) => problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "FenceStoreUnavailable",
-                    &e.to_string(),
-                ),
+                Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
             },
             (&Method::GET, "/metrics") => {
                 let mut resp = text(StatusCode::OK, &self.metrics.render());
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    "text/plain; version=0.0.4; charset=utf-8"
-                        .parse()
-                        .expect("static"),
-                );
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8".parse().expect("static"));
                 resp
             }
             (method, p) if p.starts_with("/v1/fences/") => {
                 let raw = &p["/v1/fences/".len()..];
                 match decode_resource(raw) {
-                    Err(detail) => {
-                        problem(StatusCode::BAD_REQUEST, "InvalidFencingResource", &detail)
-                    }
+                    Err(detail) => problem(StatusCode::BAD_REQUEST, "InvalidFencingResource", &detail),
                     Ok(resource) => match *method {
                         Method::GET => self.get_fence(&resource).await,
                         Method::PUT => self.put_fence(&resource, req.into_body()).await,
-                        _ => problem(
-                            StatusCode::METHOD_NOT_ALLOWED,
-                            "MethodNotAllowed",
-                            "use GET or PUT",
-                        ),
+                        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use GET or PUT"),
                     },
                 }
             }
@@ -106,16 +78,8 @@ impl Admin {
     async fn get_fence(&self, resource: &ResourceKey) -> AdminResponse {
         match self.gate.fence(resource).await {
             Ok(Some(token)) => fence_json(StatusCode::OK, resource, token),
-            Ok(None) => problem(
-                StatusCode::NOT_FOUND,
-                "NoSuchFence",
-                "no token was ever accepted for this resource",
-            ),
-            Err(e) => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "FenceStoreUnavailable",
-                &e.to_string(),
-            ),
+            Ok(None) => problem(StatusCode::NOT_FOUND, "NoSuchFence", "no token was ever accepted for this resource"),
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
         }
     }
 
@@ -123,11 +87,7 @@ impl Admin {
         let bytes = match Limited::new(body, REGISTRATION_BYTES_MAX).collect().await {
             Ok(collected) => collected.to_bytes(),
             Err(_) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "InvalidRequest",
-                    "the body is not a small JSON object",
-                );
+                return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "the body is not a small JSON object");
             }
         };
         let registration: Registration = match serde_json::from_slice(&bytes) {
@@ -137,35 +97,22 @@ impl Admin {
                 return problem(StatusCode::BAD_REQUEST, "InvalidFencingToken", &detail);
             }
         };
-        match self
-            .gate
-            .advance(resource, FenceToken(registration.token))
-            .await
-        {
+        match self.gate.advance(resource, FenceToken(registration.token)).await {
             Ok(token) => {
-                tracing::info!(
-                    resource = resource.as_str(),
-                    token = token.0,
-                    "fence registered"
-                );
+                tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
                 fence_json(StatusCode::OK, resource, token)
             }
-            Err(AdmitError::Stale { current, .. }) => {
-                fence_json(StatusCode::CONFLICT, resource, current)
+            Err(AdmitError::Stale { current, .. }) => fence_json(StatusCode::CONFLICT, resource, current),
+            Err(AdmitError::StoreUnavailable(e)) => {
+                problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string())
             }
-            Err(AdmitError::StoreUnavailable(e)) => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "FenceStoreUnavailable",
-                &e.to_string(),
-            ),
             Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "SlowDown", &e.to_string()),
         }
     }
 }
 
 fn decode_resource(raw: &str) -> Result<ResourceKey, String> {
-    let decoded = percent_decode(raw)
-        .ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
+    let decoded = percent_decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
     ResourceKey::new(&decoded).map_err(|e| e.to_string())
 }
 
@@ -193,10 +140,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 fn text(status: StatusCode, body: &str) -> AdminResponse {
     let mut resp = Response::new(Full::new(Bytes::from(body.to_owned())));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        "text/plain; charset=utf-8".parse().expect("static"),
-    );
+    resp.headers_mut().insert(header::CONTENT_TYPE, "text/plain; charset=utf-8".parse().expect("static"));
     resp
 }
 
@@ -219,8 +163,7 @@ fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
 fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> AdminResponse {
     let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, content_type.parse().expect("static"));
+    resp.headers_mut().insert(header::CONTENT_TYPE, content_type.parse().expect("static"));
     resp
 }
 

@@ -38,9 +38,7 @@ mod tests {
             for &f in &edges {
                 let got = decide(Some(FenceToken(f)), FenceToken(p));
                 let want = match p.cmp(&f) {
-                    std::cmp::Ordering::Less => Decision::Stale {
-                        current: FenceToken(f),
-                    },
+                    std::cmp::Ordering::Less => Decision::Stale { current: FenceToken(f) },
                     std::cmp::Ordering::Equal => Decision::Current,
                     std::cmp::Ordering::Greater => Decision::Advance,
                 };

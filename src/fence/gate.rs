@@ -11,7 +11,9 @@ use tokio::time::Instant;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{AdvanceOutcome, Decision, FenceStore, FenceToken, ResourceKey, StoreError, decide};
+use super::{
+    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, StoreError, decide,
+};
 use crate::metrics;
 
 /// The gate's named limits.
@@ -43,10 +45,7 @@ impl Default for GateLimits {
 #[derive(Debug, thiserror::Error)]
 pub enum AdmitError {
     #[error("token {presented} is older than the fence {current}")]
-    Stale {
-        presented: FenceToken,
-        current: FenceToken,
-    },
+    Stale { presented: FenceToken, current: FenceToken },
     #[error("fence state unknown")]
     StoreUnavailable(#[from] StoreError),
     #[error("older writes on the resource were still in flight after {waited_ms} ms")]
@@ -114,12 +113,7 @@ impl SlotState {
 
 impl Gate {
     pub fn new(store: Arc<dyn FenceStore>, limits: GateLimits) -> Self {
-        Self {
-            store,
-            limits,
-            slots: Mutex::new(HashMap::new()),
-            next_write_id: AtomicU64::new(1),
-        }
+        Self { store, limits, slots: Mutex::new(HashMap::new()), next_write_id: AtomicU64::new(1) }
     }
 
     pub fn store(&self) -> &Arc<dyn FenceStore> {
@@ -129,11 +123,7 @@ impl Gate {
     /// Admits a write with `token` on `resource`: advances the fence durably if `token` is
     /// newer, resolves older in-flight writes, and registers the write. The returned permit
     /// must live until the upstream outcome of the write is known.
-    pub async fn admit(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<Permit, AdmitError> {
+    pub async fn admit(&self, resource: &ResourceKey, token: FenceToken) -> Result<Permit, AdmitError> {
         let slot = self.slot(resource);
         let permit = self.settle(&slot, resource, token, true).await?;
         Ok(permit.expect("settle registers when asked to"))
@@ -142,14 +132,39 @@ impl Gate {
     /// Registers `token` as the fence of `resource` without writing (G7): from the moment this
     /// returns, every older token is rejected and no older write is in flight. Returns the
     /// fence, which is `token`.
-    pub async fn advance(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<FenceToken, AdmitError> {
+    pub async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<FenceToken, AdmitError> {
         let slot = self.slot(resource);
         self.settle(&slot, resource, token, false).await?;
         Ok(token)
+    }
+
+    /// Applies a lease command. A grant raises the fence in the same store step; the gate then
+    /// rejects every older token and resolves older in-flight writes before answering, exactly
+    /// as for a registration (G7).
+    pub async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, AdmitError> {
+        let slot = self.slot(resource);
+        let outcome = {
+            let _io = slot.io.lock().await;
+            let outcome = self.store_call(self.store.lease(resource, command, now_ms)).await?;
+            if let LeaseOutcome::Granted(lease) = &outcome {
+                let mut state = slot.state();
+                let fence = state.fence.flatten().max(Some(lease.token));
+                state.fence = Some(fence);
+                drop(state);
+                metrics::advanced();
+                slot.changed.notify_waiters();
+            }
+            outcome
+        };
+        if let LeaseOutcome::Granted(lease) = &outcome {
+            self.settle(&slot, resource, lease.token, false).await?;
+        }
+        Ok(outcome)
     }
 
     /// The fence of `resource` as the store has it.
@@ -180,10 +195,7 @@ impl Gate {
                     None => Step::Load,
                     Some(fence) => match decide(fence, token) {
                         Decision::Stale { current } => {
-                            return Err(AdmitError::Stale {
-                                presented: token,
-                                current,
-                            });
+                            return Err(AdmitError::Stale { presented: token, current });
                         }
                         Decision::Advance => Step::Advance,
                         Decision::Current if state.has_older(token) => {
@@ -193,9 +205,7 @@ impl Gate {
                         Decision::Current if !register => return Ok(None),
                         Decision::Current => {
                             if state.inflight.len() >= self.limits.inflight_per_resource_max {
-                                return Err(AdmitError::TooManyInflight {
-                                    max: self.limits.inflight_per_resource_max,
-                                });
+                                return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
                             }
                             return Ok(Some(self.register(slot, &mut state, token)));
                         }
@@ -207,43 +217,23 @@ impl Gate {
                 Step::Advance => self.advance_store(slot, resource, token).await?,
                 Step::WaitForOlder => {
                     let wait_started = Instant::now();
-                    let woken = slot
-                        .wait_until(deadline, |state| !state.has_older(token))
-                        .await;
+                    let woken = slot.wait_until(deadline, |state| !state.has_older(token)).await;
                     metrics::drain_wait(wait_started.elapsed());
                     if !woken {
-                        return Err(AdmitError::DrainTimeout {
-                            waited_ms: millis(started.elapsed()),
-                        });
+                        return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
                     }
                 }
             }
         }
     }
 
-    fn register(
-        &self,
-        slot: &Arc<Slot>,
-        state: &mut MutexGuard<'_, SlotState>,
-        token: FenceToken,
-    ) -> Permit {
+    fn register(&self, slot: &Arc<Slot>, state: &mut MutexGuard<'_, SlotState>, token: FenceToken) -> Permit {
         let id = self.next_write_id.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let body_sent = Arc::new(AtomicBool::new(false));
-        state.inflight.push(Inflight {
-            id,
-            token,
-            cancel: cancel.clone(),
-            body_sent: body_sent.clone(),
-        });
+        state.inflight.push(Inflight { id, token, cancel: cancel.clone(), body_sent: body_sent.clone() });
         metrics::inflight_changed(1);
-        Permit {
-            slot: slot.clone(),
-            id,
-            token,
-            cancel,
-            body_sent,
-        }
+        Permit { slot: slot.clone(), id, token, cancel, body_sent }
     }
 
     /// Reads the fence from the store the first time the slot is used.
@@ -258,12 +248,7 @@ impl Gate {
     }
 
     /// Makes `token` the fence, durably, unless someone else already raised it meanwhile.
-    async fn advance_store(
-        &self,
-        slot: &Slot,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<(), StoreError> {
+    async fn advance_store(&self, slot: &Slot, resource: &ResourceKey, token: FenceToken) -> Result<(), StoreError> {
         let _io = slot.io.lock().await;
         let fence = slot.state().fence.flatten();
         if decide(fence, token) != Decision::Advance {
@@ -289,9 +274,7 @@ impl Gate {
         let started = Instant::now();
         let result = match tokio::time::timeout(self.limits.store_timeout, call).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout {
-                after_ms: millis(self.limits.store_timeout),
-            }),
+            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.limits.store_timeout) }),
         };
         metrics::store_call(self.store.kind(), started.elapsed(), result.is_ok());
         result
@@ -429,14 +412,8 @@ mod tests {
             async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
         });
         cancelled.cancelled().await;
-        assert!(
-            !newer.is_finished(),
-            "newer write admitted while the older one is in flight"
-        );
-        assert!(
-            !old.mark_body_sent(),
-            "a cancelled write must not finish its body"
-        );
+        assert!(!newer.is_finished(), "newer write admitted while the older one is in flight");
+        assert!(!old.mark_body_sent(), "a cancelled write must not finish its body");
         drop(old);
         assert_eq!(newer.await.unwrap().unwrap(), FenceToken(12));
     }
@@ -468,18 +445,9 @@ mod tests {
         let gate = gate();
         let r = key("job:d");
         gate.admit(&r, FenceToken(11)).await.unwrap();
-        assert_eq!(
-            gate.advance(&r, FenceToken(12)).await.unwrap(),
-            FenceToken(12)
-        );
-        assert!(matches!(
-            gate.admit(&r, FenceToken(11)).await,
-            Err(AdmitError::Stale { .. })
-        ));
-        assert!(matches!(
-            gate.advance(&r, FenceToken(10)).await,
-            Err(AdmitError::Stale { .. })
-        ));
+        assert_eq!(gate.advance(&r, FenceToken(12)).await.unwrap(), FenceToken(12));
+        assert!(matches!(gate.admit(&r, FenceToken(11)).await, Err(AdmitError::Stale { .. })));
+        assert!(matches!(gate.advance(&r, FenceToken(10)).await, Err(AdmitError::Stale { .. })));
         assert_eq!(gate.fence(&r).await.unwrap(), Some(FenceToken(12)));
     }
 
@@ -487,22 +455,13 @@ mod tests {
     /// admission; the fence stays advanced.
     #[tokio::test(start_paused = true)]
     async fn drain_is_bounded_by_the_deadline() {
-        let limits = GateLimits {
-            inflight_deadline: Duration::from_millis(500),
-            ..GateLimits::default()
-        };
+        let limits = GateLimits { inflight_deadline: Duration::from_millis(500), ..GateLimits::default() };
         let gate = Gate::new(Arc::new(MemoryStore::default()), limits);
         let r = key("job:e");
         let old = gate.admit(&r, FenceToken(1)).await.unwrap();
         assert!(old.mark_body_sent());
-        assert!(matches!(
-            gate.admit(&r, FenceToken(2)).await,
-            Err(AdmitError::DrainTimeout { .. })
-        ));
-        assert!(matches!(
-            gate.admit(&r, FenceToken(1)).await,
-            Err(AdmitError::Stale { .. })
-        ));
+        assert!(matches!(gate.admit(&r, FenceToken(2)).await, Err(AdmitError::DrainTimeout { .. })));
+        assert!(matches!(gate.admit(&r, FenceToken(1)).await, Err(AdmitError::Stale { .. })));
         drop(old);
         assert!(gate.admit(&r, FenceToken(2)).await.is_ok());
     }
@@ -513,31 +472,18 @@ mod tests {
         let store = Arc::new(MemoryStore::default());
         let gate = Gate::new(store.clone(), GateLimits::default());
         store.set_failing(true);
-        assert!(matches!(
-            gate.admit(&key("job:f"), FenceToken(3)).await,
-            Err(AdmitError::StoreUnavailable(_))
-        ));
+        assert!(matches!(gate.admit(&key("job:f"), FenceToken(3)).await, Err(AdmitError::StoreUnavailable(_))));
     }
 
     /// Idle resources are forgotten beyond the cache limit and come back from the store.
     #[tokio::test]
     async fn forgotten_resources_reload_their_fence() {
-        let limits = GateLimits {
-            cached_resources_max: 4,
-            ..GateLimits::default()
-        };
+        let limits = GateLimits { cached_resources_max: 4, ..GateLimits::default() };
         let gate = Gate::new(Arc::new(MemoryStore::default()), limits);
         for i in 0..20 {
-            drop(
-                gate.admit(&key(&format!("r{i}")), FenceToken(i + 5))
-                    .await
-                    .unwrap(),
-            );
+            drop(gate.admit(&key(&format!("r{i}")), FenceToken(i + 5)).await.unwrap());
         }
         assert!(gate.slots.lock().unwrap().len() <= 5);
-        assert!(matches!(
-            gate.admit(&key("r0"), FenceToken(4)).await,
-            Err(AdmitError::Stale { .. })
-        ));
+        assert!(matches!(gate.admit(&key("r0"), FenceToken(4)).await, Err(AdmitError::Stale { .. })));
     }
 }

@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use super::{FenceToken, ResourceKey};
+use super::{FenceToken, LeaseCommand, LeaseOutcome, ResourceKey};
 
 /// The result of a check-and-advance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,9 +21,7 @@ pub enum StoreError {
     Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("fence store did not answer within {after_ms} ms")]
     Timeout { after_ms: u64 },
-    #[error(
-        "fence store refuses work after an earlier I/O failure; restart fencegate to recover it"
-    )]
+    #[error("fence store refuses work after an earlier I/O failure; restart fencegate to recover it")]
     Poisoned,
     #[error("fence store is shut down")]
     Closed,
@@ -39,11 +37,16 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError>;
 
     /// Raises the fence of `resource` to `token` if `token` is greater, atomically.
-    async fn advance(
+    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError>;
+
+    /// Applies a lease command (see [`super::apply_lease`]) at wall-clock `now_ms`, atomically
+    /// with the fence it raises: a grant and its fence are durable together or not at all.
+    async fn lease(
         &self,
         resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<AdvanceOutcome, StoreError>;
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError>;
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;

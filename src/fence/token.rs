@@ -4,7 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 
 /// A fencing token: an unsigned 64-bit number that grows with every new lease on a resource.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
 pub struct FenceToken(pub u64);
 
 /// Why a presented token could not be read.
@@ -94,40 +95,17 @@ mod tests {
     fn parses_the_full_u64_range() {
         assert_eq!(FenceToken::parse(b"0"), Ok(FenceToken(0)));
         assert_eq!(FenceToken::parse(b"00012"), Ok(FenceToken(12)));
-        assert_eq!(
-            FenceToken::parse(b"18446744073709551615"),
-            Ok(FenceToken(u64::MAX))
-        );
+        assert_eq!(FenceToken::parse(b"18446744073709551615"), Ok(FenceToken(u64::MAX)));
     }
 
     #[test]
     fn refuses_everything_a_client_could_mean_two_ways() {
         let too_long = "9".repeat(10_000);
-        for raw in [
-            "",
-            "-1",
-            "+1",
-            " 12",
-            "12 ",
-            "0x10",
-            "1e3",
-            "1.0",
-            "١٢",
-            too_long.as_str(),
-        ] {
-            assert!(
-                FenceToken::parse(raw.as_bytes()).is_err(),
-                "{raw:?} must be refused"
-            );
+        for raw in ["", "-1", "+1", " 12", "12 ", "0x10", "1e3", "1.0", "١٢", too_long.as_str()] {
+            assert!(FenceToken::parse(raw.as_bytes()).is_err(), "{raw:?} must be refused");
         }
-        assert_eq!(
-            FenceToken::parse(b"18446744073709551616"),
-            Err(TokenParseError::TooLarge)
-        );
-        assert_eq!(
-            FenceToken::parse(b"99999999999999999999"),
-            Err(TokenParseError::TooLarge)
-        );
+        assert_eq!(FenceToken::parse(b"18446744073709551616"), Err(TokenParseError::TooLarge));
+        assert_eq!(FenceToken::parse(b"99999999999999999999"), Err(TokenParseError::TooLarge));
     }
 
     #[test]

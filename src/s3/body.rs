@@ -83,39 +83,18 @@ impl TrailerCheck {
             }
             _ => return None,
         };
-        Some(Self {
-            header,
-            algorithm,
-            hasher,
-            trailers,
-        })
+        Some(Self { header, algorithm, hasher, trailers })
     }
 
     fn verify(self) -> Result<(), BodyFailure> {
-        let Self {
-            header,
-            algorithm,
-            hasher,
-            trailers,
-        } = self;
+        let Self { header, algorithm, hasher, trailers } = self;
         let sum = hasher.finalize();
-        let computed = [
-            sum.checksum_crc32,
-            sum.checksum_crc32c,
-            sum.checksum_sha1,
-            sum.checksum_sha256,
-            sum.checksum_crc64nvme,
-        ]
-        .into_iter()
-        .flatten()
-        .next();
-        let announced = trailers
-            .read(|t| {
-                t.get(header)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned)
-            })
-            .flatten();
+        let computed =
+            [sum.checksum_crc32, sum.checksum_crc32c, sum.checksum_sha1, sum.checksum_sha256, sum.checksum_crc64nvme]
+                .into_iter()
+                .flatten()
+                .next();
+        let announced = trailers.read(|t| t.get(header).and_then(|v| v.to_str().ok()).map(str::to_owned)).flatten();
         match (computed, announced) {
             (Some(c), Some(a)) if c == a => Ok(()),
             _ => Err(BodyFailure::Checksum(algorithm)),
@@ -146,9 +125,7 @@ impl ForwardBody {
         check: Option<TrailerCheck>,
         retain_bytes_max: usize,
     ) -> (Self, Arc<BodyReport>) {
-        let cancelled = permit
-            .as_ref()
-            .map(|p| Box::pin(p.cancellation().clone().cancelled_owned()));
+        let cancelled = permit.as_ref().map(|p| Box::pin(p.cancellation().clone().cancelled_owned()));
         let report = Arc::new(BodyReport::default());
         let body = Self {
             inner,
@@ -214,10 +191,7 @@ impl HttpBody for ForwardBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
             if this.finished {
@@ -268,13 +242,11 @@ mod tests {
     /// A body passes through unchanged and is retained when small.
     #[tokio::test]
     async fn passes_bytes_through_and_retains_small_bodies() {
-        let stream = futures_util::stream::iter(vec![
-            Ok::<_, std::io::Error>(Bytes::from("ab")),
-            Ok(Bytes::from("cd")),
-        ]);
-        let inner = Body::http_body(http_body_util::StreamBody::new(
-            futures_util::StreamExt::map(stream, |r| r.map(Frame::data)),
-        ));
+        let stream =
+            futures_util::stream::iter(vec![Ok::<_, std::io::Error>(Bytes::from("ab")), Ok(Bytes::from("cd"))]);
+        let inner = Body::http_body(http_body_util::StreamBody::new(futures_util::StreamExt::map(stream, |r| {
+            r.map(Frame::data)
+        })));
         let (body, report) = ForwardBody::new(inner, None, None, 1024);
         assert_eq!(collect(body).await.unwrap(), Bytes::from("abcd"));
         assert_eq!(report.retained().unwrap().concat(), b"abcd");

@@ -40,28 +40,17 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
         None => (Some(rest.to_owned()), None),
     };
     if let Some(key) = &key
-        && key
-            .split('/')
-            .any(|segment| segment == "." || segment == "..")
+        && key.split('/').any(|segment| segment == "." || segment == "..")
     {
         return Err(FrontError::UnsafeKey);
     }
-    Ok(Target {
-        bucket,
-        key,
-        raw_path,
-    })
+    Ok(Target { bucket, key, raw_path })
 }
 
 fn virtual_host_bucket(headers: &HeaderMap, domain: &str) -> Option<String> {
     let host = headers.get(http::header::HOST)?.to_str().ok()?;
-    let host = host.rsplit_once(':').map_or(host, |(h, port)| {
-        if port.bytes().all(|b| b.is_ascii_digit()) {
-            h
-        } else {
-            host
-        }
-    });
+    let host =
+        host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
     let bucket = host.strip_suffix(domain)?.strip_suffix('.')?;
     (!bucket.is_empty()).then(|| bucket.to_owned())
 }
@@ -131,11 +120,7 @@ pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: 
     let has = |name: &str| query_has(query, name);
     let copy = headers.contains_key("x-amz-copy-source");
     if target.key.is_none() {
-        return if *method == Method::POST && has("delete") {
-            Op::DeleteObjects
-        } else {
-            Op::PassThrough
-        };
+        return if *method == Method::POST && has("delete") { Op::DeleteObjects } else { Op::PassThrough };
     }
     match *method {
         Method::PUT if has("uploadId") && has("partNumber") => {
@@ -159,10 +144,7 @@ pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: 
 
 /// Whether the query has parameter `name` (with or without a value).
 pub fn query_has(query: Option<&str>, name: &str) -> bool {
-    query.is_some_and(|q| {
-        q.split('&')
-            .any(|pair| pair.split('=').next() == Some(name))
-    })
+    query.is_some_and(|q| q.split('&').any(|pair| pair.split('=').next() == Some(name)))
 }
 
 #[cfg(test)]
@@ -185,38 +167,14 @@ mod tests {
         assert_eq!(op(Method::PUT, "/b/k", true), Op::CopyObject);
         assert_eq!(op(Method::DELETE, "/b/k", false), Op::DeleteObject);
         assert_eq!(op(Method::POST, "/b?delete", false), Op::DeleteObjects);
-        assert_eq!(
-            op(Method::POST, "/b/k?uploads", false),
-            Op::CreateMultipartUpload
-        );
-        assert_eq!(
-            op(Method::PUT, "/b/k?partNumber=1&uploadId=x", false),
-            Op::UploadPart
-        );
-        assert_eq!(
-            op(Method::PUT, "/b/k?partNumber=1&uploadId=x", true),
-            Op::UploadPartCopy
-        );
-        assert_eq!(
-            op(Method::POST, "/b/k?uploadId=x", false),
-            Op::CompleteMultipartUpload
-        );
-        assert_eq!(
-            op(Method::DELETE, "/b/k?uploadId=x", false),
-            Op::AbortMultipartUpload
-        );
-        assert_eq!(
-            op(Method::PUT, "/b/k?tagging", false),
-            Op::ObjectSubresourceWrite
-        );
-        assert_eq!(
-            op(Method::PUT, "/b/k?legal-hold", false),
-            Op::ObjectSubresourceWrite
-        );
-        assert_eq!(
-            op(Method::DELETE, "/b/k?tagging", false),
-            Op::ObjectSubresourceWrite
-        );
+        assert_eq!(op(Method::POST, "/b/k?uploads", false), Op::CreateMultipartUpload);
+        assert_eq!(op(Method::PUT, "/b/k?partNumber=1&uploadId=x", false), Op::UploadPart);
+        assert_eq!(op(Method::PUT, "/b/k?partNumber=1&uploadId=x", true), Op::UploadPartCopy);
+        assert_eq!(op(Method::POST, "/b/k?uploadId=x", false), Op::CompleteMultipartUpload);
+        assert_eq!(op(Method::DELETE, "/b/k?uploadId=x", false), Op::AbortMultipartUpload);
+        assert_eq!(op(Method::PUT, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
+        assert_eq!(op(Method::PUT, "/b/k?legal-hold", false), Op::ObjectSubresourceWrite);
+        assert_eq!(op(Method::DELETE, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
     }
 
     #[test]
@@ -234,26 +192,15 @@ mod tests {
         assert_eq!(t.object_name().as_deref(), Some("b/a b/c"));
         assert_eq!(t.raw_path, "/b/a%20b/c");
         for bad in ["/b/../x", "/b/a/./x", "/b/%2e%2e/x", "/b/%ff"] {
-            assert!(
-                target(&bad.parse().unwrap(), &HeaderMap::new(), None).is_err(),
-                "{bad}"
-            );
+            assert!(target(&bad.parse().unwrap(), &HeaderMap::new(), None).is_err(), "{bad}");
         }
     }
 
     #[test]
     fn virtual_hosted_requests_become_path_style() {
         let mut headers = HeaderMap::new();
-        headers.insert(
-            http::header::HOST,
-            "photos.s3.example.test:9000".parse().unwrap(),
-        );
-        let t = target(
-            &"/2026/a.jpg".parse().unwrap(),
-            &headers,
-            Some("s3.example.test"),
-        )
-        .unwrap();
+        headers.insert(http::header::HOST, "photos.s3.example.test:9000".parse().unwrap());
+        let t = target(&"/2026/a.jpg".parse().unwrap(), &headers, Some("s3.example.test")).unwrap();
         assert_eq!(t.raw_path, "/photos/2026/a.jpg");
         assert_eq!(t.object_name().as_deref(), Some("photos/2026/a.jpg"));
     }

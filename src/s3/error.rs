@@ -21,19 +21,13 @@ pub enum FrontError {
     #[error("the fencing token appears more than once in the {0} header")]
     RepeatedToken(&'static str),
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
-    TokenMismatch {
-        header: FenceToken,
-        metadata: FenceToken,
-    },
+    TokenMismatch { header: FenceToken, metadata: FenceToken },
     #[error("invalid fencing resource: {0}")]
     InvalidResource(ResourceKeyError),
     #[error("the key belongs to resource {bound:?} by a rule, not to {presented:?}")]
     ResourceMismatch { bound: String, presented: String },
     #[error("fencing token {presented} is older than the current fence {current}")]
-    Stale {
-        presented: FenceToken,
-        current: FenceToken,
-    },
+    Stale { presented: FenceToken, current: FenceToken },
     #[error("fence state unknown; the write was not forwarded")]
     StoreUnavailable(#[source] StoreError),
     #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
@@ -55,10 +49,7 @@ pub enum FrontError {
     #[error("upstream request failed")]
     Upstream(#[source] UpstreamError),
     #[error("upstream answered {status} to {step}")]
-    UpstreamStatus {
-        step: &'static str,
-        status: StatusCode,
-    },
+    UpstreamStatus { step: &'static str, status: StatusCode },
 }
 
 impl From<AdmitError> for FrontError {
@@ -77,9 +68,7 @@ impl FrontError {
     pub fn decision(&self) -> &'static str {
         match self {
             Self::MissingToken => "missing_token",
-            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => {
-                "invalid_token"
-            }
+            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => "invalid_token",
             Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
             Self::Stale { .. } => "stale",
             Self::StoreUnavailable(_) => "store_unavailable",
@@ -108,12 +97,8 @@ impl FrontError {
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
-            Self::Upstream(UpstreamError::Timeout { .. }) => {
-                (S::GATEWAY_TIMEOUT, "UpstreamTimeout")
-            }
-            Self::Upstream(_) | Self::UpstreamStatus { .. } => {
-                (S::BAD_GATEWAY, "UpstreamUnavailable")
-            }
+            Self::Upstream(UpstreamError::Timeout { .. }) => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
+            Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
         }
     }
 
@@ -131,14 +116,8 @@ impl FrontError {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        headers.insert(
-            "x-amz-request-id",
-            HeaderValue::from_str(request_id).expect("request ids are ASCII"),
-        );
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/xml"),
-        );
+        headers.insert("x-amz-request-id", HeaderValue::from_str(request_id).expect("request ids are ASCII"));
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
         error.set_headers(headers);
         error
     }

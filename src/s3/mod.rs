@@ -29,6 +29,7 @@ use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use self::objects::{EtagCache, ObjectState};
 use crate::config::Config;
 use crate::fence::{FenceToken, Gate, Permit, ResourceKey};
+use crate::lease::LeaseService;
 use crate::metrics;
 use crate::upstream::Upstream;
 
@@ -55,14 +56,7 @@ const HOP_HEADERS: &[&str] = &[
 ];
 
 /// Response headers that concern the hop from the upstream.
-const RESPONSE_HOP_HEADERS: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-];
+const RESPONSE_HOP_HEADERS: &[&str] = &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
 
 /// Query parameters of presigned URLs: fencegate's own signature, not the upstream's.
 const PRESIGN_PARAMS: &[&str] = &[
@@ -88,6 +82,7 @@ pub fn service(
     config: &Config,
     gate: Arc<Gate>,
     upstream: Arc<dyn Upstream>,
+    leases: Arc<LeaseService>,
 ) -> anyhow::Result<S3Service> {
     let mut auth = s3s::auth::SimpleAuth::new();
     for c in &config.credentials {
@@ -96,12 +91,10 @@ pub fn service(
     let front = Front::new(config, gate, upstream)?;
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth);
-    builder.set_route(FencegateRoute(Arc::new(front)));
+    builder.set_route(FencegateRoute { front: Arc::new(front), leases });
+    builder.set_validation(BucketNames);
     if let Some(domain) = &config.server.domain {
-        builder.set_host(
-            s3s::host::SingleDomain::new(domain)
-                .map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?,
-        );
+        builder.set_host(s3s::host::SingleDomain::new(domain).map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?);
     }
     Ok(builder.build())
 }
@@ -113,7 +106,20 @@ struct NoOperations;
 #[async_trait::async_trait]
 impl s3s::S3 for NoOperations {}
 
-struct FencegateRoute(Arc<Front>);
+/// Every authenticated request: lease endpoints to the lease service, the rest to the S3 front.
+struct FencegateRoute {
+    front: Arc<Front>,
+    leases: Arc<LeaseService>,
+}
+
+/// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
+struct BucketNames;
+
+impl s3s::validation::NameValidation for BucketNames {
+    fn validate_bucket_name(&self, name: &str) -> bool {
+        name == crate::lease::PSEUDO_BUCKET || s3s::path::check_bucket_name(name)
+    }
+}
 
 #[async_trait::async_trait]
 impl S3Route for FencegateRoute {
@@ -122,7 +128,10 @@ impl S3Route for FencegateRoute {
     }
 
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
-        self.0.handle(req).await
+        if LeaseService::handles(req.uri.path()) {
+            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input).await);
+        }
+        self.front.handle(req).await
     }
 }
 
@@ -228,10 +237,7 @@ impl Front {
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
         {
-            return Err(FrontError::TooLarge {
-                bytes,
-                max: self.body_bytes_max,
-            });
+            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
         }
         let request = Request {
             method: req.method,
@@ -246,9 +252,7 @@ impl Front {
             return self.pass_through(request).await;
         }
         if op == Op::DeleteObjects {
-            return Err(FrontError::NotSupported(
-                "DeleteObjects (delete keys one by one)",
-            ));
+            return Err(FrontError::NotSupported("DeleteObjects (delete keys one by one)"));
         }
         let Some(token) = self.wire.token(&request.headers)? else {
             if self.require_token {
@@ -269,11 +273,7 @@ impl Front {
         let permit = Arc::new(self.gate.admit(&resource, token).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
-        let admitted = Admitted {
-            token,
-            resource,
-            permit,
-        };
+        let admitted = Admitted { token, resource, permit };
         match op {
             Op::PutObject => self.put_object(request, admitted).await,
             Op::CopyObject => self.copy_object(request, admitted).await,
@@ -291,73 +291,37 @@ impl Front {
     async fn pass_through(&self, request: Request) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
-        let resp = self
-            .send("pass_through", request.method, &path, headers, request.body)
-            .await?;
+        let resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
         Ok(client_response(resp))
     }
 
     /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
     /// gate orders it, and its body is cancellable like any other.
-    async fn forward_admitted(
-        &self,
-        request: Request,
-        admitted: Admitted,
-    ) -> Result<S3Response<Body>, FrontError> {
+    async fn forward_admitted(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
         let check = trailer_check(&request);
-        let (body, report) =
-            ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
-        let result = self
-            .send(
-                "fenced_write",
-                request.method,
-                &path,
-                headers,
-                Body::http_body(body),
-            )
-            .await;
+        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
+        let result = self.send("fenced_write", request.method, &path, headers, Body::http_body(body)).await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         Ok(client_response(resp))
     }
 
     /// PutObject: stamped, conditional on the object's last known state, retried once from the
     /// retained body when a same-token writer changed the object meanwhile.
-    async fn put_object(
-        &self,
-        mut request: Request,
-        admitted: Admitted,
-    ) -> Result<S3Response<Body>, FrontError> {
+    async fn put_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let retainable = request
-            .content_length
-            .is_some_and(|n| n <= self.retry_body_bytes_max as u64);
-        let state = self
-            .object_state(&request.target, &object, retainable, admitted.token)
-            .await?;
+        let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
+        let state = self.object_state(&request.target, &object, retainable, admitted.token).await?;
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
 
         let check = trailer_check(&request);
-        let retain = if retainable {
-            self.retry_body_bytes_max
-        } else {
-            0
-        };
-        let (body, report) =
-            ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
-        let result = self
-            .send(
-                "put_object",
-                Method::PUT,
-                &path,
-                headers.clone(),
-                Body::http_body(body),
-            )
-            .await;
+        let retain = if retainable { self.retry_body_bytes_max } else { 0 };
+        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
+        let result = self.send("put_object", Method::PUT, &path, headers.clone(), Body::http_body(body)).await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         if resp.status().is_success() {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -366,37 +330,25 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self
-            .reread_after_conflict(&request.target, &object, admitted.token)
-            .await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         let Some(chunks) = report.retained() else {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
         };
         set_precondition(&mut headers, &fresh);
         let body = Body::http_body(http_body_util::StreamBody::new(futures_util::stream::iter(
-            chunks
-                .into_iter()
-                .map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
+            chunks.into_iter().map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
         )));
-        let resp = self
-            .send("put_object", Method::PUT, &path, headers, body)
-            .await?;
+        let resp = self.send("put_object", Method::PUT, &path, headers, body).await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
     /// CopyObject: the destination is stamped and conditional. With the `COPY` metadata
     /// directive the source's metadata is read and re-sent with `REPLACE`, so the stamp can be
     /// added without losing the rest.
-    async fn copy_object(
-        &self,
-        mut request: Request,
-        admitted: Admitted,
-    ) -> Result<S3Response<Body>, FrontError> {
+    async fn copy_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let state = self
-            .object_state(&request.target, &object, true, admitted.token)
-            .await?;
+        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
         let replaces = request
             .headers
             .get("x-amz-metadata-directive")
@@ -408,15 +360,7 @@ impl Front {
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
-        let resp = self
-            .send(
-                "copy_object",
-                Method::PUT,
-                &path,
-                headers.clone(),
-                Body::empty(),
-            )
-            .await?;
+        let resp = self.send("copy_object", Method::PUT, &path, headers.clone(), Body::empty()).await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -425,41 +369,23 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self
-            .reread_after_conflict(&request.target, &object, admitted.token)
-            .await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         set_precondition(&mut headers, &fresh);
-        let resp = self
-            .send("copy_object", Method::PUT, &path, headers, Body::empty())
-            .await?;
+        let resp = self.send("copy_object", Method::PUT, &path, headers, Body::empty()).await?;
         let (resp, _) = read_xml_response(resp).await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
     /// DeleteObject: conditional on the ETag of the version the token may delete.
-    async fn delete_object(
-        &self,
-        request: Request,
-        admitted: Admitted,
-    ) -> Result<S3Response<Body>, FrontError> {
+    async fn delete_object(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let state = self
-            .object_state(&request.target, &object, true, admitted.token)
-            .await?;
+        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         if let ObjectState::Present { .. } = state {
             set_precondition(&mut headers, &state);
         }
-        let resp = self
-            .send(
-                "delete_object",
-                Method::DELETE,
-                &path,
-                headers.clone(),
-                Body::empty(),
-            )
-            .await?;
+        let resp = self.send("delete_object", Method::DELETE, &path, headers.clone(), Body::empty()).await?;
         if resp.status().is_success() {
             self.etags.put(object, ObjectState::Absent);
             return Ok(client_response(resp));
@@ -467,22 +393,12 @@ impl Front {
         if !lost_precondition(resp.status()) {
             return Ok(client_response(resp));
         }
-        let fresh = self
-            .reread_after_conflict(&request.target, &object, admitted.token)
-            .await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         headers.remove(http::header::IF_MATCH);
         if let ObjectState::Present { .. } = fresh {
             set_precondition(&mut headers, &fresh);
         }
-        let resp = self
-            .send(
-                "delete_object",
-                Method::DELETE,
-                &path,
-                headers,
-                Body::empty(),
-            )
-            .await?;
+        let resp = self.send("delete_object", Method::DELETE, &path, headers, Body::empty()).await?;
         if resp.status().is_success() {
             metrics::precondition_conflict("retried");
             self.etags.put(object, ObjectState::Absent);
@@ -504,25 +420,14 @@ impl Front {
         use_cache: bool,
         token: FenceToken,
     ) -> Result<ObjectState, FrontError> {
-        let cached = if use_cache {
-            self.etags.get(object)
-        } else {
-            None
-        };
+        let cached = if use_cache { self.etags.get(object) } else { None };
         let state = match cached {
             Some(state) => state,
             None => objects::head(self.upstream.as_ref(), &target.raw_path).await?,
         };
         if let Some(newer) = state.newer_stamp(token) {
-            tracing::warn!(
-                object,
-                stamp = newer.0,
-                "object carries a newer token than the fence store knows"
-            );
-            return Err(FrontError::Stale {
-                presented: token,
-                current: newer,
-            });
+            tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
+            return Err(FrontError::Stale { presented: token, current: newer });
         }
         Ok(state)
     }
@@ -539,10 +444,7 @@ impl Front {
         let fresh = objects::head(self.upstream.as_ref(), &target.raw_path).await?;
         if let Some(newer) = fresh.newer_stamp(token) {
             metrics::precondition_conflict("stale");
-            return Err(FrontError::Stale {
-                presented: token,
-                current: newer,
-            });
+            return Err(FrontError::Stale { presented: token, current: newer });
         }
         Ok(fresh)
     }
@@ -567,23 +469,14 @@ impl Front {
 
     fn remember_write(&self, object: String, headers: &HeaderMap, token: FenceToken) {
         match headers.get(http::header::ETAG) {
-            Some(etag) => self.etags.put(
-                object,
-                ObjectState::Present {
-                    etag: etag.clone(),
-                    stamp: Some(token),
-                },
-            ),
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag: etag.clone(), stamp: Some(token) }),
             None => self.etags.forget(&object),
         }
     }
 
     /// Replaces a COPY directive by REPLACE with the source's own metadata.
     async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
-        let Some(source) = headers
-            .get("x-amz-copy-source")
-            .and_then(|v| v.to_str().ok())
-        else {
+        let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
             return Ok(());
         };
         let source_path = format!("/{}", source.trim_start_matches('/'));
@@ -600,11 +493,7 @@ impl Front {
             .uri(uri)
             .body(Body::empty())
             .map_err(|_| FrontError::UnsafeKey)?;
-        let resp = self
-            .upstream
-            .send(req)
-            .await
-            .map_err(FrontError::Upstream)?;
+        let resp = self.upstream.send(req).await.map_err(FrontError::Upstream)?;
         if !resp.status().is_success() {
             return Ok(()); // the copy itself will fail with the upstream's own error
         }
@@ -617,16 +506,12 @@ impl Front {
             http::header::EXPIRES,
         ];
         for (name, value) in resp.headers() {
-            let user_metadata =
-                name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
+            let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
             if user_metadata || COPIED.contains(name) {
                 headers.insert(name.clone(), value.clone());
             }
         }
-        headers.insert(
-            "x-amz-metadata-directive",
-            HeaderValue::from_static("REPLACE"),
-        );
+        headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
         Ok(())
     }
 
@@ -639,17 +524,8 @@ impl Front {
     ) -> Result<http::Response<Body>, FrontError> {
         match report.failure() {
             Some(BodyFailure::Cancelled) => {
-                let current = self
-                    .gate
-                    .fence(&admitted.resource)
-                    .await
-                    .ok()
-                    .flatten()
-                    .unwrap_or(admitted.token);
-                Err(FrontError::Stale {
-                    presented: admitted.token,
-                    current,
-                })
+                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
+                Err(FrontError::Stale { presented: admitted.token, current })
             }
             Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
             Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
@@ -764,11 +640,7 @@ fn forwarded_query(query: Option<&str>) -> String {
             !PRESIGN_PARAMS.contains(&name)
         })
         .collect();
-    if kept.is_empty() {
-        String::new()
-    } else {
-        format!("?{}", kept.join("&"))
-    }
+    if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) }
 }
 
 fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
@@ -784,9 +656,7 @@ fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
 
 /// Reads a small XML response (CopyObject, CompleteMultipartUpload) and says whether it is a
 /// real success: S3 can answer 200 with an `<Error>` body.
-async fn read_xml_response(
-    resp: http::Response<Body>,
-) -> Result<(http::Response<Body>, bool), FrontError> {
+async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
     let (parts, body) = resp.into_parts();
     let limited = http_body_util::Limited::new(body, XML_RESPONSE_BYTES_MAX);
     let bytes: Bytes = limited
@@ -795,10 +665,7 @@ async fn read_xml_response(
         .map_err(|e| FrontError::Upstream(crate::upstream::UpstreamError::Transport(e)))?
         .to_bytes();
     let committed = parts.status.is_success() && !contains_error_element(&bytes);
-    Ok((
-        http::Response::from_parts(parts, Body::from(bytes)),
-        committed,
-    ))
+    Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
 }
 
 fn contains_error_element(xml: &[u8]) -> bool {
@@ -813,21 +680,12 @@ struct RequestIds {
 
 impl RequestIds {
     fn new() -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        Self {
-            prefix: nanos ^ std::process::id(),
-            counter: AtomicU64::new(1),
-        }
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        Self { prefix: nanos ^ std::process::id(), counter: AtomicU64::new(1) }
     }
 
     fn next(&self) -> String {
-        format!(
-            "{:08X}{:012X}",
-            self.prefix,
-            self.counter.fetch_add(1, Ordering::Relaxed)
-        )
+        format!("{:08X}{:012X}", self.prefix, self.counter.fetch_add(1, Ordering::Relaxed))
     }
 }
 
@@ -838,14 +696,8 @@ mod tests {
     #[test]
     fn presign_parameters_are_not_forwarded() {
         assert_eq!(forwarded_query(None), "");
-        assert_eq!(
-            forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")),
-            ""
-        );
-        assert_eq!(
-            forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")),
-            "?uploadId=7&partNumber=2"
-        );
+        assert_eq!(forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")), "");
+        assert_eq!(forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")), "?uploadId=7&partNumber=2");
     }
 
     #[test]
@@ -875,11 +727,7 @@ mod tests {
 
     #[test]
     fn error_bodies_in_success_responses_are_seen() {
-        assert!(contains_error_element(
-            b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"
-        ));
-        assert!(!contains_error_element(
-            b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"
-        ));
+        assert!(contains_error_element(b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"));
+        assert!(!contains_error_element(b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"));
     }
 }

@@ -16,10 +16,7 @@ use crate::upstream::Upstream;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ObjectState {
     Absent,
-    Present {
-        etag: HeaderValue,
-        stamp: Option<FenceToken>,
-    },
+    Present { etag: HeaderValue, stamp: Option<FenceToken> },
 }
 
 impl ObjectState {
@@ -48,18 +45,11 @@ pub struct EtagCache {
 
 impl EtagCache {
     pub fn new(entries_max: usize) -> Self {
-        Self {
-            entries: Mutex::new(HashMap::new()),
-            entries_max,
-        }
+        Self { entries: Mutex::new(HashMap::new()), entries_max }
     }
 
     pub fn get(&self, object: &str) -> Option<ObjectState> {
-        self.entries
-            .lock()
-            .expect("etag cache lock")
-            .get(object)
-            .cloned()
+        self.entries.lock().expect("etag cache lock").get(object).cloned()
     }
 
     pub fn put(&self, object: String, state: ObjectState) {
@@ -85,29 +75,19 @@ impl EtagCache {
 
 /// Reads an object's head at the upstream.
 pub async fn head(upstream: &dyn Upstream, raw_path: &str) -> Result<ObjectState, FrontError> {
-    let req = http::Request::builder()
-        .method(Method::HEAD)
-        .uri(raw_path)
-        .body(Body::empty())
-        .expect("a path is a valid URI");
+    let req =
+        http::Request::builder().method(Method::HEAD).uri(raw_path).body(Body::empty()).expect("a path is a valid URI");
     let resp = upstream.send(req).await.map_err(FrontError::Upstream)?;
     match resp.status() {
         StatusCode::NOT_FOUND => Ok(ObjectState::Absent),
-        s if s.is_success() => {
-            Ok(state_from_headers(resp.headers()).unwrap_or(ObjectState::Absent))
-        }
-        status => Err(FrontError::UpstreamStatus {
-            step: "the object head read",
-            status,
-        }),
+        s if s.is_success() => Ok(state_from_headers(resp.headers()).unwrap_or(ObjectState::Absent)),
+        status => Err(FrontError::UpstreamStatus { step: "the object head read", status }),
     }
 }
 
 /// The object state a successful write response or head describes, if it names an ETag.
 pub fn state_from_headers(headers: &http::HeaderMap) -> Option<ObjectState> {
     let etag = headers.get(http::header::ETAG)?.clone();
-    let stamp = headers
-        .get(METADATA_TOKEN_HEADER)
-        .and_then(|v| FenceToken::parse(v.as_bytes()).ok());
+    let stamp = headers.get(METADATA_TOKEN_HEADER).and_then(|v| FenceToken::parse(v.as_bytes()).ok());
     Some(ObjectState::Present { etag, stamp })
 }

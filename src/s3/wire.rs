@@ -23,32 +23,21 @@ impl WireContract {
     /// The presented token: the token header, or the object metadata, or both if they agree.
     pub fn token(&self, headers: &HeaderMap) -> Result<Option<FenceToken>, FrontError> {
         let header = single_token(headers, &self.token_header, "fencing token")?;
-        let metadata = single_token(
-            headers,
-            &HeaderName::from_static(METADATA_TOKEN_HEADER),
-            "metadata",
-        )?;
+        let metadata = single_token(headers, &HeaderName::from_static(METADATA_TOKEN_HEADER), "metadata")?;
         match (header, metadata) {
-            (Some(h), Some(m)) if h != m => Err(FrontError::TokenMismatch {
-                header: h,
-                metadata: m,
-            }),
+            (Some(h), Some(m)) if h != m => Err(FrontError::TokenMismatch { header: h, metadata: m }),
             (h, m) => Ok(h.or(m)),
         }
     }
 
     /// The resource a write to `bucket/key` belongs to: the rule that binds the key (a
     /// disagreeing header is refused), else the header, else the object itself.
-    pub fn resource(
-        &self,
-        headers: &HeaderMap,
-        bucket: &str,
-        key: &str,
-    ) -> Result<ResourceKey, FrontError> {
+    pub fn resource(&self, headers: &HeaderMap, bucket: &str, key: &str) -> Result<ResourceKey, FrontError> {
         let presented = match headers.get(&self.resource_header) {
-            Some(v) => Some(v.to_str().map_err(|_| {
-                FrontError::InvalidResource(crate::fence::ResourceKeyError::ControlCharacter)
-            })?),
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| FrontError::InvalidResource(crate::fence::ResourceKeyError::ControlCharacter))?,
+            ),
             None => None,
         };
         let rule = self
@@ -58,10 +47,7 @@ impl WireContract {
             .max_by_key(|r| r.prefix.len());
         let name = match (rule, presented) {
             (Some(rule), Some(p)) if p != rule.resource => {
-                return Err(FrontError::ResourceMismatch {
-                    bound: rule.resource.clone(),
-                    presented: p.to_owned(),
-                });
+                return Err(FrontError::ResourceMismatch { bound: rule.resource.clone(), presented: p.to_owned() });
             }
             (Some(rule), _) => rule.resource.clone(),
             (None, Some(p)) => p.to_owned(),
@@ -71,11 +57,7 @@ impl WireContract {
     }
 }
 
-fn single_token(
-    headers: &HeaderMap,
-    name: &HeaderName,
-    what: &'static str,
-) -> Result<Option<FenceToken>, FrontError> {
+fn single_token(headers: &HeaderMap, name: &HeaderName, what: &'static str) -> Result<Option<FenceToken>, FrontError> {
     let mut values = headers.get_all(name).iter();
     let Some(first) = values.next() else {
         return Ok(None);
@@ -83,9 +65,7 @@ fn single_token(
     if values.next().is_some() {
         return Err(FrontError::RepeatedToken(what));
     }
-    FenceToken::parse(first.as_bytes())
-        .map(Some)
-        .map_err(FrontError::InvalidToken)
+    FenceToken::parse(first.as_bytes()).map(Some).map_err(FrontError::InvalidToken)
 }
 
 #[cfg(test)]
@@ -112,32 +92,14 @@ mod tests {
     fn token_comes_from_header_or_metadata_and_both_must_agree() {
         let c = contract(vec![]);
         assert_eq!(c.token(&headers(&[])).unwrap(), None);
-        assert_eq!(
-            c.token(&headers(&[("fencing-token", "12")])).unwrap(),
-            Some(FenceToken(12))
-        );
-        assert_eq!(
-            c.token(&headers(&[(METADATA_TOKEN_HEADER, "12")])).unwrap(),
-            Some(FenceToken(12))
-        );
-        assert!(
-            c.token(&headers(&[
-                ("fencing-token", "12"),
-                (METADATA_TOKEN_HEADER, "12")
-            ]))
-            .is_ok()
-        );
+        assert_eq!(c.token(&headers(&[("fencing-token", "12")])).unwrap(), Some(FenceToken(12)));
+        assert_eq!(c.token(&headers(&[(METADATA_TOKEN_HEADER, "12")])).unwrap(), Some(FenceToken(12)));
+        assert!(c.token(&headers(&[("fencing-token", "12"), (METADATA_TOKEN_HEADER, "12")])).is_ok());
         assert!(matches!(
-            c.token(&headers(&[
-                ("fencing-token", "12"),
-                (METADATA_TOKEN_HEADER, "11")
-            ])),
+            c.token(&headers(&[("fencing-token", "12"), (METADATA_TOKEN_HEADER, "11")])),
             Err(FrontError::TokenMismatch { .. })
         ));
-        assert!(matches!(
-            c.token(&headers(&[("fencing-token", "0x10")])),
-            Err(FrontError::InvalidToken(_))
-        ));
+        assert!(matches!(c.token(&headers(&[("fencing-token", "0x10")])), Err(FrontError::InvalidToken(_))));
         assert!(matches!(
             c.token(&headers(&[("fencing-token", "1"), ("fencing-token", "2")])),
             Err(FrontError::RepeatedToken(_))
@@ -146,35 +108,15 @@ mod tests {
 
     #[test]
     fn rules_bind_prefixes_and_refuse_a_disagreeing_header() {
-        let rule = RuleConfig {
-            bucket: "b".into(),
-            prefix: "jobs/".into(),
-            resource: "job:x".into(),
-        };
+        let rule = RuleConfig { bucket: "b".into(), prefix: "jobs/".into(), resource: "job:x".into() };
         let c = contract(vec![rule]);
-        assert_eq!(
-            c.resource(&headers(&[]), "b", "jobs/1").unwrap().as_str(),
-            "job:x"
-        );
-        assert_eq!(
-            c.resource(&headers(&[("fencing-resource", "job:x")]), "b", "jobs/1")
-                .unwrap()
-                .as_str(),
-            "job:x"
-        );
+        assert_eq!(c.resource(&headers(&[]), "b", "jobs/1").unwrap().as_str(), "job:x");
+        assert_eq!(c.resource(&headers(&[("fencing-resource", "job:x")]), "b", "jobs/1").unwrap().as_str(), "job:x");
         assert!(matches!(
             c.resource(&headers(&[("fencing-resource", "job:y")]), "b", "jobs/1"),
             Err(FrontError::ResourceMismatch { .. })
         ));
-        assert_eq!(
-            c.resource(&headers(&[("fencing-resource", "r")]), "b", "other")
-                .unwrap()
-                .as_str(),
-            "r"
-        );
-        assert_eq!(
-            c.resource(&headers(&[]), "b", "other").unwrap().as_str(),
-            "b/other"
-        );
+        assert_eq!(c.resource(&headers(&[("fencing-resource", "r")]), "b", "other").unwrap().as_str(), "r");
+        assert_eq!(c.resource(&headers(&[]), "b", "other").unwrap().as_str(), "b/other");
     }
 }

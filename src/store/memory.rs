@@ -7,11 +7,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 
-use crate::fence::{AdvanceOutcome, FenceStore, FenceToken, ResourceKey, StoreError};
+use crate::fence::{
+    AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey,
+    StoreError, apply_lease,
+};
 
 #[derive(Default)]
 pub struct MemoryStore {
     fences: Mutex<HashMap<ResourceKey, FenceToken>>,
+    leases: Mutex<HashMap<ResourceKey, LeaseRecord>>,
     /// Makes every call fail, to test that callers fail closed.
     failing: AtomicBool,
 }
@@ -33,19 +37,10 @@ impl MemoryStore {
 impl FenceStore for MemoryStore {
     async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
         self.check()?;
-        Ok(self
-            .fences
-            .lock()
-            .expect("memory store lock")
-            .get(resource)
-            .copied())
+        Ok(self.fences.lock().expect("memory store lock").get(resource).copied())
     }
 
-    async fn advance(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<AdvanceOutcome, StoreError> {
+    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
         self.check()?;
         let mut fences = self.fences.lock().expect("memory store lock");
         let previous = fences.get(resource).copied();
@@ -56,6 +51,31 @@ impl FenceStore for MemoryStore {
                 Ok(AdvanceOutcome::Advanced { previous })
             }
         }
+    }
+
+    async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.check()?;
+        let mut fences = self.fences.lock().expect("memory store lock");
+        let mut leases = self.leases.lock().expect("memory store lock");
+        let t = apply_lease(fences.get(resource).copied(), leases.get(resource), command, now_ms);
+        if let Some(fence) = t.fence {
+            fences.insert(resource.clone(), fence);
+        }
+        match t.lease {
+            LeaseWrite::Keep => {}
+            LeaseWrite::Put(record) => {
+                leases.insert(resource.clone(), record);
+            }
+            LeaseWrite::Delete => {
+                leases.remove(resource);
+            }
+        }
+        Ok(t.outcome)
     }
 
     fn kind(&self) -> &'static str {

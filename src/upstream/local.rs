@@ -26,27 +26,13 @@ pub struct LocalUpstream {
 
 impl LocalUpstream {
     pub fn open(root: &Path) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(root).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot create the local upstream directory {}: {e}",
-                root.display()
-            )
-        })?;
-        let fs = s3s_fs::FileSystem::new(root).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot open the local upstream at {}: {e:?}",
-                root.display()
-            )
-        })?;
+        std::fs::create_dir_all(root)
+            .map_err(|e| anyhow::anyhow!("cannot create the local upstream directory {}: {e}", root.display()))?;
+        let fs = s3s_fs::FileSystem::new(root)
+            .map_err(|e| anyhow::anyhow!("cannot open the local upstream at {}: {e:?}", root.display()))?;
         let service = S3ServiceBuilder::new(fs).build();
-        let object_locks = (0..OBJECT_LOCK_STRIPES)
-            .map(|_| tokio::sync::Mutex::new(()))
-            .collect();
-        Ok(Self {
-            service,
-            object_locks,
-            hasher: RandomState::new(),
-        })
+        let object_locks = (0..OBJECT_LOCK_STRIPES).map(|_| tokio::sync::Mutex::new(())).collect();
+        Ok(Self { service, object_locks, hasher: RandomState::new() })
     }
 
     fn is_object_write(req: &http::Request<Body>) -> bool {
@@ -65,10 +51,7 @@ impl Upstream for LocalUpstream {
         } else {
             None
         };
-        self.service
-            .call(req)
-            .await
-            .map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
+        self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
     }
 
     fn kind(&self) -> &'static str {

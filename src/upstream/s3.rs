@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use aws_credential_types::Credentials;
 use aws_sigv4::http_request::{
-    PayloadChecksumKind, PercentEncodingMode, SignableBody, SignableRequest, SigningSettings,
-    UriPathNormalizationMode, sign,
+    PayloadChecksumKind, PercentEncodingMode, SignableBody, SignableRequest, SigningSettings, UriPathNormalizationMode,
+    sign,
 };
 use aws_sigv4::sign::v4;
 use aws_smithy_runtime_api::client::identity::Identity;
@@ -33,18 +33,9 @@ pub struct S3Upstream {
 
 impl S3Upstream {
     pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
-        let endpoint: http::Uri = config
-            .endpoint
-            .as_deref()
-            .expect("validated: upstream.endpoint")
-            .parse()?;
-        let authority = endpoint
-            .authority()
-            .expect("validated: endpoint has an authority")
-            .clone();
-        let scheme = endpoint
-            .scheme_str()
-            .expect("validated: endpoint has a scheme");
+        let endpoint: http::Uri = config.endpoint.as_deref().expect("validated: upstream.endpoint").parse()?;
+        let authority = endpoint.authority().expect("validated: endpoint has an authority").clone();
+        let scheme = endpoint.scheme_str().expect("validated: endpoint has a scheme");
         let base = format!("{scheme}://{authority}");
 
         let mut http = HttpConnector::new();
@@ -56,19 +47,12 @@ impl S3Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(config.idle_connections_max)
-            .build(connector);
+        let client =
+            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(config.idle_connections_max).build(connector);
 
         let credentials = Credentials::new(
-            config
-                .access_key_id
-                .clone()
-                .expect("validated: upstream.access_key_id"),
-            config
-                .secret_access_key
-                .clone()
-                .expect("validated: upstream.secret_access_key"),
+            config.access_key_id.clone().expect("validated: upstream.access_key_id"),
+            config.secret_access_key.clone().expect("validated: upstream.secret_access_key"),
             None,
             None,
             "fencegate-config",
@@ -102,22 +86,15 @@ impl S3Upstream {
             .into();
         let mut headers = Vec::with_capacity(req.headers().len());
         for (name, value) in req.headers() {
-            let value = value
-                .to_str()
-                .map_err(|e| UpstreamError::Sign(Box::new(e)))?;
+            let value = value.to_str().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
             headers.push((name.as_str(), value));
         }
         let uri = req.uri().to_string();
-        let signable = SignableRequest::new(
-            req.method().as_str(),
-            uri,
-            headers.into_iter(),
-            SignableBody::UnsignedPayload,
-        )
-        .map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-        let (instructions, _signature) = sign(signable, &params)
-            .map_err(|e| UpstreamError::Sign(Box::new(e)))?
-            .into_parts();
+        let signable =
+            SignableRequest::new(req.method().as_str(), uri, headers.into_iter(), SignableBody::UnsignedPayload)
+                .map_err(|e| UpstreamError::Sign(Box::new(e)))?;
+        let (instructions, _signature) =
+            sign(signable, &params).map_err(|e| UpstreamError::Sign(Box::new(e)))?.into_parts();
         instructions.apply_to_request_http1x(req);
         Ok(())
     }
@@ -125,22 +102,15 @@ impl S3Upstream {
 
 #[async_trait]
 impl Upstream for S3Upstream {
-    async fn send(
-        &self,
-        mut req: http::Request<Body>,
-    ) -> Result<http::Response<Body>, UpstreamError> {
+    async fn send(&self, mut req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
         let path_and_query = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-        *req.uri_mut() = format!("{}{}", self.base, path_and_query)
-            .parse()
-            .map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-        req.headers_mut()
-            .insert(http::header::HOST, self.host.clone());
+        *req.uri_mut() =
+            format!("{}{}", self.base, path_and_query).parse().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
+        req.headers_mut().insert(http::header::HOST, self.host.clone());
         self.sign(&mut req)?;
         let response = tokio::time::timeout(self.request_timeout, self.client.request(req))
             .await
-            .map_err(|_| UpstreamError::Timeout {
-                after_ms: self.request_timeout.as_millis() as u64,
-            })?
+            .map_err(|_| UpstreamError::Timeout { after_ms: self.request_timeout.as_millis() as u64 })?
             .map_err(|e| UpstreamError::Transport(Box::new(e)))?;
         Ok(response.map(Body::from))
     }

@@ -1,0 +1,188 @@
+//! Leases whose grant fences their resource: the state machine, pure. Stores apply it inside
+//! one atomic step together with the fence, so a grant and its fence can never be seen apart.
+
+use serde::{Deserialize, Serialize};
+
+use super::FenceToken;
+
+/// A granted lease, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub holder: String,
+    pub lease_id: String,
+    pub token: FenceToken,
+    pub ttl_ms: u64,
+    /// Wall-clock milliseconds since the Unix epoch: leases outlive restarts.
+    pub expires_at_ms: u64,
+}
+
+impl LeaseRecord {
+    pub fn is_live(&self, now_ms: u64) -> bool {
+        now_ms < self.expires_at_ms
+    }
+}
+
+/// What a lease client asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseCommand {
+    /// `lease_id` is chosen by the caller (random), so the store stays deterministic.
+    Acquire {
+        holder: String,
+        ttl_ms: u64,
+        lease_id: String,
+    },
+    Renew {
+        lease_id: String,
+    },
+    Release {
+        lease_id: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// The lease is granted with a token above every token of the resource, now its fence.
+    Granted(LeaseRecord),
+    /// Someone holds a live lease.
+    Held {
+        holder: String,
+        remaining_ms: u64,
+    },
+    Renewed(LeaseRecord),
+    Released,
+    /// The lease id is not the live lease any more (expired, released or superseded).
+    Gone,
+    /// The resource's fence is `u64::MAX`: no greater token exists.
+    TokensExhausted,
+}
+
+/// What a store must write after a command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseWrite {
+    Keep,
+    Put(LeaseRecord),
+    Delete,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseTransition {
+    pub outcome: LeaseOutcome,
+    /// The new fence, when the command raised it.
+    pub fence: Option<FenceToken>,
+    pub lease: LeaseWrite,
+}
+
+/// Applies `command` at `now_ms` to a resource whose fence is `fence` and whose stored lease
+/// is `current`.
+pub fn apply_lease(
+    fence: Option<FenceToken>,
+    current: Option<&LeaseRecord>,
+    command: LeaseCommand,
+    now_ms: u64,
+) -> LeaseTransition {
+    let live = current.filter(|l| l.is_live(now_ms));
+    let keep = |outcome| LeaseTransition { outcome, fence: None, lease: LeaseWrite::Keep };
+    match command {
+        LeaseCommand::Acquire { holder, ttl_ms, lease_id } => {
+            if let Some(l) = live {
+                return keep(LeaseOutcome::Held { holder: l.holder.clone(), remaining_ms: l.expires_at_ms - now_ms });
+            }
+            // Above the fence, which is at least every token ever granted or seen.
+            let next = match fence {
+                None => Some(1),
+                Some(f) => f.0.checked_add(1),
+            };
+            let Some(next) = next else { return keep(LeaseOutcome::TokensExhausted) };
+            let record = LeaseRecord {
+                holder,
+                lease_id,
+                token: FenceToken(next),
+                ttl_ms,
+                expires_at_ms: now_ms.saturating_add(ttl_ms),
+            };
+            LeaseTransition {
+                outcome: LeaseOutcome::Granted(record.clone()),
+                fence: Some(FenceToken(next)),
+                lease: LeaseWrite::Put(record),
+            }
+        }
+        LeaseCommand::Renew { lease_id } => match live {
+            Some(l) if l.lease_id == lease_id => {
+                let record = LeaseRecord { expires_at_ms: now_ms.saturating_add(l.ttl_ms), ..l.clone() };
+                LeaseTransition {
+                    outcome: LeaseOutcome::Renewed(record.clone()),
+                    fence: None,
+                    lease: LeaseWrite::Put(record),
+                }
+            }
+            _ => keep(LeaseOutcome::Gone),
+        },
+        LeaseCommand::Release { lease_id } => match live {
+            Some(l) if l.lease_id == lease_id => {
+                LeaseTransition { outcome: LeaseOutcome::Released, fence: None, lease: LeaseWrite::Delete }
+            }
+            _ => keep(LeaseOutcome::Gone),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acquire(holder: &str, id: &str) -> LeaseCommand {
+        LeaseCommand::Acquire { holder: holder.into(), ttl_ms: 1000, lease_id: id.into() }
+    }
+
+    fn granted(t: &LeaseTransition) -> LeaseRecord {
+        match &t.outcome {
+            LeaseOutcome::Granted(r) => r.clone(),
+            other => panic!("expected a grant, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_grant_is_above_the_fence_and_becomes_it() {
+        let t = apply_lease(Some(FenceToken(41)), None, acquire("a", "1"), 0);
+        assert_eq!(granted(&t).token, FenceToken(42));
+        assert_eq!(t.fence, Some(FenceToken(42)));
+        assert_eq!(granted(&apply_lease(None, None, acquire("a", "1"), 0)).token, FenceToken(1));
+        assert_eq!(
+            apply_lease(Some(FenceToken(u64::MAX)), None, acquire("a", "1"), 0).outcome,
+            LeaseOutcome::TokensExhausted
+        );
+    }
+
+    #[test]
+    fn a_live_lease_blocks_others_until_it_expires() {
+        let first = granted(&apply_lease(None, None, acquire("a", "1"), 0));
+        let held = apply_lease(Some(first.token), Some(&first), acquire("b", "2"), 400);
+        assert_eq!(held.outcome, LeaseOutcome::Held { holder: "a".into(), remaining_ms: 600 });
+        let second = granted(&apply_lease(Some(first.token), Some(&first), acquire("b", "2"), 1000));
+        assert_eq!(second.token, FenceToken(2));
+    }
+
+    #[test]
+    fn renew_and_release_are_compare_and_set_on_the_lease_id() {
+        let l = granted(&apply_lease(None, None, acquire("a", "1"), 0));
+        let f = Some(l.token);
+        assert_eq!(
+            apply_lease(f, Some(&l), LeaseCommand::Renew { lease_id: "x".into() }, 10).outcome,
+            LeaseOutcome::Gone
+        );
+        match apply_lease(f, Some(&l), LeaseCommand::Renew { lease_id: "1".into() }, 500).outcome {
+            LeaseOutcome::Renewed(r) => assert_eq!(r.expires_at_ms, 1500),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            apply_lease(f, Some(&l), LeaseCommand::Renew { lease_id: "1".into() }, 1000).outcome,
+            LeaseOutcome::Gone
+        );
+        assert_eq!(
+            apply_lease(f, Some(&l), LeaseCommand::Release { lease_id: "x".into() }, 10).outcome,
+            LeaseOutcome::Gone
+        );
+        let released = apply_lease(f, Some(&l), LeaseCommand::Release { lease_id: "1".into() }, 10);
+        assert_eq!((released.outcome, released.lease), (LeaseOutcome::Released, LeaseWrite::Delete));
+    }
+}

@@ -1,0 +1,254 @@
+//! The lease service: `/_fencegate/v1/leases/{name}` on the main listener, authenticated like S3
+//! requests. Granting a lease raises its resource's fence in the same atomic store step, so
+//! every older token is rejected from the moment of the grant (SPEC section 9).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use s3s::{Body, S3Response};
+use serde::Deserialize;
+
+use crate::fence::{AdmitError, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
+use crate::metrics;
+
+/// The path prefix of the lease endpoints. No bucket name can start with `_`.
+pub const PATH_PREFIX: &str = "/_fencegate/v1/leases/";
+/// The pseudo-bucket s3s must accept so that these paths reach fencegate.
+pub const PSEUDO_BUCKET: &str = "_fencegate";
+
+/// A lease request body is a small JSON object.
+const BODY_BYTES_MAX: usize = 4096;
+/// Holder names are for humans and logs.
+const HOLDER_BYTES_MAX: usize = 256;
+
+/// Wall-clock time, injectable so expiry is tested without sleeping.
+pub trait Clock: Send + Sync + 'static {
+    fn now_ms(&self) -> u64;
+}
+
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> u64 {
+        let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Lease ids: unguessable, so only the holder can renew or release.
+pub trait LeaseIds: Send + Sync + 'static {
+    fn next(&self) -> String;
+}
+
+pub struct RandomLeaseIds;
+
+impl LeaseIds for RandomLeaseIds {
+    fn next(&self) -> String {
+        uuid::Uuid::new_v4().simple().to_string()
+    }
+}
+
+pub struct LeaseService {
+    gate: Arc<Gate>,
+    clock: Arc<dyn Clock>,
+    ids: Arc<dyn LeaseIds>,
+    ttl_ms_max: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcquireBody {
+    holder: String,
+    ttl_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseIdBody {
+    lease_id: String,
+}
+
+/// What went wrong with a lease call, mapped to a problem response in one place.
+#[derive(Debug, thiserror::Error)]
+enum LeaseError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("no such lease endpoint")]
+    NotFound,
+    #[error("lease is held by {holder} for {remaining_ms} more ms")]
+    Held { holder: String, remaining_ms: u64 },
+    #[error("the lease expired, was released, or was superseded")]
+    Gone,
+    #[error("the resource's fence is at the largest token; no greater token can be granted")]
+    TokensExhausted,
+    #[error("fence state unknown: {0}")]
+    Unavailable(String),
+}
+
+impl LeaseService {
+    pub fn new(gate: Arc<Gate>, clock: Arc<dyn Clock>, ids: Arc<dyn LeaseIds>, ttl_ms_max: u64) -> Self {
+        Self { gate, clock, ids, ttl_ms_max }
+    }
+
+    pub fn handles(path: &str) -> bool {
+        path.starts_with(PATH_PREFIX)
+    }
+
+    pub async fn handle(&self, method: &Method, path: &str, body: Body) -> S3Response<Body> {
+        match self.dispatch(method, path, body).await {
+            Ok(resp) => resp,
+            Err(error) => problem(&error),
+        }
+    }
+
+    async fn dispatch(&self, method: &Method, path: &str, body: Body) -> Result<S3Response<Body>, LeaseError> {
+        let rest = path.strip_prefix(PATH_PREFIX).ok_or(LeaseError::NotFound)?;
+        let (name, renew) = match rest.strip_suffix("/renew") {
+            Some(name) => (name, true),
+            None => (rest, false),
+        };
+        let name = decode(name)?;
+        let now_ms = self.clock.now_ms();
+        match (method, renew) {
+            (&Method::POST, false) => {
+                let req: AcquireBody = read_json(body).await?;
+                if req.holder.is_empty() || req.holder.len() > HOLDER_BYTES_MAX {
+                    return Err(LeaseError::BadRequest(format!("holder must be 1 to {HOLDER_BYTES_MAX} bytes")));
+                }
+                if req.ttl_ms == 0 || req.ttl_ms > self.ttl_ms_max {
+                    return Err(LeaseError::BadRequest(format!(
+                        "ttl_ms must be 1 to {} (leases.ttl_ms_max)",
+                        self.ttl_ms_max
+                    )));
+                }
+                let command =
+                    LeaseCommand::Acquire { holder: req.holder, ttl_ms: req.ttl_ms, lease_id: self.ids.next() };
+                match self.apply(&name, command, now_ms).await? {
+                    LeaseOutcome::Granted(lease) => {
+                        metrics::lease_event("granted");
+                        tracing::info!(
+                            lease = name.as_str(),
+                            holder = lease.holder,
+                            token = lease.token.0,
+                            "lease granted"
+                        );
+                        Ok(lease_json(StatusCode::CREATED, &name, &lease))
+                    }
+                    other => Err(refusal(other)),
+                }
+            }
+            (&Method::POST, true) => {
+                let req: LeaseIdBody = read_json(body).await?;
+                match self.apply(&name, LeaseCommand::Renew { lease_id: req.lease_id }, now_ms).await? {
+                    LeaseOutcome::Renewed(lease) => {
+                        metrics::lease_event("renewed");
+                        Ok(lease_json(StatusCode::OK, &name, &lease))
+                    }
+                    other => Err(refusal(other)),
+                }
+            }
+            (&Method::DELETE, false) => {
+                let req: LeaseIdBody = read_json(body).await?;
+                match self.apply(&name, LeaseCommand::Release { lease_id: req.lease_id }, now_ms).await? {
+                    LeaseOutcome::Released => {
+                        metrics::lease_event("released");
+                        let mut resp = S3Response::new(Body::empty());
+                        resp.status = Some(StatusCode::NO_CONTENT);
+                        Ok(resp)
+                    }
+                    other => Err(refusal(other)),
+                }
+            }
+            _ => Err(LeaseError::NotFound),
+        }
+    }
+
+    async fn apply(&self, name: &ResourceKey, command: LeaseCommand, now_ms: u64) -> Result<LeaseOutcome, LeaseError> {
+        self.gate.lease(name, command, now_ms).await.map_err(|e| match e {
+            AdmitError::StoreUnavailable(e) => LeaseError::Unavailable(e.to_string()),
+            other => LeaseError::Unavailable(other.to_string()),
+        })
+    }
+}
+
+fn refusal(outcome: LeaseOutcome) -> LeaseError {
+    match outcome {
+        LeaseOutcome::Held { holder, remaining_ms } => LeaseError::Held { holder, remaining_ms },
+        LeaseOutcome::TokensExhausted => LeaseError::TokensExhausted,
+        _ => {
+            metrics::lease_event("gone");
+            LeaseError::Gone
+        }
+    }
+}
+
+fn decode(raw: &str) -> Result<ResourceKey, LeaseError> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+            let byte = hex.and_then(|h| u8::from_str_radix(h, 16).ok());
+            out.push(byte.ok_or_else(|| LeaseError::BadRequest("bad percent-encoding in the lease name".into()))?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    let name = String::from_utf8(out).map_err(|_| LeaseError::BadRequest("the lease name is not UTF-8".into()))?;
+    ResourceKey::new(&name).map_err(|e| LeaseError::BadRequest(e.to_string()))
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, LeaseError> {
+    let bytes = Limited::new(body, BODY_BYTES_MAX)
+        .collect()
+        .await
+        .map_err(|_| LeaseError::BadRequest(format!("the body must be a JSON object under {BODY_BYTES_MAX} bytes")))?
+        .to_bytes();
+    serde_json::from_slice(&bytes).map_err(|e| LeaseError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+fn lease_json(status: StatusCode, name: &ResourceKey, lease: &LeaseRecord) -> S3Response<Body> {
+    let body = serde_json::json!({
+        "name": name.as_str(),
+        "holder": lease.holder,
+        "lease_id": lease.lease_id,
+        "token": lease.token.0,
+        "ttl_ms": lease.ttl_ms,
+    });
+    json_response(status, "application/json", &body)
+}
+
+/// RFC 9457 problem details; `type` ends in the code.
+fn problem(error: &LeaseError) -> S3Response<Body> {
+    let (status, code) = match error {
+        LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
+        LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
+        LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
+        LeaseError::Gone => (StatusCode::GONE, "LeaseGone"),
+        LeaseError::TokensExhausted => (StatusCode::CONFLICT, "FencingTokensExhausted"),
+        LeaseError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
+    };
+    let mut body = serde_json::json!({
+        "type": format!("{}{code}", crate::admin::PROBLEM_BASE),
+        "title": code,
+        "status": status.as_u16(),
+        "detail": error.to_string(),
+    });
+    if let LeaseError::Held { holder, remaining_ms } = error {
+        body["holder"] = serde_json::json!(holder);
+        body["remaining_ms"] = serde_json::json!(remaining_ms);
+    }
+    json_response(status, "application/problem+json", &body)
+}
+
+fn json_response(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> S3Response<Body> {
+    let mut resp = S3Response::new(Body::from(Bytes::from(body.to_string())));
+    resp.status = Some(status);
+    resp.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
