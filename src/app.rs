@@ -14,7 +14,7 @@ use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{FenceStore, Gate, GateLimits};
 use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
-use crate::store::EmbeddedStore;
+use crate::store::{EmbeddedStore, RedisStore};
 use crate::upstream::{self, Upstream, probe_preconditions};
 
 /// How long open requests may finish after shutdown was asked for.
@@ -36,14 +36,22 @@ pub struct Bound {
 
 impl App {
     /// Opens the fence store and the upstream. Fails with a message naming what is wrong.
-    pub fn build(config: Config) -> anyhow::Result<Self> {
+    pub async fn build(config: Config) -> anyhow::Result<Self> {
         let store: Arc<dyn FenceStore> = match config.store.kind {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
                 Arc::new(EmbeddedStore::open(path)?)
             }
             StoreKind::Redis => {
-                anyhow::bail!("store.kind = \"redis\" is not available in this build")
+                let urls = match &config.store.url {
+                    Some(url) => vec![url.clone()],
+                    None => config.store.cluster_urls.clone(),
+                };
+                let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
+                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id)
+                    .await
+                    .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+                Arc::new(store)
             }
         };
         let limits = GateLimits {
@@ -53,16 +61,29 @@ impl App {
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let gate = Arc::new(Gate::new(store, limits));
+        gate.listen_for_announcements();
         let upstream = upstream::from_config(&config)?;
         Ok(Self { config, gate, upstream })
     }
 
-    /// The start-up probe (G6). With the embedded store fencegate is the only writer, the
+    /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
     /// gate orders every commit, so a failed probe is a loud warning unless
-    /// `upstream.probe = "require"`.
+    /// `upstream.probe = "require"`. With a shared store (several replicas) a failed or
+    /// skipped probe refuses to start, unless `upstream.accept_no_preconditions = true`.
     pub async fn probe(&self) -> anyhow::Result<()> {
-        let mode = self.config.upstream.probe;
+        let shared = self.gate.store().shared().is_some();
+        let accepted = self.config.upstream.accept_no_preconditions;
+        let mode = match self.config.upstream.probe {
+            ProbeMode::Warn if shared && !accepted => ProbeMode::Require,
+            mode => mode,
+        };
         if mode == ProbeMode::Off {
+            if shared && !accepted {
+                anyhow::bail!(
+                    "upstream.probe = \"off\" with a shared store: several replicas need an upstream that enforces \
+                     preconditions; set upstream.accept_no_preconditions = true to accept the risk"
+                );
+            }
             return Ok(());
         }
         match probe_preconditions(self.upstream.as_ref(), self.config.upstream.probe_bucket.as_deref()).await {
@@ -70,6 +91,9 @@ impl App {
                 tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
                 Ok(())
             }
+            Err(crate::upstream::ProbeError::NoBucket) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
+                "upstream precondition probe: no bucket to probe; set upstream.probe_bucket (required with a shared store)"
+            )),
             Err(crate::upstream::ProbeError::NoBucket) => {
                 tracing::warn!(
                     "upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)"
@@ -157,4 +181,11 @@ impl App {
         let _ = tokio::join!(s3_task, admin_task);
         Ok(())
     }
+}
+
+/// `<host name>-<pid>`: unique among replicas on one store unless two hosts share a name.
+fn default_replica_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
+    let host = if host.is_empty() { "fencegate".to_owned() } else { host };
+    format!("{host}-{}", std::process::id())
 }

@@ -90,9 +90,15 @@ pub struct StoreConfig {
     /// Directory of the embedded store.
     #[serde(default)]
     pub path: Option<PathBuf>,
-    /// Redis URL of the redis store.
+    /// Redis URL of the redis store (`redis://host:port/db`, `rediss://` for TLS).
     #[serde(default)]
     pub url: Option<String>,
+    /// Seed nodes of a Redis Cluster, instead of `url`.
+    #[serde(default)]
+    pub cluster_urls: Vec<String>,
+    /// This replica's name in the shared in-flight registry; default: host name and process id.
+    #[serde(default)]
+    pub replica_id: Option<String>,
     /// A store call that takes longer has an unknown outcome: the write gets 503.
     #[serde(default = "defaults::store_timeout_ms")]
     pub timeout_ms: u64,
@@ -146,6 +152,11 @@ pub struct UpstreamConfig {
     /// Bucket the probe writes its object into; default: the first bucket listed.
     #[serde(default)]
     pub probe_bucket: Option<String>,
+    /// With a shared store (several replicas), fencegate refuses to start unless the probe
+    /// shows that the upstream enforces preconditions (G4 across replicas depends on it).
+    /// `true` starts anyway and accepts the documented risk.
+    #[serde(default)]
+    pub accept_no_preconditions: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -343,9 +354,13 @@ impl Config {
             StoreKind::Embedded if self.store.path.is_none() => {
                 return Err(("store.path", "required when store.kind = \"embedded\"".into()));
             }
-            StoreKind::Redis => {
-                return Err(("store.kind", "\"redis\" is not available in this build yet; use \"embedded\"".into()));
+            StoreKind::Redis if self.store.url.is_none() && self.store.cluster_urls.is_empty() => {
+                return Err(("store.url", "required when store.kind = \"redis\" (or store.cluster_urls)".into()));
             }
+            StoreKind::Redis if self.store.url.is_some() && !self.store.cluster_urls.is_empty() => {
+                return Err(("store.cluster_urls", "set either store.url or store.cluster_urls, not both".into()));
+            }
+            StoreKind::Redis => {}
             StoreKind::Embedded => {}
         }
         match self.upstream.kind {

@@ -45,7 +45,7 @@ fn main() -> ExitCode {
         Command::CheckConfig { config } => load(&config).map(|c| println!("{c:#?}")),
         Command::Probe { config } => load(&config).and_then(|c| {
             runtime()?.block_on(async {
-                let app = App::build(c)?;
+                let app = App::build(c).await?;
                 app.probe().await
             })
         }),
@@ -70,7 +70,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
-    let app = App::build(config)?;
+    let app = App::build(config).await?;
     app.probe().await?;
     let (s3, admin) = app.bind().await?;
     let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };

@@ -88,3 +88,8 @@ pub fn body_aborted(reason: &'static str) {
 pub fn lease_event(event: &'static str) {
     counter!("fencegate_lease_events_total", "event" => event).increment(1);
 }
+
+/// A shared fence store answered lower than this replica had seen, and was raised back.
+pub fn store_rollback_repaired() {
+    counter!("fencegate_store_rollbacks_repaired_total").increment(1);
+}

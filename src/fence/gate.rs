@@ -12,7 +12,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, StoreError, decide,
+    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, SharedAdmit,
+    SharedRegistry, StoreError, decide,
 };
 use crate::metrics;
 
@@ -170,6 +171,11 @@ impl Gate {
     /// The fence of `resource` as the store has it.
     pub async fn fence(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
         let slot = self.slot(resource);
+        if self.store.shared().is_some() {
+            let stored = self.store_call(self.store.load(resource)).await?;
+            let floor = slot.state().fence.flatten();
+            return Ok(stored.max(floor));
+        }
         if let Some(fence) = slot.state().fence {
             return Ok(fence);
         }
@@ -186,6 +192,9 @@ impl Gate {
         token: FenceToken,
         register: bool,
     ) -> Result<Option<Permit>, AdmitError> {
+        if let Some(shared) = self.store.shared() {
+            return self.settle_shared(shared, slot, resource, token, register).await;
+        }
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
         loop {
@@ -227,13 +236,126 @@ impl Gate {
         }
     }
 
+    /// `settle` for a store shared by several replicas: the store checks the token and
+    /// registers the write in its cross-replica in-flight registry in one step, and answers
+    /// "wait" while an older write is in flight on any replica. The slot's fence is this
+    /// replica's high-water mark: a token below it is refused whatever the store says, and a
+    /// store found below it is raised back (rollback defence).
+    async fn settle_shared(
+        &self,
+        shared: &dyn SharedRegistry,
+        slot: &Arc<Slot>,
+        resource: &ResourceKey,
+        token: FenceToken,
+        register: bool,
+    ) -> Result<Option<Permit>, AdmitError> {
+        let started = Instant::now();
+        let deadline = started + self.limits.inflight_deadline;
+        let deadline_ms = millis(self.limits.inflight_deadline);
+        if let Some(floor) = slot.state().fence.flatten()
+            && token < floor
+        {
+            return Err(AdmitError::Stale { presented: token, current: floor });
+        }
+        // Registered locally first, so that an announced advance can cancel it while the
+        // store is being asked.
+        let mut permit = if register {
+            let mut state = slot.state();
+            if state.inflight.len() >= self.limits.inflight_per_resource_max {
+                return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
+            }
+            Some(self.register(slot, &mut state, token))
+        } else {
+            None
+        };
+        let member = permit.as_ref().map(|p| format!("{}:{}:{}", shared.replica_id(), p.id, token.0));
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let floor = slot.state().fence.flatten();
+            let answer = self.store_call(shared.admit(resource, token, floor, member.as_deref(), deadline_ms)).await;
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(error) => {
+                    // The registration may have happened; withdraw it rather than let it block
+                    // newer writers until its deadline.
+                    if let Some(member) = member {
+                        self.release_later(resource.clone(), member);
+                    }
+                    return Err(error.into());
+                }
+            };
+            match answer {
+                SharedAdmit::Stale { current } => {
+                    slot.raise_fence(current);
+                    return Err(AdmitError::Stale { presented: token, current });
+                }
+                SharedAdmit::OlderInflight { advanced } => {
+                    if advanced {
+                        metrics::advanced();
+                        slot.raise_fence(token);
+                        slot.state().cancel_unsent_older(token);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
+                    }
+                    tokio::time::sleep(backoff.min(deadline - Instant::now())).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                    metrics::drain_wait(started.elapsed());
+                }
+                SharedAdmit::Admitted { advanced, repaired_from } => {
+                    if let Some(had) = repaired_from {
+                        metrics::store_rollback_repaired();
+                        tracing::error!(
+                            resource = resource.as_str(),
+                            store_had = had.map(|t| t.0),
+                            floor = floor.map(|t| t.0),
+                            "FENCE STORE ROLLBACK: the store answered lower than this replica has seen; raised it back"
+                        );
+                    }
+                    if advanced {
+                        metrics::advanced();
+                    }
+                    slot.raise_fence(token);
+                    if let (Some(p), Some(member)) = (permit.as_mut(), member) {
+                        p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), member });
+                    }
+                    return Ok(permit);
+                }
+            }
+        }
+    }
+
+    /// Withdraws a registration in the background (best effort: it expires at its deadline).
+    fn release_later(&self, resource: ResourceKey, member: String) {
+        let ticket = RemoteTicket { store: self.store.clone(), resource, member };
+        drop(ticket);
+    }
+
+    /// Listens for advances announced by other replicas: older uploads still streaming here on
+    /// that resource are cancelled at once, without waiting for their next store call.
+    pub fn listen_for_announcements(self: &Arc<Self>) {
+        let Some(mut announcements) = self.store.shared().and_then(|s| s.take_announcements()) else { return };
+        let gate = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some((resource, token)) = announcements.recv().await {
+                let Some(gate) = gate.upgrade() else { return };
+                let slot = gate.slots.lock().expect("gate map lock poisoned").get(&resource).cloned();
+                if let Some(slot) = slot {
+                    slot.raise_fence(token);
+                    slot.state().cancel_unsent_older(token);
+                    slot.changed.notify_waiters();
+                }
+            }
+        });
+    }
+
     fn register(&self, slot: &Arc<Slot>, state: &mut MutexGuard<'_, SlotState>, token: FenceToken) -> Permit {
         let id = self.next_write_id.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let body_sent = Arc::new(AtomicBool::new(false));
         state.inflight.push(Inflight { id, token, cancel: cancel.clone(), body_sent: body_sent.clone() });
         metrics::inflight_changed(1);
-        Permit { slot: slot.clone(), id, token, cancel, body_sent }
+        Permit { slot: slot.clone(), id, token, cancel, body_sent, remote: None }
     }
 
     /// Reads the fence from the store the first time the slot is used.
@@ -305,6 +427,13 @@ impl Slot {
         self.state.lock().expect("slot lock poisoned")
     }
 
+    /// Raises the cached fence (never lowers it).
+    fn raise_fence(&self, token: FenceToken) {
+        let mut state = self.state();
+        let raised = state.fence.flatten().max(Some(token));
+        state.fence = Some(raised);
+    }
+
     /// Waits until `ready(state)` holds or the deadline passes; `false` on the deadline.
     async fn wait_until(&self, deadline: Instant, ready: impl Fn(&SlotState) -> bool) -> bool {
         loop {
@@ -331,6 +460,31 @@ pub struct Permit {
     token: FenceToken,
     cancel: CancellationToken,
     body_sent: Arc<AtomicBool>,
+    /// The registration in a shared store's in-flight registry, withdrawn on drop.
+    remote: Option<RemoteTicket>,
+}
+
+/// A write registered in a shared store; dropping it withdraws the registration.
+struct RemoteTicket {
+    store: Arc<dyn FenceStore>,
+    resource: ResourceKey,
+    member: String,
+}
+
+impl Drop for RemoteTicket {
+    fn drop(&mut self) {
+        let (store, resource, member) = (self.store.clone(), self.resource.clone(), std::mem::take(&mut self.member));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Some(shared) = store.shared()
+                    && let Err(error) = shared.release(&resource, &member).await
+                {
+                    // It expires at its deadline; until then newer writes on the resource wait.
+                    tracing::warn!(%error, resource = resource.as_str(), "could not withdraw an in-flight registration");
+                }
+            });
+        }
+    }
 }
 
 impl Permit {

@@ -9,5 +9,5 @@ mod token;
 pub use decision::{Decision, decide};
 pub use gate::{AdmitError, Gate, GateLimits, Permit};
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
-pub use store::{AdvanceOutcome, FenceStore, StoreError};
+pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

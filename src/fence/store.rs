@@ -53,4 +53,50 @@ pub trait FenceStore: Send + Sync + 'static {
 
     /// Whether the store answers at all (for `/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The cross-replica registry, for a store that several fencegate processes share. With
+    /// one, the gate checks and registers every write in the store instead of trusting its
+    /// own cache of the fence.
+    fn shared(&self) -> Option<&dyn SharedRegistry> {
+        None
+    }
+}
+
+/// The answer of a shared store to "may this write go ahead?".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedAdmit {
+    /// The token is the fence (`advanced`: this call raised it) and no older write is in
+    /// flight on any replica; the write is registered (if a member was given).
+    /// `repaired_from`: the store had fallen below the caller's floor (failover, restore, a
+    /// restart without persistence) and was raised back; the value it had.
+    Admitted { advanced: bool, repaired_from: Option<Option<FenceToken>> },
+    /// Older than the fence.
+    Stale { current: FenceToken },
+    /// Older writes are still in flight somewhere (and within their deadline): ask again.
+    OlderInflight { advanced: bool },
+}
+
+/// The in-flight registry and advance announcements of a store shared by several replicas.
+#[async_trait]
+pub trait SharedRegistry: Send + Sync {
+    /// Checks `token` against the fence (raising it, and first raising the store back to
+    /// `floor` if it fell below), and registers `member` as in flight until `deadline_ms`
+    /// after the store's own clock unless an older write is in flight.
+    async fn admit(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        member: Option<&str>,
+        deadline_ms: u64,
+    ) -> Result<SharedAdmit, StoreError>;
+
+    /// Removes a finished write from the registry.
+    async fn release(&self, resource: &ResourceKey, member: &str) -> Result<(), StoreError>;
+
+    /// Advances announced by any replica, as (resource, new fence). Taken once, by the gate.
+    fn take_announcements(&self) -> Option<tokio::sync::mpsc::Receiver<(ResourceKey, FenceToken)>>;
+
+    /// This replica's name in in-flight members.
+    fn replica_id(&self) -> &str;
 }

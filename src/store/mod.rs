@@ -2,6 +2,8 @@
 
 mod embedded;
 mod memory;
+mod redis;
 
 pub use embedded::{EmbeddedStore, OpenError};
 pub use memory::MemoryStore;
+pub use redis::{ANNOUNCE_CHANNEL, RedisStore};

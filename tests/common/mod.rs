@@ -27,10 +27,7 @@ impl Fencegate {
     /// Starts fencegate on the embedded store and local upstream in `dir`, with `extra` TOML
     /// appended (e.g. an `[upstream]` override is not possible this way; use `start_with`).
     pub async fn start_local(dir: &Path, extra: &str) -> Self {
-        let upstream = format!(
-            "[upstream]\nkind = \"local\"\npath = \"{}\"\n",
-            dir.join("objects").display()
-        );
+        let upstream = format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.join("objects").display());
         Self::start_with(dir, &upstream, extra).await
     }
 
@@ -42,7 +39,7 @@ impl Fencegate {
             dir.join("fences").display()
         );
         let config = Config::from_toml(&toml).expect("test config is valid");
-        let app = App::build(config).expect("fencegate builds");
+        let app = App::build(config).await.expect("fencegate builds");
         let (s3, admin) = app.bind().await.expect("binds loopback");
         let (s3_addr, admin_addr) = (s3.local_addr().unwrap(), admin.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
@@ -53,13 +50,7 @@ impl Fencegate {
             .await
             .expect("fencegate serves");
         });
-        Self {
-            s3: s3_addr,
-            admin: admin_addr,
-            dir: dir.into(),
-            stop: Some(stop),
-            task: Some(task),
-        }
+        Self { s3: s3_addr, admin: admin_addr, dir: dir.into(), stop: Some(stop), task: Some(task) }
     }
 
     pub fn endpoint(&self) -> String {
@@ -106,22 +97,12 @@ pub fn client(fg: &Fencegate) -> aws_sdk_s3::Client {
 }
 
 /// The service error code, HTTP status and `Fencing-Token-Current` of a failed SDK call.
-pub fn error_of<E>(
-    err: &aws_sdk_s3::error::SdkError<E, HttpResponse>,
-) -> (Option<String>, u16, Option<String>)
+pub fn error_of<E>(err: &aws_sdk_s3::error::SdkError<E, HttpResponse>) -> (Option<String>, u16, Option<String>)
 where
     E: aws_sdk_s3::error::ProvideErrorMetadata + std::fmt::Debug,
 {
-    let raw = err
-        .raw_response()
-        .unwrap_or_else(|| panic!("no HTTP response: {err:?}"));
-    let code = err
-        .as_service_error()
-        .and_then(|e| e.code())
-        .map(str::to_owned);
-    let current = raw
-        .headers()
-        .get("fencing-token-current")
-        .map(str::to_owned);
+    let raw = err.raw_response().unwrap_or_else(|| panic!("no HTTP response: {err:?}"));
+    let code = err.as_service_error().and_then(|e| e.code()).map(str::to_owned);
+    let current = raw.headers().get("fencing-token-current").map(str::to_owned);
     (code, raw.status().as_u16(), current)
 }

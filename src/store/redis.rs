@@ -1,0 +1,395 @@
+//! The Redis fence store, shared by several fencegate replicas. Every check-and-advance is one
+//! Lua script (EVALSHA, reloaded on NOSCRIPT by the client library); a resource's keys share a
+//! hash tag, so they live in one Redis Cluster slot. Tokens are kept as decimal strings and
+//! compared by length then bytes, since Lua numbers cannot hold every u64.
+//!
+//! Keys of resource `r` (with `%` and `}` escaped in the tag):
+//! - `fg:{r}:fence`     the fence (string)
+//! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:write:token`, scored by
+//!   deadline (ms, Redis clock)
+//! - `fg:{r}:lease`     the lease (hash: holder, lease_id, token, ttl_ms, expires_at_ms)
+//!
+//! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
+//! replica cancels its older uploads still streaming on that resource.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Script, Value};
+use tokio::sync::mpsc;
+
+use crate::fence::{
+    AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit,
+    SharedRegistry, StoreError,
+};
+
+/// The channel advances are announced on.
+pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
+/// Announcements not yet handled by the gate; beyond this, older ones are dropped (the store's
+/// in-flight registry still orders commits; announcements only speed up cancellation).
+const ANNOUNCEMENTS_QUEUED_MAX: usize = 4096;
+
+/// Compares decimal u64 strings without leading zeros (shared by every script).
+const LUA_LT: &str = r"
+local function lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+/// KEYS: fence. ARGV: token, channel, resource. Returns {advanced 0|1, previous or ''}.
+const LUA_ADVANCE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if cur and not lt(cur, ARGV[1]) then return {0, cur} end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], ARGV[1] .. ' ' .. ARGV[3])
+return {1, cur or ''}
+";
+
+/// KEYS: fence, inflight. ARGV: token, floor or '', member or '', deadline_ms, channel,
+/// resource. Returns {outcome, advanced 0|1, value, repaired 0|1}: outcome 'ok' | 'stale'
+/// (value = current fence) | 'wait'; when repaired, value is what the store had ('' = none).
+const LUA_ADMIT: &str = r"
+local cur = redis.call('GET', KEYS[1])
+local repaired, had = 0, ''
+if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
+  repaired, had = 1, (cur or '')
+  redis.call('SET', KEYS[1], ARGV[2])
+  cur = ARGV[2]
+end
+if cur and lt(ARGV[1], cur) then return {'stale', 0, cur, repaired} end
+local advanced = 0
+if not cur or lt(cur, ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('PUBLISH', ARGV[5], ARGV[1] .. ' ' .. ARGV[6])
+  advanced = 1
+end
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  local mt = string.match(m, ':(%d+)$')
+  if mt and lt(mt, ARGV[1]) then return {'wait', advanced, had, repaired} end
+end
+if ARGV[3] ~= '' then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
+end
+return {'ok', advanced, had, repaired}
+";
+
+/// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
+/// channel, resource. Implements `fence::apply_lease` with Redis's clock. Returns
+/// {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}.
+const LUA_LEASE: &str = r"
+local function incr(s)
+  if s == '18446744073709551615' then return nil end
+  local digits, carry = {}, 1
+  for i = #s, 1, -1 do
+    local d = tonumber(string.sub(s, i, i)) + carry
+    if d == 10 then d, carry = 0, 1 else carry = 0 end
+    digits[i] = tostring(d)
+  end
+  local out = table.concat(digits)
+  if carry == 1 then out = '1' .. out end
+  return out
+end
+local now = now_ms()
+local l = redis.call('HMGET', KEYS[2], 'holder', 'lease_id', 'token', 'ttl_ms', 'expires_at_ms')
+local live = l[1] and tonumber(l[5]) > now
+local op = ARGV[1]
+if op == 'acquire' then
+  if live then return {'held', l[1], '', '', '', tostring(tonumber(l[5]) - now)} end
+  local cur = redis.call('GET', KEYS[1])
+  local token = '1'
+  if cur then token = incr(cur) end
+  if not token then return {'exhausted', '', '', '', '', ''} end
+  local expires = tostring(now + tonumber(ARGV[4]))
+  redis.call('SET', KEYS[1], token)
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], 'holder', ARGV[3], 'lease_id', ARGV[2], 'token', token, 'ttl_ms', ARGV[4], 'expires_at_ms', expires)
+  redis.call('PUBLISH', ARGV[5], token .. ' ' .. ARGV[6])
+  return {'granted', ARGV[3], ARGV[2], token, ARGV[4], expires}
+end
+if not live or l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
+if op == 'renew' then
+  local expires = tostring(now + tonumber(l[4]))
+  redis.call('HSET', KEYS[2], 'expires_at_ms', expires)
+  return {'renewed', l[1], l[2], l[3], l[4], expires}
+end
+redis.call('DEL', KEYS[2])
+return {'released', '', '', '', '', ''}
+";
+
+/// One connection kind or the other; both multiplex requests and reconnect by themselves.
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    async fn invoke<T: redis::FromRedisValue>(&self, inv: &redis::ScriptInvocation<'_>) -> redis::RedisResult<T> {
+        match self.clone() {
+            Self::Single(mut c) => inv.invoke_async(&mut c).await,
+            Self::Cluster(mut c) => inv.invoke_async(&mut c).await,
+        }
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        match self.clone() {
+            Self::Single(mut c) => cmd.query_async(&mut c).await,
+            Self::Cluster(mut c) => cmd.query_async(&mut c).await,
+        }
+    }
+}
+
+pub struct RedisStore {
+    connection: Connection,
+    advance: Script,
+    admit: Script,
+    lease: Script,
+    replica_id: String,
+    announcements: Mutex<Option<mpsc::Receiver<(ResourceKey, FenceToken)>>>,
+}
+
+impl RedisStore {
+    /// Connects to one Redis (`urls` has one entry) or a Redis Cluster (several seed nodes),
+    /// and starts listening for advance announcements.
+    pub async fn connect(urls: &[String], response_timeout: Duration, replica_id: String) -> anyhow::Result<Self> {
+        let connection = if urls.len() == 1 {
+            let client = redis::Client::open(urls[0].as_str())?;
+            let config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(response_timeout))
+                .set_connection_timeout(Some(response_timeout))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            Connection::Single(ConnectionManager::new_with_config(client, config).await?)
+        } else {
+            let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
+                .response_timeout(response_timeout)
+                .connection_timeout(response_timeout)
+                .build()?;
+            Connection::Cluster(client.get_async_connection().await?)
+        };
+        let (tx, rx) = mpsc::channel(ANNOUNCEMENTS_QUEUED_MAX);
+        tokio::spawn(listen_for_announcements(urls[0].clone(), tx));
+        Ok(Self {
+            connection,
+            advance: script(LUA_ADVANCE),
+            admit: script(LUA_ADMIT),
+            lease: script(LUA_LEASE),
+            replica_id,
+            announcements: Mutex::new(Some(rx)),
+        })
+    }
+}
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{LUA_LT}{body}"))
+}
+
+/// `fg:{<resource>}:<suffix>`, with the characters that would end the hash tag escaped.
+fn key(resource: &ResourceKey, suffix: &str) -> String {
+    let tag = resource.as_str().replace('%', "%25").replace('}', "%7D");
+    format!("fg:{{{tag}}}:{suffix}")
+}
+
+fn backend(e: redis::RedisError) -> StoreError {
+    if e.is_timeout() {
+        return StoreError::Timeout { after_ms: 0 };
+    }
+    StoreError::Backend(Box::new(e))
+}
+
+fn parse_token(raw: &str) -> Result<Option<FenceToken>, StoreError> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    FenceToken::parse(raw.as_bytes()).map(Some).map_err(|e| StoreError::Backend(Box::new(e)))
+}
+
+fn as_string(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        _ => String::new(),
+    }
+}
+
+#[async_trait]
+impl FenceStore for RedisStore {
+    async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
+        let value: Option<String> =
+            self.connection.query(redis::cmd("GET").arg(key(resource, "fence"))).await.map_err(backend)?;
+        parse_token(value.as_deref().unwrap_or(""))
+    }
+
+    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
+        let mut inv = self.advance.key(key(resource, "fence"));
+        inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+        let (advanced, previous): (i64, String) = self.connection.invoke(&inv).await.map_err(backend)?;
+        let previous = parse_token(&previous)?;
+        Ok(match (advanced, previous) {
+            (1, previous) => AdvanceOutcome::Advanced { previous },
+            (_, Some(current)) => AdvanceOutcome::Unchanged { current },
+            (_, None) => return Err(StoreError::Backend("advance script answered without a fence".into())),
+        })
+    }
+
+    async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        _now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError> {
+        // Redis's clock decides expiry, so replicas with skewed clocks agree.
+        let (op, lease_id, holder, ttl_ms) = match command {
+            LeaseCommand::Acquire { holder, ttl_ms, lease_id } => ("acquire", lease_id, holder, ttl_ms.to_string()),
+            LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new()),
+            LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new()),
+        };
+        let mut inv = self.lease.key(key(resource, "fence"));
+        inv.key(key(resource, "lease"));
+        inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+        let reply: Vec<Value> = self.connection.invoke(&inv).await.map_err(backend)?;
+        let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
+        let number = |i: usize| field(i).parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
+        let record = || -> Result<LeaseRecord, StoreError> {
+            Ok(LeaseRecord {
+                holder: field(1),
+                lease_id: field(2),
+                token: parse_token(&field(3))?.ok_or_else(|| StoreError::Backend("lease without a token".into()))?,
+                ttl_ms: number(4)?,
+                expires_at_ms: number(5)?,
+            })
+        };
+        Ok(match field(0).as_str() {
+            "granted" => LeaseOutcome::Granted(record()?),
+            "renewed" => LeaseOutcome::Renewed(record()?),
+            "released" => LeaseOutcome::Released,
+            "held" => LeaseOutcome::Held { holder: field(1), remaining_ms: number(5)? },
+            "exhausted" => LeaseOutcome::TokensExhausted,
+            "gone" => LeaseOutcome::Gone,
+            other => return Err(StoreError::Backend(format!("lease script answered {other:?}").into())),
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = self.connection.query(&redis::cmd("PING")).await.map_err(backend)?;
+        Ok(())
+    }
+
+    fn shared(&self) -> Option<&dyn SharedRegistry> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl SharedRegistry for RedisStore {
+    async fn admit(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        member: Option<&str>,
+        deadline_ms: u64,
+    ) -> Result<SharedAdmit, StoreError> {
+        let mut inv = self.admit.key(key(resource, "fence"));
+        inv.key(key(resource, "inflight"));
+        inv.arg(token.0.to_string())
+            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
+            .arg(member.unwrap_or(""))
+            .arg(deadline_ms)
+            .arg(ANNOUNCE_CHANNEL)
+            .arg(resource.as_str());
+        let (outcome, advanced, value, repaired): (String, i64, String, i64) =
+            self.connection.invoke(&inv).await.map_err(backend)?;
+        let advanced = advanced == 1;
+        let repaired_from = if repaired == 1 { Some(parse_token(&value)?) } else { None };
+        Ok(match outcome.as_str() {
+            "ok" => SharedAdmit::Admitted { advanced, repaired_from },
+            "wait" => SharedAdmit::OlderInflight { advanced },
+            "stale" => SharedAdmit::Stale {
+                current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
+            },
+            other => return Err(StoreError::Backend(format!("admit script answered {other:?}").into())),
+        })
+    }
+
+    async fn release(&self, resource: &ResourceKey, member: &str) -> Result<(), StoreError> {
+        let _: i64 = self
+            .connection
+            .query(redis::cmd("ZREM").arg(key(resource, "inflight")).arg(member))
+            .await
+            .map_err(backend)?;
+        Ok(())
+    }
+
+    fn take_announcements(&self) -> Option<mpsc::Receiver<(ResourceKey, FenceToken)>> {
+        self.announcements.lock().expect("announcements lock").take()
+    }
+
+    fn replica_id(&self) -> &str {
+        &self.replica_id
+    }
+}
+
+/// Subscribes to advance announcements, reconnecting after failures, until the gate stops
+/// listening.
+async fn listen_for_announcements(url: String, tx: mpsc::Sender<(ResourceKey, FenceToken)>) {
+    let mut backoff = Duration::from_millis(50);
+    while !tx.is_closed() {
+        let subscribed = async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(ANNOUNCE_CHANNEL).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        match subscribed {
+            Ok(pubsub) => {
+                backoff = Duration::from_millis(50);
+                let mut messages = pubsub.into_on_message();
+                while let Some(message) = messages.next().await {
+                    let Ok(payload) = message.get_payload::<String>() else { continue };
+                    let Some((token, resource)) = payload.split_once(' ') else { continue };
+                    let (Ok(token), Ok(resource)) = (FenceToken::parse(token.as_bytes()), ResourceKey::new(resource))
+                    else {
+                        continue;
+                    };
+                    if tx.try_send((resource, token)).is_err() && tx.is_closed() {
+                        return;
+                    }
+                }
+            }
+            Err(error) => tracing::debug!(%error, "advance announcements: cannot subscribe yet"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_of_one_resource_share_a_hash_tag() {
+        let r = ResourceKey::new("job:{a}}%").unwrap();
+        assert_eq!(key(&r, "fence"), "fg:{job:{a%7D%7D%25}:fence");
+        assert_eq!(key(&r, "inflight"), "fg:{job:{a%7D%7D%25}:inflight");
+    }
+}
