@@ -8,7 +8,7 @@ use std::time::Duration;
 use aws_sdk_s3::Client;
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
-use common::{Fencegate, client, error_of, s3_client};
+use common::{Fencegate, Moto, client, error_of, s3_client};
 
 const BUCKET: &str = "jobs";
 
@@ -38,58 +38,20 @@ async fn put(
 }
 
 async fn get(c: &Client, key: &str) -> (Vec<u8>, Option<String>) {
-    let out = c
-        .get_object()
-        .bucket(BUCKET)
-        .key(key)
-        .send()
-        .await
-        .expect("get_object");
+    let out = c.get_object().bucket(BUCKET).key(key).send().await.expect("get_object");
     let stamp = out.metadata().and_then(|m| m.get("fencing-token")).cloned();
-    (
-        out.body.collect().await.unwrap().into_bytes().to_vec(),
-        stamp,
-    )
+    (out.body.collect().await.unwrap().into_bytes().to_vec(), stamp)
 }
 
 /// A writes with 11, B with 12, A again with 11: A's second write is refused with 409 and the
 /// object holds B's bytes, stamped 12.
 async fn classic_scenario(c: &Client) {
-    put(
-        c,
-        "report.csv",
-        11,
-        None,
-        ByteStream::from_static(b"A's first draft"),
-    )
-    .await
-    .expect("A with 11");
-    put(
-        c,
-        "report.csv",
-        12,
-        None,
-        ByteStream::from_static(b"B's report"),
-    )
-    .await
-    .expect("B with 12");
-    let (code, status, current) = put(
-        c,
-        "report.csv",
-        11,
-        None,
-        ByteStream::from_static(b"A overwrites"),
-    )
-    .await
-    .expect_err("A must be refused");
-    assert_eq!(
-        (code.as_deref(), status, current.as_deref()),
-        (Some("FencingTokenStale"), 409, Some("12"))
-    );
-    assert_eq!(
-        get(c, "report.csv").await,
-        (b"B's report".to_vec(), Some("12".into()))
-    );
+    put(c, "report.csv", 11, None, ByteStream::from_static(b"A's first draft")).await.expect("A with 11");
+    put(c, "report.csv", 12, None, ByteStream::from_static(b"B's report")).await.expect("B with 12");
+    let (code, status, current) =
+        put(c, "report.csv", 11, None, ByteStream::from_static(b"A overwrites")).await.expect_err("A must be refused");
+    assert_eq!((code.as_deref(), status, current.as_deref()), (Some("FencingTokenStale"), 409, Some("12")));
+    assert_eq!(get(c, "report.csv").await, (b"B's report".to_vec(), Some("12".into())));
 }
 
 #[tokio::test]
@@ -118,10 +80,7 @@ async fn classic_scenario_on_the_local_upstream() {
         .send()
         .await
         .unwrap();
-    assert_eq!(
-        get(&c, "report.csv").await,
-        (b"C".to_vec(), Some("13".into()))
-    );
+    assert_eq!(get(&c, "report.csv").await, (b"C".to_vec(), Some("13".into())));
     fg.stop().await;
 }
 
@@ -132,28 +91,16 @@ async fn classic_scenario_against_a_real_s3_server() {
     direct.create_bucket().bucket(BUCKET).send().await.unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let upstream = format!(
-        "[upstream]\nkind = \"s3\"\nendpoint = \"{}\"\naccess_key_id = \"moto\"\nsecret_access_key = \"moto\"\nprobe = \"require\"\n",
-        moto.endpoint
-    );
-    let fg = Fencegate::start_with(dir.path(), &upstream, "").await;
+    let fg = Fencegate::start_with(dir.path(), &moto.upstream_toml(BUCKET), "").await;
     classic_scenario(&client(&fg)).await;
     // The upstream itself holds B's bytes and B's stamp.
-    assert_eq!(
-        get(&direct, "report.csv").await,
-        (b"B's report".to_vec(), Some("12".into()))
-    );
+    assert_eq!(get(&direct, "report.csv").await, (b"B's report".to_vec(), Some("12".into())));
     fg.stop().await;
 }
 
 /// A slow upload with token 11 is in flight when 12 arrives: 11 is cancelled before its body
 /// completes, 12 is forwarded only after that, and the object ends as 12 wrote it (G3).
-async fn race(
-    c: &Client,
-    key_old: &'static str,
-    key_new: &'static str,
-    resource: Option<&'static str>,
-) {
+async fn race(c: &Client, key_old: &'static str, key_new: &'static str, resource: Option<&'static str>) {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, std::io::Error>>(4);
     const OLD_LEN: usize = 256 * 1024;
     let body = http_body_util::StreamBody::new(tokio_stream_from(rx));
@@ -179,53 +126,24 @@ async fn race(
         }
     });
     // Half of the old body is on its way: the old write was admitted and is streaming.
-    tx.send(Ok(http_body::Frame::data(Bytes::from(vec![
-        b'o';
-        OLD_LEN / 2
-    ]))))
-    .await
-    .unwrap();
+    tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'o'; OLD_LEN / 2])))).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    put(
-        c,
-        key_new,
-        12,
-        resource,
-        ByteStream::from_static(b"new holder"),
-    )
-    .await
-    .expect("12 is admitted");
+    put(c, key_new, 12, resource, ByteStream::from_static(b"new holder")).await.expect("12 is admitted");
     // The rest of the old body arrives too late.
-    let _ = tx
-        .send(Ok(http_body::Frame::data(Bytes::from(vec![
-            b'o';
-            OLD_LEN / 2
-        ]))))
-        .await;
+    let _ = tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'o'; OLD_LEN / 2])))).await;
     drop(tx);
-    let old = tokio::time::timeout(Duration::from_secs(20), old)
-        .await
-        .expect("old write ends")
-        .unwrap();
+    let old = tokio::time::timeout(Duration::from_secs(20), old).await.expect("old write ends").unwrap();
     let (code, status, current) = old.expect_err("the token-11 upload must not commit after 12");
-    assert_eq!(
-        (code.as_deref(), status, current.as_deref()),
-        (Some("FencingTokenStale"), 409, Some("12"))
-    );
-    assert_eq!(
-        get(c, key_new).await,
-        (b"new holder".to_vec(), Some("12".into()))
-    );
+    assert_eq!((code.as_deref(), status, current.as_deref()), (Some("FencingTokenStale"), 409, Some("12")));
+    assert_eq!(get(c, key_new).await, (b"new holder".to_vec(), Some("12".into())));
     if key_old != key_new {
         let head = c.head_object().bucket(BUCKET).key(key_old).send().await;
         assert!(head.is_err(), "the cancelled upload left no object");
     }
 }
 
-fn tokio_stream_from<T: Send + 'static>(
-    mut rx: tokio::sync::mpsc::Receiver<T>,
-) -> impl futures_util::Stream<Item = T> {
+fn tokio_stream_from<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
@@ -247,46 +165,4 @@ async fn newer_token_cancels_a_slow_older_upload_on_another_object_of_the_resour
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
     race(&c, "part-a.bin", "part-b.bin", Some("job:r")).await;
     fg.stop().await;
-}
-
-/// A `moto_server` on a free loopback port, killed on drop.
-struct Moto {
-    child: std::process::Child,
-    endpoint: String,
-}
-
-impl Moto {
-    // The child is reaped by `Drop` on every path, the panics included.
-    #[allow(clippy::zombie_processes)]
-    async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = std::process::Command::new("moto_server")
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("moto_server is needed: run scripts/test, or pip install 'moto[server]'");
-        let endpoint = format!("http://127.0.0.1:{port}");
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return Self { child, endpoint };
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!("moto_server did not start on port {port}");
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

@@ -1,11 +1,14 @@
-//! Model-based test of the embedded fence store: random sequences of loads, advances and
-//! reopens (a restart) give exactly the answers of a plain in-memory model, so fences never go
-//! back (G1) and every acknowledged advance survives a restart (G2).
+//! The store conformance suite: on both stores (embedded and Redis), random sequences of
+//! loads, advances and reopens (a restart of fencegate) give exactly the answers of a plain
+//! in-memory model, so fences never go back (G1) and every acknowledged advance survives a
+//! restart (G2).
+
+mod common;
 
 use std::collections::HashMap;
 
 use fencegate::fence::{AdvanceOutcome, FenceStore, FenceToken, ResourceKey};
-use fencegate::store::EmbeddedStore;
+use fencegate::store::{EmbeddedStore, RedisStore};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -29,53 +32,84 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn key(r: u8) -> ResourceKey {
-    ResourceKey::new(&format!("resource-{r}")).unwrap()
+/// How a store under test is opened and reopened.
+trait Harness {
+    type Store: FenceStore;
+    async fn open(&self) -> Self::Store;
+    /// Every case starts from an empty keyspace: resource names carry the case's prefix.
+    fn prefix(&self) -> &str;
+}
+
+struct Embedded {
+    dir: tempfile::TempDir,
+}
+
+impl Harness for Embedded {
+    type Store = EmbeddedStore;
+    async fn open(&self) -> EmbeddedStore {
+        // Reopens once the previous writer thread let go of the file.
+        for _ in 0..200 {
+            match EmbeddedStore::open(self.dir.path()) {
+                Ok(store) => return store,
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+            }
+        }
+        panic!("the store could not be reopened");
+    }
+    fn prefix(&self) -> &str {
+        ""
+    }
+}
+
+struct Redis {
+    url: String,
+    prefix: String,
+}
+
+impl Harness for Redis {
+    type Store = RedisStore;
+    async fn open(&self) -> RedisStore {
+        RedisStore::connect(&[self.url.clone()], std::time::Duration::from_secs(5), "model".into()).await.unwrap()
+    }
+    fn prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+fn key_in(prefix: &str, r: u8) -> ResourceKey {
+    ResourceKey::new(&format!("{prefix}resource-{r}")).unwrap()
 }
 
 /// The model: a map that only ever grows.
 fn model_advance(model: &mut HashMap<u8, u64>, r: u8, t: u64) -> AdvanceOutcome {
     match model.get(&r).copied() {
-        Some(current) if current >= t => AdvanceOutcome::Unchanged {
-            current: FenceToken(current),
-        },
+        Some(current) if current >= t => AdvanceOutcome::Unchanged { current: FenceToken(current) },
         previous => {
             model.insert(r, t);
-            AdvanceOutcome::Advanced {
-                previous: previous.map(FenceToken),
-            }
+            AdvanceOutcome::Advanced { previous: previous.map(FenceToken) }
         }
     }
 }
 
-async fn run(ops: Vec<Op>) {
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = EmbeddedStore::open(dir.path()).unwrap();
+async fn run<H: Harness>(harness: &H, ops: Vec<Op>) {
+    let key = |r: u8| key_in(harness.prefix(), r);
+    let mut store = harness.open().await;
     let mut model: HashMap<u8, u64> = HashMap::new();
     for op in ops {
         match op {
             Op::Load(r) => {
-                assert_eq!(
-                    store.load(&key(r)).await.unwrap(),
-                    model.get(&r).copied().map(FenceToken),
-                    "load {r}"
-                );
+                assert_eq!(store.load(&key(r)).await.unwrap(), model.get(&r).copied().map(FenceToken), "load {r}");
             }
             Op::Advance(r, t) => {
                 let want = model_advance(&mut model, r, t);
-                assert_eq!(
-                    store.advance(&key(r), FenceToken(t)).await.unwrap(),
-                    want,
-                    "advance {r} to {t}"
-                );
+                assert_eq!(store.advance(&key(r), FenceToken(t)).await.unwrap(), want, "advance {r} to {t}");
             }
             Op::Concurrent(batch) => {
                 // Issued together; the outcomes may interleave in any order, so only the end
                 // state is compared: every resource ends at the maximum advanced to.
                 let store_ref = &store;
-                let futures = batch
-                    .iter()
-                    .map(|&(r, t)| async move { store_ref.advance(&key(r), FenceToken(t)).await });
+                let futures =
+                    batch.iter().map(|&(r, t)| async move { store_ref.advance(&key(r), FenceToken(t)).await });
                 for outcome in futures_util::future::join_all(futures).await {
                     outcome.unwrap();
                 }
@@ -83,44 +117,45 @@ async fn run(ops: Vec<Op>) {
                     model_advance(&mut model, r, t);
                 }
                 for &(r, _) in &batch {
-                    assert_eq!(
-                        store.load(&key(r)).await.unwrap(),
-                        model.get(&r).copied().map(FenceToken)
-                    );
+                    assert_eq!(store.load(&key(r)).await.unwrap(), model.get(&r).copied().map(FenceToken));
                 }
             }
             Op::Reopen => {
                 drop(store);
-                store = reopen(dir.path()).await;
+                store = harness.open().await;
             }
         }
     }
     drop(store);
-    let store = reopen(dir.path()).await;
+    let store = harness.open().await;
     for r in 0..4 {
-        assert_eq!(
-            store.load(&key(r)).await.unwrap(),
-            model.get(&r).copied().map(FenceToken),
-            "after reopen {r}"
-        );
+        assert_eq!(store.load(&key(r)).await.unwrap(), model.get(&r).copied().map(FenceToken), "after reopen {r}");
     }
-}
-
-/// Reopens once the previous writer thread let go of the file.
-async fn reopen(path: &std::path::Path) -> EmbeddedStore {
-    for _ in 0..200 {
-        match EmbeddedStore::open(path) {
-            Ok(store) => return store,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
-        }
-    }
-    panic!("the store could not be reopened");
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
     #[test]
     fn embedded_store_matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
-        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(run(ops));
+        runtime().block_on(async {
+            run(&Embedded { dir: tempfile::tempdir().unwrap() }, ops).await;
+        });
     }
+
+    #[test]
+    fn redis_store_matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
+        let redis = REDIS.get_or_init(|| runtime().block_on(common::RedisServer::start()));
+        let case = CASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        runtime().block_on(async {
+            run(&Redis { url: redis.url(), prefix: format!("case-{case}/") }, ops).await;
+        });
+    }
+}
+
+/// One redis-server for every case (each case uses its own key prefix).
+static REDIS: std::sync::OnceLock<common::RedisServer> = std::sync::OnceLock::new();
+static CASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }

@@ -32,11 +32,15 @@ impl Fencegate {
     }
 
     pub async fn start_with(dir: &Path, upstream_toml: &str, extra: &str) -> Self {
+        let store = format!("[store]\nkind = \"embedded\"\npath = \"{}\"\n", dir.join("fences").display());
+        Self::start_configured(dir, &store, upstream_toml, extra).await
+    }
+
+    /// Starts fencegate with the given `[store]` and `[upstream]` sections, and `extra` TOML.
+    pub async fn start_configured(dir: &Path, store_toml: &str, upstream_toml: &str, extra: &str) -> Self {
         let toml = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nkind = \"embedded\"\npath = \"{}\"\n{upstream_toml}\n\
-             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}",
-            dir.join("fences").display()
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{store_toml}\n{upstream_toml}\n\
+             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}"
         );
         let config = Config::from_toml(&toml).expect("test config is valid");
         let app = App::build(config).await.expect("fencegate builds");
@@ -105,4 +109,142 @@ where
     let code = err.as_service_error().and_then(|e| e.code()).map(str::to_owned);
     let current = raw.headers().get("fencing-token-current").map(str::to_owned);
     (code, raw.status().as_u16(), current)
+}
+
+/// A free loopback port (bound then released; good enough for test processes).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+async fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not start on port {port}");
+}
+
+/// A `moto_server` (a real S3-compatible server) on a free loopback port, killed on drop.
+pub struct Moto {
+    child: std::process::Child,
+    pub endpoint: String,
+}
+
+impl Moto {
+    // The child is reaped by `Drop` on every path, the panics included.
+    #[allow(clippy::zombie_processes)]
+    pub async fn start() -> Self {
+        let port = free_port();
+        let child = std::process::Command::new("moto_server")
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("moto_server is needed: run scripts/test, or pip install 'moto[server]'");
+        let moto = Self { child, endpoint: format!("http://127.0.0.1:{port}") };
+        wait_for_port(port, "moto_server").await;
+        moto
+    }
+
+    /// The `[upstream]` section pointing fencegate at this server.
+    pub fn upstream_toml(&self, bucket: &str) -> String {
+        format!(
+            "[upstream]\nkind = \"s3\"\nendpoint = \"{}\"\naccess_key_id = \"moto\"\nsecret_access_key = \"moto\"\n\
+             probe = \"require\"\nprobe_bucket = \"{bucket}\"\n",
+            self.endpoint
+        )
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `redis-server` on a free loopback port, in its own directory, killed on drop.
+pub struct RedisServer {
+    child: Option<std::process::Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Without persistence: a restart comes back empty.
+    pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    pub async fn start_with(extra: &[&str]) -> Self {
+        let mut server = Self {
+            child: None,
+            port: free_port(),
+            dir: tempfile::tempdir().unwrap(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.spawn().await;
+        server
+    }
+
+    // The child is reaped by `kill` and `Drop`.
+    #[allow(clippy::zombie_processes)]
+    async fn spawn(&mut self) {
+        let mut args: Vec<String> = ["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.push("--dir".into());
+        args.push(self.dir.path().display().to_string());
+        args.extend(self.extra.iter().cloned());
+        let child = std::process::Command::new("redis-server")
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is needed: run scripts/test, or apt-get install redis-server");
+        self.child = Some(child);
+        wait_for_port(self.port, "redis-server").await;
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port and directory (with whatever it persisted).
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+
+    /// Starts again on the same port with nothing: a restart without persistence.
+    pub async fn restart_empty(&mut self) {
+        self.kill();
+        for entry in std::fs::read_dir(self.dir.path()).unwrap() {
+            let _ = std::fs::remove_file(entry.unwrap().path());
+        }
+        self.spawn().await;
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `[store]` for Redis, to use with `Fencegate::start_configured`.
+pub fn redis_store_toml(url: &str, replica: &str) -> String {
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\n")
 }
