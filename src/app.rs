@@ -25,6 +25,8 @@ pub struct App {
     config: Config,
     gate: Arc<Gate>,
     upstream: Arc<dyn Upstream>,
+    /// Set when the main listener speaks HTTPS.
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// The listeners' bound addresses.
@@ -63,7 +65,11 @@ impl App {
         let gate = Arc::new(Gate::new(store, limits));
         gate.listen_for_announcements();
         let upstream = upstream::from_config(&config)?;
-        Ok(Self { config, gate, upstream })
+        let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
+            (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
+            _ => None,
+        };
+        Ok(Self { config, gate, upstream, tls })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -159,6 +165,7 @@ impl App {
         let mut s3_stop = stop_rx;
         let admin_task = tokio::spawn(server::run(
             admin_listener,
+            None,
             admin_service,
             ConnectionLimits { connections_max: 64, ..limits.clone() },
             async move {
@@ -168,6 +175,7 @@ impl App {
         ));
         let s3_task = tokio::spawn(server::run(
             s3_listener,
+            self.tls.clone(),
             s3_service,
             limits,
             async move {

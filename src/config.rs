@@ -28,6 +28,9 @@ pub struct Config {
     pub fencing: FencingConfig,
     #[serde(default)]
     pub leases: LeasesConfig,
+    /// Third-party HTTP APIs behind the same gate (SPEC section 6).
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub log: LogConfig,
 }
@@ -56,6 +59,13 @@ pub struct ServerConfig {
     /// When set, the admin API wants `Authorization: Bearer <admin_token>`.
     #[serde(default)]
     pub admin_token: Option<String>,
+    /// PEM certificate chain: when set (with `tls_key_path`), the main listener speaks HTTPS
+    /// (HTTP/1.1 and HTTP/2 through ALPN).
+    #[serde(default)]
+    pub tls_cert_path: Option<PathBuf>,
+    /// PEM private key of `tls_cert_path`.
+    #[serde(default)]
+    pub tls_key_path: Option<PathBuf>,
     /// Base domain for virtual-hosted addressing (`bucket.<domain>`); path-style always works.
     #[serde(default)]
     pub domain: Option<String>,
@@ -225,6 +235,44 @@ pub struct RuleConfig {
     pub resource: String,
 }
 
+/// How a route makes writes safe for an API that knows nothing of fencing tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouteMode {
+    /// Sends an `Idempotency-Key` derived from resource, token and request id, and answers
+    /// retries from the recorded outcome.
+    IdempotencyKey,
+    /// Turns writes into `If-Match` (last ETag seen) or `If-None-Match: *` requests.
+    Conditional,
+    /// Checks the token and forwards.
+    FenceOnly,
+}
+
+/// A third-party API behind the gate.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Path prefix on fencegate's listener (`/payments/`); matched before S3 handling.
+    pub prefix: String,
+    /// Base URL the rest of the path is appended to (`https://api.example.com/v1/payments/`).
+    pub upstream: String,
+    /// Resource template: `{n}` is the n-th path segment after the prefix (`payment:{1}`).
+    pub resource: String,
+    pub mode: RouteMode,
+    /// How long idempotency records are kept.
+    #[serde(default = "defaults::idempotency_retention_ms")]
+    pub idempotency_retention_ms: u64,
+    /// From sending a request upstream until its response head.
+    #[serde(default = "defaults::route_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// Largest request body forwarded (and hashed for the request id).
+    #[serde(default = "defaults::route_body_bytes_max")]
+    pub body_bytes_max: usize,
+    /// Largest upstream response recorded for replay.
+    #[serde(default = "defaults::route_response_bytes_max")]
+    pub response_bytes_max: usize,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -306,6 +354,18 @@ mod defaults {
         100_000
     }
     pub fn retry_body_bytes_max() -> usize {
+        1024 * 1024
+    }
+    pub fn idempotency_retention_ms() -> u64 {
+        24 * 3600 * 1000
+    }
+    pub fn route_request_timeout_ms() -> u64 {
+        30_000
+    }
+    pub fn route_body_bytes_max() -> usize {
+        8 * 1024 * 1024
+    }
+    pub fn route_response_bytes_max() -> usize {
         1024 * 1024
     }
     pub fn lease_ttl_ms_max() -> u64 {
@@ -428,6 +488,24 @@ impl Config {
         for (key, value) in positive {
             if value == 0 {
                 return Err((key, "must be greater than 0".into()));
+            }
+        }
+        if self.server.tls_cert_path.is_some() != self.server.tls_key_path.is_some() {
+            return Err(("server.tls_key_path", "set both server.tls_cert_path and server.tls_key_path, or neither".into()));
+        }
+        for route in &self.routes {
+            if !route.prefix.starts_with('/') || !route.prefix.ends_with('/') {
+                return Err(("routes.prefix", format!("{:?} must start and end with '/'", route.prefix)));
+            }
+            if route.prefix.starts_with("/_fencegate/") {
+                return Err(("routes.prefix", "/_fencegate/ is reserved for fencegate's own endpoints".into()));
+            }
+            let uri: http::Uri = route.upstream.parse().map_err(|e| ("routes.upstream", format!("{:?}: {e}", route.upstream)))?;
+            if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+                return Err(("routes.upstream", format!("{:?} must be an http:// or https:// URL", route.upstream)));
+            }
+            if route.resource.is_empty() {
+                return Err(("routes.resource", "must not be empty".into()));
             }
         }
         if self.server.connections_max == 0 {

@@ -16,6 +16,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 
 /// The limits of one listener.
 #[derive(Debug, Clone)]
@@ -26,10 +27,11 @@ pub struct ConnectionLimits {
     pub idle_timeout: Duration,
 }
 
-/// Serves `service` on `listener` until `shutdown` resolves, then lets open requests finish
-/// (for at most `drain_for`).
+/// Serves `service` on `listener` (over TLS when `tls` is given) until `shutdown` resolves,
+/// then lets open requests finish (for at most `drain_for`).
 pub async fn run<S, B>(
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     service: S,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
@@ -73,22 +75,20 @@ pub async fn run<S, B>(
         };
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(AtomicU64::new(0));
-        let io = TokioIo::new(Tracked { inner: stream, activity: activity.clone() });
-        let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
-        let conn = graceful.watch(conn);
-        let idle_timeout = limits.idle_timeout;
+        let tracked = Tracked { inner: stream, activity: activity.clone() };
+        let (builder, service, tls, watcher) = (builder.clone(), service.clone(), tls.clone(), graceful.watcher());
         tokio::spawn(async move {
             let _permit = permit;
-            tokio::pin!(conn);
-            let idle = idle_watch(activity, idle_timeout);
-            tokio::pin!(idle);
-            tokio::select! {
-                result = conn.as_mut() => {
-                    if let Err(error) = result {
-                        tracing::debug!(%peer, error = %error, "connection ended with an error");
+            let idle = idle_watch(activity, limits.idle_timeout);
+            match tls {
+                None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, peer).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
+                        Ok(Ok(stream)) => serve(&builder, TokioIo::new(stream), service, watcher, idle, peer).await,
+                        Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
                 }
-                () = &mut idle => tracing::debug!(%peer, "closing idle connection"),
             }
         });
     }
@@ -96,6 +96,56 @@ pub async fn run<S, B>(
     if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
         tracing::warn!(drain_ms = drain_for.as_millis() as u64, "connections still open after the drain period");
     }
+}
+
+/// Serves one connection until it ends, goes idle, or shutdown drains it.
+async fn serve<I, S, B>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    service: S,
+    watcher: hyper_util::server::graceful::Watcher,
+    idle: impl Future<Output = ()>,
+    peer: std::net::SocketAddr,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = watcher.watch(builder.serve_connection_with_upgrades(io, service).into_owned());
+    tokio::pin!(conn);
+    tokio::pin!(idle);
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%peer, error = %error, "connection ended with an error");
+            }
+        }
+        () = &mut idle => tracing::debug!(%peer, "closing idle connection"),
+    }
+}
+
+/// Loads a PEM certificate chain and key into a TLS acceptor offering HTTP/2 and HTTP/1.1.
+pub fn tls_acceptor(cert_path: &std::path::Path, key_path: &std::path::Path) -> anyhow::Result<TlsAcceptor> {
+    use anyhow::Context;
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert_path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("server.tls_cert_path: cannot read certificates from {}", cert_path.display()))?;
+    let key = PrivateKeyDer::from_pem_file(key_path)
+        .with_context(|| format!("server.tls_key_path: cannot read a private key from {}", key_path.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("server.tls_cert_path: the certificate and key do not match")?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
 /// Resolves once no byte moved on the connection for `idle_timeout`.
