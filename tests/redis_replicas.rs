@@ -96,7 +96,12 @@ async fn racing_writers_through_three_replicas_never_commit_a_stale_write() {
     assert_eq!(max_ok, history.iter().map(|e| e.token).max().unwrap(), "the highest token is never refused");
     for accepted in history.iter().filter(|e| e.ok) {
         for later in history.iter().filter(|e| e.ok && e.token < accepted.token) {
-            assert!(later.sent < accepted.answered, "token {} accepted after {} was answered", later.token, accepted.token);
+            assert!(
+                later.sent < accepted.answered,
+                "token {} accepted after {} was answered",
+                later.token,
+                accepted.token
+            );
         }
     }
     let direct = s3_client(&moto.endpoint, "moto", "moto");

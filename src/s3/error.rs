@@ -40,6 +40,8 @@ pub enum FrontError {
     UnsafeKey,
     #[error("{0} is not supported through fencegate yet")]
     NotSupported(&'static str),
+    #[error("malformed XML body: {0}")]
+    MalformedXml(String),
     #[error("the body's {algorithm} checksum does not match its trailer; nothing was committed")]
     BadDigest { algorithm: &'static str },
     #[error("the client's body ended early or failed; nothing was committed")]
@@ -96,10 +98,16 @@ impl FrontError {
             Self::UnsafeKey => (S::BAD_REQUEST, "InvalidArgument"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
+            Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
             Self::Upstream(UpstreamError::Timeout { .. }) => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
             Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
         }
+    }
+
+    /// The S3 error code.
+    pub fn code(&self) -> &'static str {
+        self.parts().1
     }
 
     /// The S3 error this becomes: status, code, message, and `Fencing-Token-Current` on stale.

@@ -5,6 +5,7 @@
 
 mod body;
 mod classify;
+mod delete_objects;
 mod error;
 mod objects;
 mod wire;
@@ -28,7 +29,7 @@ pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use self::objects::{EtagCache, ObjectState};
 use crate::config::Config;
-use crate::fence::{FenceToken, Gate, Permit, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
 use crate::metrics;
 use crate::upstream::Upstream;
@@ -76,6 +77,9 @@ const PRESIGN_PARAMS: &[&str] = &[
 /// (bounded) before the write counts as committed.
 const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 
+/// A CompleteMultipartUpload body lists at most 10,000 parts.
+const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
+
 /// Builds the S3 service: authentication from `[[credentials]]`, virtual hosts from
 /// `server.domain`, and fencegate's handler behind it.
 pub fn service(
@@ -84,10 +88,9 @@ pub fn service(
     upstream: Arc<dyn Upstream>,
     leases: Arc<LeaseService>,
 ) -> anyhow::Result<S3Service> {
-    let mut auth = s3s::auth::SimpleAuth::new();
-    for c in &config.credentials {
-        auth.register(c.access_key_id.clone(), c.secret_access_key.clone().into());
-    }
+    let auth = Credentials(
+        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.clone())).collect(),
+    );
     let front = Front::new(config, gate, upstream)?;
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth);
@@ -97,6 +100,22 @@ pub fn service(
         builder.set_host(s3s::host::SingleDomain::new(domain).map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?);
     }
     Ok(builder.build())
+}
+
+/// The `[[credentials]]` that may sign requests to fencegate.
+struct Credentials(std::collections::HashMap<String, String>);
+
+#[async_trait::async_trait]
+impl s3s::auth::S3Auth for Credentials {
+    async fn get_secret_key(&self, access_key: &str) -> S3Result<s3s::auth::SecretKey> {
+        match self.0.get(access_key) {
+            Some(secret) => Ok(secret.clone().into()),
+            None => Err(s3s::S3Error::with_message(
+                s3s::S3ErrorCode::InvalidAccessKeyId,
+                "The AWS access key ID you provided does not exist in fencegate's [[credentials]].",
+            )),
+        }
+    }
 }
 
 /// s3s wants an implementation of its typed operations; fencegate's route takes every request
@@ -217,7 +236,11 @@ impl Front {
                 Ok(resp)
             }
             Err(error) => {
-                span.record("decision", error.decision());
+                let decision = error.decision();
+                if decision != "error" {
+                    metrics::decision(decision);
+                }
+                span.record("decision", decision);
                 if let FrontError::Stale { current, .. } = &error {
                     span.record("fence", current.0);
                 }
@@ -251,9 +274,6 @@ impl Front {
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
         }
-        if op == Op::DeleteObjects {
-            return Err(FrontError::NotSupported("DeleteObjects (delete keys one by one)"));
-        }
         let Some(token) = self.wire.token(&request.headers)? else {
             if self.require_token {
                 return Err(FrontError::MissingToken);
@@ -262,6 +282,9 @@ impl Front {
             tracing::Span::current().record("decision", "unchecked");
             return self.pass_through(request).await;
         };
+        if op == Op::DeleteObjects {
+            return self.delete_objects(request, token).await;
+        }
         let (bucket, key) = match (&request.target.bucket, &request.target.key) {
             (Some(b), Some(k)) => (b.as_str(), k.as_str()),
             _ => unreachable!("fenced writes address an object"),
@@ -278,6 +301,7 @@ impl Front {
             Op::PutObject => self.put_object(request, admitted).await,
             Op::CopyObject => self.copy_object(request, admitted).await,
             Op::DeleteObject => self.delete_object(request, admitted).await,
+            Op::CompleteMultipartUpload => self.complete_multipart(request, admitted).await,
             Op::CreateMultipartUpload => {
                 let mut request = request;
                 stamp(&mut request.headers, token);
@@ -409,6 +433,119 @@ impl Front {
             return Err(FrontError::PreconditionRace);
         }
         Ok(client_response(resp))
+    }
+
+    /// CompleteMultipartUpload, the commit point of a multipart upload: the gate checked the
+    /// token again, and the completion is conditional on the object's last known state.
+    async fn complete_multipart(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let object = request.target.object_name().expect("object write");
+        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let path = request.path_and_query();
+        let parts = http_body_util::Limited::new(request.body, COMPLETE_REQUEST_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|_| FrontError::IncompleteBody)?
+            .to_bytes();
+        let mut headers = upstream_headers(&request.headers, &self.wire);
+        set_precondition(&mut headers, &state);
+        let resp =
+            self.send("complete_multipart", Method::POST, &path, headers.clone(), Body::from(parts.clone())).await?;
+        let (resp, committed) = read_xml_response(resp).await?;
+        if committed {
+            self.remember_completion(object, &resp, admitted.token).await;
+            return Ok(client_response(resp));
+        }
+        if !lost_precondition(resp.status()) {
+            return Ok(client_response(resp));
+        }
+        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        set_precondition(&mut headers, &fresh);
+        let resp = self.send("complete_multipart", Method::POST, &path, headers, Body::from(parts)).await?;
+        let (resp, committed) = read_xml_response(resp).await?;
+        if committed {
+            metrics::precondition_conflict("retried");
+            self.remember_completion(object, &resp, admitted.token).await;
+            return Ok(client_response(resp));
+        }
+        if lost_precondition(resp.status()) {
+            metrics::precondition_conflict("gave_up");
+            return Err(FrontError::PreconditionRace);
+        }
+        Ok(client_response(resp))
+    }
+
+    /// The ETag of a completed upload is in its XML body, not in a header.
+    async fn remember_completion(&self, object: String, resp: &http::Response<Body>, token: FenceToken) {
+        let etag = resp
+            .body()
+            .bytes()
+            .and_then(|xml| xml_element(&xml, "ETag"))
+            .and_then(|e| HeaderValue::from_str(&e.replace("&quot;", "\"")).ok());
+        match etag {
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag, stamp: Some(token) }),
+            None => self.etags.forget(&object),
+        }
+    }
+
+    /// DeleteObjects: each key against its own resource; stale keys become per-key errors.
+    async fn delete_objects(&self, request: Request, token: FenceToken) -> Result<S3Response<Body>, FrontError> {
+        let bucket = request.target.bucket.clone().expect("DeleteObjects addresses a bucket");
+        let path = request.path_and_query();
+        let parsed = delete_objects::read(request.body).await?;
+        let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<delete_objects::ObjectId>> =
+            Default::default();
+        let mut refused = Vec::new();
+        for object in parsed.objects {
+            match self.wire.resource(&request.headers, &bucket, &object.key) {
+                Ok(resource) => by_resource.entry(resource).or_default().push(object),
+                Err(error) => refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string())),
+            }
+        }
+        let mut permits = Vec::with_capacity(by_resource.len());
+        let mut admitted = Vec::new();
+        for (resource, objects) in by_resource {
+            match self.gate.admit(&resource, token).await {
+                Ok(permit) => {
+                    metrics::decision("accepted");
+                    permits.push(permit);
+                    admitted.extend(objects);
+                }
+                Err(AdmitError::Stale { presented, current }) => {
+                    metrics::decision("stale");
+                    let error = FrontError::Stale { presented, current };
+                    for object in &objects {
+                        refused.push(delete_objects::error_entry(object, error.code(), &error.to_string()));
+                    }
+                }
+                Err(other) => return Err(other.into()),
+            }
+        }
+        let (status, mut headers, result) = if admitted.is_empty() {
+            (StatusCode::OK, HeaderMap::new(), delete_objects::merge(None, &refused)?)
+        } else {
+            let body = delete_objects::forwarded_body(&admitted, parsed.quiet);
+            let mut headers = upstream_headers(&request.headers, &self.wire);
+            delete_objects::rewrite_headers(&mut headers, &body);
+            let resp = self.send("delete_objects", Method::POST, &path, headers, Body::from(body)).await?;
+            for object in &admitted {
+                self.etags.forget(&format!("{bucket}/{}", object.key));
+            }
+            let (resp, committed) = read_xml_response(resp).await?;
+            if !resp.status().is_success() || !committed {
+                return Ok(client_response(resp));
+            }
+            let (parts, body) = resp.into_parts();
+            let merged = delete_objects::merge(body.bytes().as_deref(), &refused)?;
+            (parts.status, parts.headers, merged)
+        };
+        drop(permits);
+        for name in ["content-length", "content-md5", "etag"] {
+            headers.remove(name);
+        }
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+        let mut resp = S3Response::with_headers(Body::from(result), headers);
+        resp.status = Some(status);
+        Ok(resp)
     }
 
     /// The object's state for a precondition: from the cache when allowed, else a head read.
@@ -666,6 +803,14 @@ async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response
         .to_bytes();
     let committed = parts.status.is_success() && !contains_error_element(&bytes);
     Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
+}
+
+/// The text of the first `<name>` element, if any (small, trusted XML from the upstream).
+fn xml_element(xml: &[u8], name: &str) -> Option<String> {
+    let text = std::str::from_utf8(xml).ok()?;
+    let start = text.find(&format!("<{name}>"))? + name.len() + 2;
+    let end = text[start..].find(&format!("</{name}>"))? + start;
+    Some(text[start..end].to_owned())
 }
 
 fn contains_error_element(xml: &[u8]) -> bool {

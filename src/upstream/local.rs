@@ -19,6 +19,7 @@ use super::{Upstream, UpstreamError};
 const OBJECT_LOCK_STRIPES: usize = 1024;
 
 pub struct LocalUpstream {
+    root: std::path::PathBuf,
     service: S3Service,
     object_locks: Vec<tokio::sync::Mutex<()>>,
     hasher: RandomState,
@@ -32,7 +33,19 @@ impl LocalUpstream {
             .map_err(|e| anyhow::anyhow!("cannot open the local upstream at {}: {e:?}", root.display()))?;
         let service = S3ServiceBuilder::new(fs).build();
         let object_locks = (0..OBJECT_LOCK_STRIPES).map(|_| tokio::sync::Mutex::new(())).collect();
-        Ok(Self { service, object_locks, hasher: RandomState::new() })
+        Ok(Self { root: root.into(), service, object_locks, hasher: RandomState::new() })
+    }
+
+    /// S3 answers 404 `NoSuchBucket` for anything addressed to a missing bucket; s3s-fs would
+    /// create the bucket on an object write, and answers `NoSuchKey` on a read.
+    async fn bucket_exists(&self, path: &str) -> bool {
+        let bucket = path.trim_start_matches('/').split('/').next().unwrap_or("");
+        // The S3 front validated bucket names (letters, digits, dots, hyphens); anything else,
+        // `..` included, is not a bucket here.
+        let plain = bucket.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
+        plain
+            && !matches!(bucket, "" | "." | "..")
+            && tokio::fs::metadata(self.root.join(bucket)).await.is_ok_and(|m| m.is_dir())
     }
 
     fn is_object_write(req: &http::Request<Body>) -> bool {
@@ -45,7 +58,17 @@ impl LocalUpstream {
 #[async_trait]
 impl Upstream for LocalUpstream {
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
-        let _object_lock = if Self::is_object_write(&req) {
+        let is_object_write = Self::is_object_write(&req);
+        let path = req.uri().path();
+        let addresses_object = path.trim_start_matches('/').contains('/');
+        let creates_bucket = *req.method() == Method::PUT && !addresses_object;
+        let addresses_bucket = !path.trim_start_matches('/').is_empty();
+        if addresses_bucket && !creates_bucket && !self.bucket_exists(path).await {
+            let error =
+                s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchBucket, "The specified bucket does not exist");
+            return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
+        let _object_lock = if is_object_write {
             let stripe = self.hasher.hash_one(req.uri().path()) as usize % OBJECT_LOCK_STRIPES;
             Some(self.object_locks[stripe].lock().await)
         } else {

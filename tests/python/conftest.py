@@ -102,14 +102,22 @@ def fencegate(tmp_path):
       config   -- dict merged over the default config (e.g. {"fencing": {"require_token": False}})
       upstream -- replaces the [upstream] table
       env      -- extra environment variables for the process
+      local_buckets -- buckets to create as directories of the local upstream before start
     Every instance is stopped at teardown; its log tail is printed (pytest shows it on failure).
     """
     started: list[FenceGate] = []
 
-    def start(config: dict | None = None, upstream: dict | None = None, env: dict | None = None):
+    def start(
+        config: dict | None = None,
+        upstream: dict | None = None,
+        env: dict | None = None,
+        local_buckets: tuple = (),
+    ):
         workdir = tmp_path / f"fg{len(started)}"
         workdir.mkdir()
         cfg = base_config(workdir)
+        for name in local_buckets:
+            (workdir / "objects" / name).mkdir(parents=True)
         if upstream is not None:
             cfg["upstream"] = upstream
         if config:

@@ -5,8 +5,6 @@ Everything here talks to 127.0.0.1 only, and every wait is bounded in time.
 
 from __future__ import annotations
 
-import datetime
-import http.client
 import json
 import os
 import queue
@@ -163,6 +161,7 @@ class FenceGate:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
         env.setdefault("RUST_LOG", "info")
         env.setdefault("RUST_BACKTRACE", "1")
+        env.setdefault("NO_COLOR", "1")
         env.update(self.env)
         with open(log, "wb") as logf:
             self.proc = subprocess.Popen(
@@ -393,10 +392,11 @@ def unique(prefix: str) -> str:
 
 
 class _S3PathSigV4(SigV4Auth):
-    """SigV4 the way S3 does it: the path is signed exactly as sent (no dot-segment removal)."""
+    """SigV4 the way S3 does it: no dot-segment removal; the canonical path is the decoded
+    path URI-encoded once (so `%2E%2E` and `..` sign alike, as a server computes it)."""
 
     def _normalize_url_path(self, path):
-        return path
+        return urllib.parse.quote(urllib.parse.unquote(path), safe="/~")
 
 
 def sign_headers(

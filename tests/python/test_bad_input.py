@@ -119,6 +119,7 @@ def test_path_traversal_keys(fg, bucket, path, tmp_probe):
     resp = signed_raw_request(fg, "PUT", path, headers={"Fencing-Token": "3"}, body=b"escaped!")
     assert resp.status is not None, f"no response: {resp.error}"
     assert resp.status < 500, (resp.status, resp.body[:500])
+    assert resp.code() != "SignatureDoesNotMatch", "the request never reached the key handling"
     # Nothing landed outside the bucket named in the request.
     assert head_status(fg.client(), "victim", ESCAPE) == 404
     for p in (tmp_probe, fg.workdir / ESCAPE, fg.workdir.parent / ESCAPE,
@@ -128,6 +129,21 @@ def test_path_traversal_keys(fg, bucket, path, tmp_probe):
         # Stored as a literal key in bkt1: reading it back the same way gives the same bytes.
         back = signed_raw_request(fg, "GET", path)
         assert back.status == 200 and back.body == b"escaped!", (back.status, back.body[:200])
+    assert_still_serving(fg, bucket)
+
+
+def test_path_traversal_reads(fg, bucket):
+    """Reads are unfenced but still confined to the bucket named in the request."""
+    fg.client().create_bucket(Bucket="victim")
+    fg.client(token=1).put_object(Bucket="victim", Key="private", Body=b"victim's bytes")
+    for path in ("/bkt1/../victim/private", "/bkt1/%2E%2E/victim/private",
+                 "/bkt1/" + "../" * 16 + "etc/passwd", "/bkt1/" + "%2E%2E/" * 16 + "etc/passwd"):
+        resp = signed_raw_request(fg, "GET", path)
+        assert resp.status is not None, (path, resp.error)
+        assert resp.status < 500, (path, resp.status, resp.body[:300])
+        assert resp.code() != "SignatureDoesNotMatch", (path, "never reached the key handling")
+        assert b"victim's bytes" not in resp.body, f"{path} read another bucket's object"
+        assert b"root:" not in resp.body, f"{path} read a file outside the upstream"
     assert_still_serving(fg, bucket)
 
 
@@ -275,3 +291,30 @@ def test_fencegate_survives_all_of_it(fg, bucket):
         read_response(sock, timeout=10)
     assert_still_serving(fg, bucket)
     assert head_status(fg.client(), bucket, "burst") == 404
+
+
+def test_slow_client_is_cut_off(fencegate):
+    """A client that never finishes its request head is disconnected (header read timeout)."""
+    fg = fencegate(config={"server": {"header_read_timeout_ms": 1000}})
+    fg.client().create_bucket(Bucket="slowbkt")
+    with connect(fg.s3_addr) as sock:
+        sock.sendall(b"PUT /slowbkt/k HTTP/1.1\r\nHost: 127.0.0.1\r\nFencing-Tok")
+        started = time.monotonic()
+        resp = read_response(sock, timeout=15)
+        took = time.monotonic() - started
+    assert resp.error != "timeout", "a stalled request head kept its connection for 15 s"
+    assert took < 10, f"cut off only after {took:.1f}s with a 1 s header timeout"
+    assert resp.status is None or resp.status in (400, 408), (resp.status, resp.body[:300])
+    assert_still_serving(fg, "slowbkt")
+
+
+def test_body_over_limit_commits_nothing(fencegate):
+    fg = fencegate(config={"server": {"body_bytes_max": MiB}})
+    fg.client().create_bucket(Bucket="limitbkt")
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=1).put_object(Bucket="limitbkt", Key="big", Body=b"x" * (2 * MiB))
+    assert status_of(exc_info.value) in (400, 413), exc_info.value.response
+    assert code_of(exc_info.value) == "EntityTooLarge", exc_info.value.response
+    assert head_status(fg.client(), "limitbkt", "big") == 404
+    fg.client(token=1).put_object(Bucket="limitbkt", Key="small", Body=b"x" * 1000)
+    assert_still_serving(fg, "limitbkt")

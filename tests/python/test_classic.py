@@ -210,3 +210,80 @@ def test_rules_map_prefix_to_resource(fencegate):
         fg.client(token=13, resource="job:y").put_object(Bucket="ruled", Key="jobs/c", Body=b"13")
     assert status_of(exc_info.value) == 400, exc_info.value.response
     assert head_status(fg.client(), "ruled", "jobs/c") == 404
+
+
+def test_stale_multipart_upload_cannot_complete(fg, bucket):
+    """A multipart upload started under token 11 cannot commit after token 12 wrote."""
+    a = fg.client(token=11)
+    part = b"p" * (5 * 1024 * 1024)
+    mpu = a.create_multipart_upload(Bucket=bucket, Key="mp")
+    up = a.upload_part(Bucket=bucket, Key="mp", UploadId=mpu["UploadId"], PartNumber=1, Body=part)
+
+    fg.client(token=12).put_object(Bucket=bucket, Key="mp", Body=b"B's data")
+
+    with pytest.raises(ClientError) as exc_info:
+        a.upload_part(Bucket=bucket, Key="mp", UploadId=mpu["UploadId"], PartNumber=2, Body=b"x")
+    assert_stale(exc_info, 12)
+    with pytest.raises(ClientError) as exc_info:
+        a.complete_multipart_upload(
+            Bucket=bucket,
+            Key="mp",
+            UploadId=mpu["UploadId"],
+            MultipartUpload={"Parts": [{"ETag": up["ETag"], "PartNumber": 1}]},
+        )
+    assert_stale(exc_info, 12)
+    assert read_object(fg.client(), bucket, "mp") == b"B's data"
+
+
+def test_multipart_upload_with_current_token(fg, bucket):
+    b = fg.client(token=12)
+    part = b"q" * (5 * 1024 * 1024)
+    mpu = b.create_multipart_upload(Bucket=bucket, Key="mp2")
+    up = b.upload_part(Bucket=bucket, Key="mp2", UploadId=mpu["UploadId"], PartNumber=1, Body=part)
+    b.complete_multipart_upload(
+        Bucket=bucket,
+        Key="mp2",
+        UploadId=mpu["UploadId"],
+        MultipartUpload={"Parts": [{"ETag": up["ETag"], "PartNumber": 1}]},
+    )
+    reader = fg.client()
+    assert read_object(reader, bucket, "mp2") == part
+    assert reader.head_object(Bucket=bucket, Key="mp2")["Metadata"].get("fencing-token") == "12"
+
+
+def test_delete_objects_checks_each_key(fg, bucket):
+    """DeleteObjects: stale keys come back as per-key errors, the rest are deleted."""
+    fg.client(token=12).put_object(Bucket=bucket, Key="fenced", Body=b"B's data")
+    fg.client(token=5).put_object(Bucket=bucket, Key="free", Body=b"old data")
+    r = fg.client(token=11).delete_objects(
+        Bucket=bucket, Delete={"Objects": [{"Key": "fenced"}, {"Key": "free"}]}
+    )
+    errors = {e["Key"]: e["Code"] for e in r.get("Errors", [])}
+    deleted = {d["Key"] for d in r.get("Deleted", [])}
+    assert errors == {"fenced": "FencingTokenStale"}, r
+    assert deleted == {"free"}, r
+    reader = fg.client()
+    assert read_object(reader, bucket, "fenced") == b"B's data"
+    assert head_status(reader, bucket, "free") == 404
+
+
+def test_presigned_put(fg, bucket):
+    """Presigned URLs work; the token rides as a header (signed metadata or plain Fencing-Token)."""
+    import requests
+
+    signer = fg.client()
+    url_12 = signer.generate_presigned_url(
+        "put_object", Params={"Bucket": bucket, "Key": "pre", "Metadata": {"fencing-token": "12"}},
+        ExpiresIn=300,
+    )
+    r = requests.put(url_12, data=b"B via presigned", headers={"x-amz-meta-fencing-token": "12"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+    url = signer.generate_presigned_url("put_object", Params={"Bucket": bucket, "Key": "pre"}, ExpiresIn=300)
+    r = requests.put(url, data=b"A late", headers={"Fencing-Token": "11"}, timeout=30)
+    assert r.status_code == 409, r.text
+    assert "FencingTokenStale" in r.text
+    assert r.headers.get("Fencing-Token-Current") == "12"
+    r = requests.put(url, data=b"no token", timeout=30)
+    assert r.status_code == 428, r.text
+    assert read_object(fg.client(), bucket, "pre") == b"B via presigned"

@@ -55,14 +55,17 @@ def curl_put(fg, path_on_disk, key: str, token: int, extra=()):
     return int(code or 0), int(float(size or 0)), body, p
 
 
-def test_stale_64mib_upload_with_expect_100_continue(stale_setup, tmp_path):
+@pytest.mark.parametrize("expect", ["explicit", "curl-default"])
+def test_stale_64mib_upload_with_expect_100_continue(stale_setup, tmp_path, expect):
+    """curl adds `Expect: 100-continue` to a large upload by itself; also sent explicitly."""
     fg = stale_setup
+    extra = ("-H", "Expect: 100-continue") if expect == "explicit" else ()
     big = tmp_path / "bigfile"
     with open(big, "wb") as f:  # 64 MiB of real bytes, written in 1 MiB blocks
         block = b"\x5a" * MiB
         for _ in range(BIG // MiB):
             f.write(block)
-    code, uploaded, body, p = curl_put(fg, big, "big", 1, extra=("-H", "Expect: 100-continue"))
+    code, uploaded, body, p = curl_put(fg, big, "big", 1, extra=extra)
     assert code == 409, (code, uploaded, body[:500], p.stderr)
     assert s3_error_code(body) == "FencingTokenStale", body[:500]
     assert uploaded < MiB, f"curl sent {uploaded} bytes of a stale 64 MiB upload"

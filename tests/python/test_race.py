@@ -54,7 +54,9 @@ def start_half_put(fg, bucket: str, key: str, token: int, resource: str | None):
     return sock
 
 
-def run_race(fg, bucket: str, old_key: str, new_key: str, resource: str | None):
+def run_race(fg, bucket: str, old_key: str, new_key: str, resource: str | None, fg_new=None):
+    """Token 11 stalls mid-body on `fg`; token 12 writes through `fg_new` (default: `fg`)."""
+    fg_new = fg_new or fg
     fence_name = resource if resource is not None else f"{bucket}/{old_key}"
     sock = start_half_put(fg, bucket, old_key, 11, resource)
     try:
@@ -70,7 +72,7 @@ def run_race(fg, bucket: str, old_key: str, new_key: str, resource: str | None):
         result: dict = {}
 
         def new_holder_put():
-            client = fg.client(token=12, resource=resource, read_timeout=60)
+            client = fg_new.client(token=12, resource=resource, read_timeout=60)
             try:
                 r = client.put_object(Bucket=bucket, Key=new_key, Body=NEW_BODY)
                 result["status"] = r["ResponseMetadata"]["HTTPStatusCode"]

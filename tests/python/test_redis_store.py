@@ -1,0 +1,194 @@
+"""Proves the Redis fence store: fences shared by replicas, G3 across replicas, and G5 (fail closed) when Redis is down."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import (
+    code_of,
+    free_port,
+    header_of,
+    merge,
+    read_object,
+    status_of,
+    unique,
+    wait_until,
+)
+from test_race import assert_holds_new, run_race
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1 with an fsync-always AOF, so a restart keeps its data."""
+
+    def __init__(self, workdir):
+        self.dir = workdir
+        self.port = free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (scripts/test installs it)")
+        log = open(self.dir / "redis.log", "ab")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        wait_until(self.ping, timeout=20, what="redis-server to answer PING")
+        return self
+
+    def ping(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError("redis-server exited:\n" + (self.dir / "redis.log").read_text()[-2000:])
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(d).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def redis_store(redis_server) -> dict:
+    return {"store": {"kind": "redis", "url": redis_server.url, "path": None}}
+
+
+def with_redis(fencegate, redis_server, **kw):
+    config = merge(redis_store(redis_server), kw.pop("config", {}))
+    return fencegate(config=config, **kw)
+
+
+def assert_stale(exc_info, current: int):
+    exc = exc_info.value
+    assert status_of(exc) == 409, exc.response
+    assert code_of(exc) == "FencingTokenStale", exc.response
+    assert header_of(exc, "Fencing-Token-Current") == str(current), exc.response
+
+
+def local_with_redis(fencegate, redis_server, bucket):
+    """Local upstream + Redis store: a shared store wants a bucket to probe at start-up."""
+    return with_redis(
+        fencegate, redis_server, local_buckets=(bucket,),
+        config={"upstream": {"probe_bucket": bucket}},
+    )
+
+
+def test_redis_classic_and_kill9(fencegate, redis_server):
+    bucket = "redisbkt"
+    fg = local_with_redis(fencegate, redis_server, bucket)
+    fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"A")
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"B's data")
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"A late")
+    assert_stale(exc_info, 12)
+
+    fg.restart(kill=True)
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"A later")
+    assert_stale(exc_info, 12)
+    assert read_object(fg.client(), bucket, "k") == b"B's data"
+
+
+def test_redis_down_fails_closed(fencegate, redis_server):
+    bucket = "g5bkt"
+    fg = local_with_redis(fencegate, redis_server, bucket)
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"B's data")
+
+    redis_server.kill()
+
+    started = time.monotonic()
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=13, read_timeout=60).put_object(Bucket=bucket, Key="k", Body=b"unchecked")
+    took = time.monotonic() - started
+    assert status_of(exc_info.value) == 503, exc_info.value.response
+    assert code_of(exc_info.value) == "FenceStoreUnavailable", exc_info.value.response
+    assert took < 30, f"the 503 took {took:.1f}s"
+    with pytest.raises(ClientError) as exc_info:  # a brand-new resource too: never unchecked
+        fg.client(token=1).put_object(Bucket=bucket, Key="new", Body=b"unchecked")
+    assert status_of(exc_info.value) == 503
+
+    # Reads keep working (G5), and nothing unchecked reached the upstream.
+    assert read_object(fg.client(), bucket, "k") == b"B's data"
+    assert fg.admin("GET", "/healthz").status_code == 200
+    assert fg.admin("GET", "/readyz").status_code != 200
+
+    # Redis comes back with its data: fencegate recovers by itself.
+    redis_server.start()
+
+    def write_13():
+        fg.client(token=13).put_object(Bucket=bucket, Key="k", Body=b"13")
+        return True
+
+    wait_until(write_13, timeout=30, interval=0.5, what="writes to work again after Redis is back")
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12 again")
+    assert_stale(exc_info, 13)
+    wait_until(lambda: fg.admin("GET", "/readyz").status_code == 200, timeout=30, what="readyz")
+
+
+@pytest.fixture
+def two_replicas(fencegate, redis_server, moto_server):
+    bucket = unique("replicas")
+    moto_server.client().create_bucket(Bucket=bucket)
+    r1 = with_redis(fencegate, redis_server, upstream=moto_server.upstream_config())
+    r2 = with_redis(fencegate, redis_server, upstream=moto_server.upstream_config())
+    return r1, r2, bucket
+
+
+def test_replicas_share_fences(two_replicas):
+    r1, r2, bucket = two_replicas
+    r1.client(token=12, resource="job:shared").put_object(Bucket=bucket, Key="a", Body=b"12")
+    with pytest.raises(ClientError) as exc_info:
+        r2.client(token=11, resource="job:shared").put_object(Bucket=bucket, Key="b", Body=b"11")
+    assert_stale(exc_info, 12)
+    assert r2.get_fence("job:shared").json()["token"] == 12
+    r = r2.put_fence("job:shared", 20)
+    assert r.status_code == 200, r.text
+    with pytest.raises(ClientError) as exc_info:
+        r1.client(token=12, resource="job:shared").put_object(Bucket=bucket, Key="a", Body=b"12")
+    assert_stale(exc_info, 20)
+
+
+def test_race_across_replicas_same_object(two_replicas):
+    r1, r2, bucket = two_replicas
+    run_race(r1, bucket, "obj", "obj", resource=None, fg_new=r2)
+    assert_holds_new(r2, bucket, "obj")
+
+
+def test_race_across_replicas_two_objects(two_replicas):
+    """The advance on one replica cancels the older upload streaming through the other."""
+    r1, r2, bucket = two_replicas
+    run_race(r1, bucket, "part-a", "part-b", resource="job:r", fg_new=r2)
+    assert_holds_new(r2, bucket, "part-b")
+    time.sleep(1.0)
+    reader = r2.client()
+    with pytest.raises(ClientError) as exc_info:
+        reader.head_object(Bucket=bucket, Key="part-a")
+    assert status_of(exc_info.value) == 404
