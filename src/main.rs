@@ -8,6 +8,12 @@ use fencegate::App;
 use fencegate::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
+/// Every request allocates a few dozen small buffers (headers, signatures, paths): glibc's
+/// allocator was a sixth of the CPU profile of an accepted write; mimalloc's thread-local
+/// free lists make that a fraction (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A fenced write proxy: rejects writes from stale lease holders in front of S3-compatible
 /// object storage.
 #[derive(Parser)]
