@@ -139,9 +139,8 @@ impl Gate {
         Ok(token)
     }
 
-    /// Applies a lease command. A grant raises the fence in the same store step; the gate then
-    /// rejects every older token and resolves older in-flight writes before answering, exactly
-    /// as for a registration (G7).
+    /// Applies a lease command. A grant raises the fence in the same store step: from then on
+    /// every older token is rejected (G7), and older uploads still streaming are cancelled.
     pub async fn lease(
         &self,
         resource: &ResourceKey,
@@ -156,15 +155,16 @@ impl Gate {
                 let mut state = slot.state();
                 let fence = state.fence.flatten().max(Some(lease.token));
                 state.fence = Some(fence);
+                // Older uploads still streaming are cut off now; the new holder's own writes
+                // wait for the rest at admission. The grant is answered without waiting, so a
+                // slow older write cannot turn a stored grant into an error for its holder.
+                state.cancel_unsent_older(lease.token);
                 drop(state);
                 metrics::advanced();
                 slot.changed.notify_waiters();
             }
             outcome
         };
-        if let LeaseOutcome::Granted(lease) = &outcome {
-            self.settle(&slot, resource, lease.token, false).await?;
-        }
         Ok(outcome)
     }
 

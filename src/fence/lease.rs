@@ -107,6 +107,10 @@ pub fn apply_lease(
             }
         }
         LeaseCommand::Renew { lease_id } => match live {
+            // A newer token was registered or written since the grant: the lease is superseded.
+            Some(l) if l.lease_id == lease_id && fence.is_some_and(|f| f > l.token) => {
+                LeaseTransition { outcome: LeaseOutcome::Gone, fence: None, lease: LeaseWrite::Delete }
+            }
             Some(l) if l.lease_id == lease_id => {
                 let record = LeaseRecord { expires_at_ms: now_ms.saturating_add(l.ttl_ms), ..l.clone() };
                 LeaseTransition {

@@ -50,8 +50,8 @@ impl LocalUpstream {
 
     fn is_object_write(req: &http::Request<Body>) -> bool {
         let writes = matches!(*req.method(), Method::PUT | Method::POST | Method::DELETE);
-        // `/bucket/key...`: a second slash means an object path.
-        writes && req.uri().path().trim_start_matches('/').contains('/')
+        // `/bucket/key...`: something after the bucket's slash means an object path.
+        writes && req.uri().path().trim_start_matches('/').split_once('/').is_some_and(|(_, key)| !key.is_empty())
     }
 }
 
@@ -60,9 +60,10 @@ impl Upstream for LocalUpstream {
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
         let is_object_write = Self::is_object_write(&req);
         let path = req.uri().path();
-        let addresses_object = path.trim_start_matches('/').contains('/');
-        let creates_bucket = *req.method() == Method::PUT && !addresses_object;
-        let addresses_bucket = !path.trim_start_matches('/').is_empty();
+        let (bucket, key) = path.trim_start_matches('/').split_once('/').unwrap_or((path.trim_start_matches('/'), ""));
+        // `PUT /bucket` and `PUT /bucket/` (SDKs send either) create the bucket.
+        let creates_bucket = *req.method() == Method::PUT && key.is_empty();
+        let addresses_bucket = !bucket.is_empty();
         if addresses_bucket && !creates_bucket && !self.bucket_exists(path).await {
             let error =
                 s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchBucket, "The specified bucket does not exist");
