@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use crate::admin::Admin;
 use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{FenceStore, Gate, GateLimits};
+use crate::gateway::Gateway;
 use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
 use crate::store::{EmbeddedStore, RedisStore};
@@ -25,6 +26,8 @@ pub struct App {
     config: Config,
     gate: Arc<Gate>,
     upstream: Arc<dyn Upstream>,
+    /// The `[[routes]]` to third-party APIs, served on the main listener before S3.
+    gateway: Arc<Gateway>,
     /// Set when the main listener speaks HTTPS.
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
@@ -65,11 +68,12 @@ impl App {
         let gate = Arc::new(Gate::new(store, limits));
         gate.listen_for_announcements();
         let upstream = upstream::from_config(&config)?;
+        let gateway = Arc::new(Gateway::new(&config, gate.clone(), Arc::new(SystemClock))?);
         let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, upstream, tls })
+        Ok(Self { config, gate, upstream, gateway, tls })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -146,9 +150,17 @@ impl App {
             self.config.leases.ttl_ms_max,
         ));
         let s3_service = crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone(), leases)?;
+        let gateway = self.gateway.clone();
         let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let svc = s3_service.clone();
-            async move { svc.call(req.map(s3s::Body::from)).await }
+            let gateway = gateway.clone();
+            async move {
+                // `[[routes]]` prefixes first (none can be under /_fencegate/), then S3.
+                if gateway.takes(req.uri().path()) {
+                    return Ok(gateway.handle(req).await);
+                }
+                svc.call(req.map(s3s::Body::from)).await
+            }
         });
         let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));
         let admin_service = service_fn(move |req| admin.clone().handle(req));

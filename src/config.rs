@@ -271,6 +271,10 @@ pub struct RouteConfig {
     /// Largest upstream response recorded for replay.
     #[serde(default = "defaults::route_response_bytes_max")]
     pub response_bytes_max: usize,
+    /// PEM file of the CA certificates that verify an `https` upstream, instead of the public
+    /// web PKI roots (a private CA of an internal API).
+    #[serde(default)]
+    pub ca_cert_path: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -491,7 +495,10 @@ impl Config {
             }
         }
         if self.server.tls_cert_path.is_some() != self.server.tls_key_path.is_some() {
-            return Err(("server.tls_key_path", "set both server.tls_cert_path and server.tls_key_path, or neither".into()));
+            return Err((
+                "server.tls_key_path",
+                "set both server.tls_cert_path and server.tls_key_path, or neither".into(),
+            ));
         }
         for route in &self.routes {
             if !route.prefix.starts_with('/') || !route.prefix.ends_with('/') {
@@ -500,7 +507,8 @@ impl Config {
             if route.prefix.starts_with("/_fencegate/") {
                 return Err(("routes.prefix", "/_fencegate/ is reserved for fencegate's own endpoints".into()));
             }
-            let uri: http::Uri = route.upstream.parse().map_err(|e| ("routes.upstream", format!("{:?}: {e}", route.upstream)))?;
+            let uri: http::Uri =
+                route.upstream.parse().map_err(|e| ("routes.upstream", format!("{:?}: {e}", route.upstream)))?;
             if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
                 return Err(("routes.upstream", format!("{:?} must be an http:// or https:// URL", route.upstream)));
             }

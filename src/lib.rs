@@ -6,20 +6,25 @@
 //!   [`fence::FenceStore`] trait, and the [`fence::Gate`] that orders writes per resource.
 //! - [`store`]: the fence stores (`embedded`: redb).
 //! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked; fencing and forwarding here).
+//! - [`gateway`]: the HTTP API front end: `[[routes]]` to third-party APIs behind the same gate
+//!   (idempotency keys and records, conditional requests).
 //! - [`upstream`]: where writes land (`local` directory, `s3` endpoint) and the start-up probe.
 //! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
 //! - [`server`]: accept loops, connection limits, graceful shutdown.
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
+//! - [`percent`]: percent-decoding of paths.
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
 pub mod admin;
 pub mod config;
 pub mod fence;
+pub mod gateway;
 pub mod lease;
 pub mod metrics;
+pub mod percent;
 pub mod s3;
 pub mod server;
 pub mod store;

@@ -93,3 +93,16 @@ pub fn lease_event(event: &'static str) {
 pub fn store_rollback_repaired() {
     counter!("fencegate_store_rollbacks_repaired_total").increment(1);
 }
+
+/// A request through the HTTP API gateway, by route mode (`idempotency-key`, `conditional`,
+/// `fence-only`) and outcome: `forwarded`, `read`, `unchecked`, `replayed`, `in_flight`,
+/// `key_reused`, `outcome_unknown`, `not_retained`, `precondition_failed`, `refused`.
+pub fn gateway_request(mode: &'static str, outcome: &'static str) {
+    counter!("fencegate_gateway_requests_total", "mode" => mode, "outcome" => outcome).increment(1);
+}
+
+/// An idempotency record could not be written after the API answered: until its deadline a
+/// retry gets 409, then the outcome is reported as unknown.
+pub fn idempotency_record_failed() {
+    counter!("fencegate_idempotency_record_errors_total").increment(1);
+}

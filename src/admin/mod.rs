@@ -112,25 +112,8 @@ impl Admin {
 }
 
 fn decode_resource(raw: &str) -> Result<ResourceKey, String> {
-    let decoded = percent_decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
+    let decoded = crate::percent::decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
     ResourceKey::new(&decoded).map_err(|e| e.to_string())
-}
-
-fn percent_decode(raw: &str) -> Option<String> {
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -1,13 +1,18 @@
-//! The fence core: tokens, the pure decision, the store trait and the gate that orders writes.
+//! The fence core: tokens, the pure decision, the store trait and the gate that orders writes,
+//! and the idempotency records the API gateway keeps in the same store.
 
 mod decision;
 mod gate;
+mod idempotency;
 mod lease;
 mod store;
 mod token;
 
 pub use decision::{Decision, decide};
 pub use gate::{AdmitError, Gate, GateLimits, Permit};
+pub use idempotency::{
+    AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse, fingerprint,
+};
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
 pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

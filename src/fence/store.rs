@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use super::{FenceToken, LeaseCommand, LeaseOutcome, ResourceKey};
+use super::{FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome, ResourceKey};
 
 /// The result of a check-and-advance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,31 @@ pub trait FenceStore: Send + Sync + 'static {
         command: LeaseCommand,
         now_ms: u64,
     ) -> Result<LeaseOutcome, StoreError>;
+
+    /// Stores `claim` (an in-flight record) under `key` unless a live record is there, in
+    /// which case that one is returned and nothing changes. A record whose `expires_at_ms` is
+    /// at or before `now_ms` counts as absent. Returns `Claimed` only once the claim is
+    /// durable. Used by the API gateway's `idempotency-key` mode.
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError>;
+
+    /// The live record under `key`, if any.
+    async fn idempotency_get(&self, key: &IdempotencyKey, now_ms: u64)
+    -> Result<Option<IdempotencyRecord>, StoreError>;
+
+    /// Replaces the record claimed as `claim` by `record`, or removes it (`None`: nothing was
+    /// sent, so a retry may go ahead), keeping its expiry. Does nothing if the record under
+    /// `key` is not that claim any more (it expired and another request claimed the key).
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError>;
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;

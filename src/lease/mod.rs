@@ -185,21 +185,8 @@ fn refusal(outcome: LeaseOutcome) -> LeaseError {
 }
 
 fn decode(raw: &str) -> Result<ResourceKey, LeaseError> {
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-            let byte = hex.and_then(|h| u8::from_str_radix(h, 16).ok());
-            out.push(byte.ok_or_else(|| LeaseError::BadRequest("bad percent-encoding in the lease name".into()))?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    let name = String::from_utf8(out).map_err(|_| LeaseError::BadRequest("the lease name is not UTF-8".into()))?;
+    let name = crate::percent::decode(raw)
+        .ok_or_else(|| LeaseError::BadRequest("the lease name is not valid percent-encoded UTF-8".into()))?;
     ResourceKey::new(&name).map_err(|e| LeaseError::BadRequest(e.to_string()))
 }
 

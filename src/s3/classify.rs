@@ -31,7 +31,7 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
         Some(bucket) => format!("/{bucket}{raw}"),
         None => raw.to_owned(),
     };
-    let decoded = percent_decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
+    let decoded = crate::percent::decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
     let rest = decoded.strip_prefix('/').unwrap_or(&decoded);
     let (bucket, key) = match rest.split_once('/') {
         Some((b, k)) if !k.is_empty() => (Some(b.to_owned()), Some(k.to_owned())),
@@ -53,24 +53,6 @@ fn virtual_host_bucket(headers: &HeaderMap, domain: &str) -> Option<String> {
         host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
     let bucket = host.strip_suffix(domain)?.strip_suffix('.')?;
     (!bucket.is_empty()).then(|| bucket.to_owned())
-}
-
-fn percent_decode(raw: &str) -> Option<String> {
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            let hex = std::str::from_utf8(hex).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// The S3 operations fencegate treats differently. Everything else passes through unfenced.

@@ -3,7 +3,7 @@
 //! every authenticated request to fencegate, which classifies it, fences writes through the
 //! gate, and forwards on raw HTTP to the upstream.
 
-mod body;
+pub(crate) mod body;
 mod classify;
 mod delete_objects;
 mod error;

@@ -1,6 +1,7 @@
 //! The embedded fence store: one redb file, fsync on every advance, advances from many
 //! resources group-committed by one writer thread. Layout and crash points: `docs/design.md`,
-//! section 5.
+//! section 5. The API gateway's idempotency records live in the same file and go through the
+//! same writer; expired ones are swept in bounded batches by the commits that add records.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,14 +12,19 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey,
-    StoreError, apply_lease,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
+    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, StoreError, apply_lease,
 };
 
 /// resource name → fence token.
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 /// resource name → the lease on it, as JSON (a [`LeaseRecord`]).
 const LEASES: TableDefinition<&str, &str> = TableDefinition::new("leases");
+/// `resource \n request digest` → (expiry ms, claim, the record as JSON). Expiry and claim sit
+/// beside the JSON so the writer checks them without decoding it.
+const IDEMPOTENCY: TableDefinition<&str, (u64, &str, &[u8])> = TableDefinition::new("idempotency");
+/// (expiry ms, record name): the sweep's index, oldest first.
+const IDEMPOTENCY_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idempotency_expiry");
 
 /// The database file inside `store.path`.
 pub const FILE_NAME: &str = "fences.redb";
@@ -27,6 +33,9 @@ pub const FILE_NAME: &str = "fences.redb";
 const WRITE_QUEUE_MAX: usize = 4096;
 /// Changes applied in one transaction (one fsync) at most.
 const WRITES_PER_COMMIT_MAX: usize = 1024;
+/// Expired idempotency records removed per commit at least, when the commit adds records; twice
+/// the number added if that is more, so sweeping keeps up with any insert rate.
+const SWEEP_PER_COMMIT_MIN: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -51,12 +60,31 @@ enum WriteRequest {
         now_ms: u64,
         reply: oneshot::Sender<Result<LeaseOutcome, StoreError>>,
     },
+    /// Store `json` under `name` unless a live record is there; answer with that one's JSON.
+    IdempotencyBegin {
+        name: String,
+        claim: String,
+        expires_at_ms: u64,
+        json: Vec<u8>,
+        now_ms: u64,
+        reply: oneshot::Sender<Result<Option<Vec<u8>>, StoreError>>,
+    },
+    /// Replace (or, with `None`, remove) the record under `name` if it is still `claim`'s.
+    IdempotencyFinish {
+        name: String,
+        claim: String,
+        json: Option<Vec<u8>>,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
 }
 
 /// The outcome of one request inside a committed batch.
 enum WriteOutcome {
     Advance(AdvanceOutcome),
     Lease(LeaseOutcome),
+    /// The live record that was already there, if any.
+    IdempotencyBegin(Option<Vec<u8>>),
+    IdempotencyFinish,
 }
 
 impl WriteRequest {
@@ -64,8 +92,12 @@ impl WriteRequest {
         match (self, outcome) {
             (Self::Advance { reply, .. }, Ok(WriteOutcome::Advance(o))) => drop(reply.send(Ok(o))),
             (Self::Lease { reply, .. }, Ok(WriteOutcome::Lease(o))) => drop(reply.send(Ok(o))),
+            (Self::IdempotencyBegin { reply, .. }, Ok(WriteOutcome::IdempotencyBegin(o))) => drop(reply.send(Ok(o))),
+            (Self::IdempotencyFinish { reply, .. }, Ok(WriteOutcome::IdempotencyFinish)) => drop(reply.send(Ok(()))),
             (Self::Advance { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::Lease { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
+            (Self::IdempotencyBegin { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
+            (Self::IdempotencyFinish { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             _ => unreachable!("outcomes are produced per request kind"),
         }
     }
@@ -90,6 +122,8 @@ impl EmbeddedStore {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
             txn.open_table(LEASES)?;
+            txn.open_table(IDEMPOTENCY)?;
+            txn.open_table(IDEMPOTENCY_EXPIRY)?;
             txn.commit()?;
             Ok(())
         };
@@ -156,6 +190,64 @@ impl FenceStore for EmbeddedStore {
         self.submit(WriteRequest::Lease { resource: resource.clone(), command, now_ms, reply }, answer).await
     }
 
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let request = WriteRequest::IdempotencyBegin {
+            name: key.storage_name(),
+            claim: claim.claim.clone(),
+            expires_at_ms: claim.expires_at_ms,
+            json: encode(claim),
+            now_ms,
+            reply,
+        };
+        match self.submit(request, answer).await? {
+            None => Ok(IdempotencyBegin::Claimed),
+            Some(json) => Ok(IdempotencyBegin::Existing(decode(&json)?)),
+        }
+    }
+
+    async fn idempotency_get(
+        &self,
+        key: &IdempotencyKey,
+        now_ms: u64,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        self.check_poisoned()?;
+        let db = self.db.clone();
+        let name = key.storage_name();
+        let json = tokio::task::spawn_blocking(move || -> Result<Option<Vec<u8>>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(IDEMPOTENCY)?;
+            let Some(guard) = table.get(name.as_str())? else { return Ok(None) };
+            let (expires, _, json) = guard.value();
+            Ok((expires > now_ms).then(|| json.to_vec()))
+        })
+        .await
+        .map_err(|e| StoreError::Backend(Box::new(e)))?
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        json.map(|j| decode(&j)).transpose()
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let request = WriteRequest::IdempotencyFinish {
+            name: key.storage_name(),
+            claim: claim.to_owned(),
+            json: record.map(encode),
+            reply,
+        };
+        self.submit(request, answer).await
+    }
+
     fn kind(&self) -> &'static str {
         "embedded"
     }
@@ -209,9 +301,13 @@ impl Writer {
     fn commit(&self, batch: &mut [WriteRequest]) -> Result<Vec<WriteOutcome>, redb::Error> {
         let txn = self.db.begin_write()?; // durability Immediate: commit fsyncs
         let mut outcomes = Vec::with_capacity(batch.len());
+        // The latest clock reading of the records added in this commit, and how many.
+        let (mut sweep_now_ms, mut added) = (0u64, 0usize);
         {
             let mut fences = txn.open_table(FENCES)?;
             let mut leases = txn.open_table(LEASES)?;
+            let mut records = txn.open_table(IDEMPOTENCY)?;
+            let mut expiry = txn.open_table(IDEMPOTENCY_EXPIRY)?;
             for request in batch.iter_mut() {
                 let outcome = match request {
                     WriteRequest::Advance { resource, token, .. } => {
@@ -249,11 +345,159 @@ impl Writer {
                         }
                         WriteOutcome::Lease(t.outcome)
                     }
+                    WriteRequest::IdempotencyBegin { name, claim, expires_at_ms, json, now_ms, .. } => {
+                        sweep_now_ms = sweep_now_ms.max(*now_ms);
+                        let current = records.get(name.as_str())?.map(|v| {
+                            let (expires, _, json) = v.value();
+                            (expires, json.to_vec())
+                        });
+                        match current {
+                            Some((expires, json)) if expires > *now_ms => WriteOutcome::IdempotencyBegin(Some(json)),
+                            expired => {
+                                if let Some((expires, _)) = expired {
+                                    expiry.remove((expires, name.as_str()))?;
+                                }
+                                records.insert(name.as_str(), (*expires_at_ms, claim.as_str(), json.as_slice()))?;
+                                expiry.insert((*expires_at_ms, name.as_str()), ())?;
+                                added += 1;
+                                WriteOutcome::IdempotencyBegin(None)
+                            }
+                        }
+                    }
+                    WriteRequest::IdempotencyFinish { name, claim, json, .. } => {
+                        let current = records.get(name.as_str())?.map(|v| {
+                            let (expires, owner, _) = v.value();
+                            (expires, owner == claim.as_str())
+                        });
+                        match (current, json) {
+                            (Some((expires, true)), Some(json)) => {
+                                records.insert(name.as_str(), (expires, claim.as_str(), json.as_slice()))?;
+                            }
+                            (Some((expires, true)), None) => {
+                                records.remove(name.as_str())?;
+                                expiry.remove((expires, name.as_str()))?;
+                            }
+                            _ => {} // not ours any more: it expired and was claimed again
+                        }
+                        WriteOutcome::IdempotencyFinish
+                    }
                 };
                 outcomes.push(outcome);
+            }
+            if added > 0 {
+                sweep_expired(&mut records, &mut expiry, sweep_now_ms, SWEEP_PER_COMMIT_MIN.max(2 * added))?;
             }
         }
         txn.commit()?;
         Ok(outcomes)
+    }
+}
+
+/// Removes up to `max` records that expired at or before `now_ms`, oldest first.
+fn sweep_expired(
+    records: &mut redb::Table<&str, (u64, &str, &[u8])>,
+    expiry: &mut redb::Table<(u64, &str), ()>,
+    now_ms: u64,
+    max: usize,
+) -> Result<usize, redb::Error> {
+    let mut swept = 0;
+    while swept < max {
+        let oldest = expiry.first()?.map(|(k, _)| {
+            let (expires, name) = k.value();
+            (expires, name.to_owned())
+        });
+        let Some((expires, name)) = oldest.filter(|(expires, _)| *expires <= now_ms) else { break };
+        expiry.remove((expires, name.as_str()))?;
+        // The index entry of a record claimed again after expiring was replaced; the record
+        // is only removed if it is the one this entry is for.
+        let same = records.get(name.as_str())?.is_some_and(|v| v.value().0 == expires);
+        if same {
+            records.remove(name.as_str())?;
+        }
+        swept += 1;
+    }
+    Ok(swept)
+}
+
+fn encode(record: &IdempotencyRecord) -> Vec<u8> {
+    serde_json::to_vec(record).expect("an idempotency record serialises")
+}
+
+fn decode(json: &[u8]) -> Result<IdempotencyRecord, StoreError> {
+    serde_json::from_slice(json).map_err(|e| StoreError::Backend(Box::new(e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fence::IdempotencyOutcome;
+    use redb::ReadableTableMetadata;
+
+    fn record(claim: &str, expires_at_ms: u64) -> IdempotencyRecord {
+        IdempotencyRecord {
+            claim: claim.into(),
+            fingerprint: "f".into(),
+            token: FenceToken(1),
+            upstream_key: "fg-x".into(),
+            expires_at_ms,
+            outcome: IdempotencyOutcome::InFlight { deadline_ms: expires_at_ms },
+        }
+    }
+
+    fn key(i: usize) -> IdempotencyKey {
+        IdempotencyKey::new(ResourceKey::new("payment:1").unwrap(), format!("req-{i}").as_bytes())
+    }
+
+    fn count(store: &EmbeddedStore) -> (u64, u64) {
+        let txn = store.db.begin_read().unwrap();
+        (
+            txn.open_table(IDEMPOTENCY).unwrap().len().unwrap(),
+            txn.open_table(IDEMPOTENCY_EXPIRY).unwrap().len().unwrap(),
+        )
+    }
+
+    /// Expired records are swept by later commits that add records, a bounded batch at a time,
+    /// until none is left; live ones stay.
+    #[tokio::test]
+    async fn expired_records_are_swept_in_bounded_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let old = 300;
+        for i in 0..old {
+            store.idempotency_begin(&key(i), &record("a", 1_000), 0).await.unwrap();
+        }
+        assert_eq!(count(&store), (old as u64, old as u64));
+        // One live record per commit, at a time when the old ones have expired.
+        let mut sweeps = 0;
+        for i in old..old + 20 {
+            store.idempotency_begin(&key(i), &record("b", 10_000), 2_000).await.unwrap();
+            sweeps += 1;
+            if count(&store).0 == (i - old + 1) as u64 {
+                break;
+            }
+        }
+        let swept_per_commit = SWEEP_PER_COMMIT_MIN;
+        assert_eq!(sweeps, old.div_ceil(swept_per_commit), "a bounded batch per commit");
+        assert_eq!(count(&store), (sweeps as u64, sweeps as u64), "only the live records are left");
+        assert!(store.idempotency_get(&key(0), 2_000).await.unwrap().is_none());
+        assert!(store.idempotency_get(&key(old), 2_000).await.unwrap().is_some());
+    }
+
+    /// A key whose record expired is claimed again; the old claimant can no longer finish it.
+    #[tokio::test]
+    async fn an_expired_record_is_claimed_again_and_its_old_claim_is_void() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let k = key(1);
+        assert_eq!(store.idempotency_begin(&k, &record("a", 100), 0).await.unwrap(), IdempotencyBegin::Claimed);
+        assert!(
+            matches!(store.idempotency_begin(&k, &record("b", 500), 50).await.unwrap(), IdempotencyBegin::Existing(r) if r.claim == "a")
+        );
+        assert_eq!(store.idempotency_begin(&k, &record("b", 500), 100).await.unwrap(), IdempotencyBegin::Claimed);
+        store.idempotency_finish(&k, "a", None).await.unwrap();
+        assert_eq!(store.idempotency_get(&k, 100).await.unwrap().unwrap().claim, "b");
+        assert_eq!(count(&store), (1, 1));
+        store.idempotency_finish(&k, "b", None).await.unwrap();
+        assert_eq!(count(&store), (0, 0));
     }
 }

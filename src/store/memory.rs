@@ -8,14 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey,
-    StoreError, apply_lease,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
+    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, StoreError, apply_lease,
 };
 
 #[derive(Default)]
 pub struct MemoryStore {
     fences: Mutex<HashMap<ResourceKey, FenceToken>>,
     leases: Mutex<HashMap<ResourceKey, LeaseRecord>>,
+    idempotency: Mutex<HashMap<IdempotencyKey, IdempotencyRecord>>,
     /// Makes every call fail, to test that callers fail closed.
     failing: AtomicBool,
 }
@@ -76,6 +77,55 @@ impl FenceStore for MemoryStore {
             }
         }
         Ok(t.outcome)
+    }
+
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        self.check()?;
+        let mut records = self.idempotency.lock().expect("memory store lock");
+        records.retain(|_, r| !r.is_expired(now_ms));
+        if let Some(existing) = records.get(key) {
+            return Ok(IdempotencyBegin::Existing(existing.clone()));
+        }
+        records.insert(key.clone(), claim.clone());
+        Ok(IdempotencyBegin::Claimed)
+    }
+
+    async fn idempotency_get(
+        &self,
+        key: &IdempotencyKey,
+        now_ms: u64,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        self.check()?;
+        let records = self.idempotency.lock().expect("memory store lock");
+        Ok(records.get(key).filter(|r| !r.is_expired(now_ms)).cloned())
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        let mut records = self.idempotency.lock().expect("memory store lock");
+        let Some(current) = records.get_mut(key).filter(|r| r.claim == claim) else {
+            return Ok(());
+        };
+        match record {
+            Some(record) => {
+                let expires_at_ms = current.expires_at_ms;
+                *current = IdempotencyRecord { expires_at_ms, ..record.clone() };
+            }
+            None => {
+                records.remove(key);
+            }
+        }
+        Ok(())
     }
 
     fn kind(&self) -> &'static str {

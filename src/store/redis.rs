@@ -8,6 +8,8 @@
 //! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:write:token`, scored by
 //!   deadline (ms, Redis clock)
 //! - `fg:{r}:lease`     the lease (hash: holder, lease_id, token, ttl_ms, expires_at_ms)
+//! - `fg:{r}:idem:<d>`  the API gateway's idempotency record of request digest `d` (hash:
+//!   claim, record as JSON), expiring by itself (`PEXPIRE`) after the route's retention
 //!
 //! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
 //! replica cancels its older uploads still streaming on that resource.
@@ -23,8 +25,8 @@ use redis::{Script, Value};
 use tokio::sync::mpsc;
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit,
-    SharedRegistry, StoreError,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
+    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
 };
 
 /// The channel advances are announced on.
@@ -120,12 +122,36 @@ if op == 'acquire' then
 end
 if not live or l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
 if op == 'renew' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur and lt(l[3], cur) then
+    -- superseded: a newer token was registered or written since the grant
+    redis.call('DEL', KEYS[2])
+    return {'gone', '', '', '', '', ''}
+  end
   local expires = tostring(now + tonumber(l[4]))
   redis.call('HSET', KEYS[2], 'expires_at_ms', expires)
   return {'renewed', l[1], l[2], l[3], l[4], expires}
 end
 redis.call('DEL', KEYS[2])
 return {'released', '', '', '', '', ''}
+";
+
+/// KEYS: record. ARGV: claim, record JSON, ttl_ms. Claims the key unless a record is there
+/// (Redis drops it when its time is up); returns that record's JSON, or nil once claimed.
+const LUA_IDEMPOTENCY_BEGIN: &str = r"
+local cur = redis.call('HGET', KEYS[1], 'record')
+if cur then return cur end
+redis.call('HSET', KEYS[1], 'claim', ARGV[1], 'record', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return false
+";
+
+/// KEYS: record. ARGV: claim, record JSON or '' (remove). Only the claimant's record changes;
+/// HSET keeps the key's expiry. Returns 1 if it changed.
+const LUA_IDEMPOTENCY_FINISH: &str = r"
+if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('HSET', KEYS[1], 'record', ARGV[2]) end
+return 1
 ";
 
 /// One connection kind or the other; both multiplex requests and reconnect by themselves.
@@ -156,6 +182,8 @@ pub struct RedisStore {
     advance: Script,
     admit: Script,
     lease: Script,
+    idempotency_begin: Script,
+    idempotency_finish: Script,
     replica_id: String,
     announcements: Mutex<Option<mpsc::Receiver<(ResourceKey, FenceToken)>>>,
 }
@@ -186,6 +214,8 @@ impl RedisStore {
             advance: script(LUA_ADVANCE),
             admit: script(LUA_ADMIT),
             lease: script(LUA_LEASE),
+            idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
+            idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
             replica_id,
             announcements: Mutex::new(Some(rx)),
         })
@@ -200,6 +230,19 @@ fn script(body: &str) -> Script {
 fn key(resource: &ResourceKey, suffix: &str) -> String {
     let tag = resource.as_str().replace('%', "%25").replace('}', "%7D");
     format!("fg:{{{tag}}}:{suffix}")
+}
+
+/// The key of one idempotency record: in its resource's hash slot.
+fn idempotency_key(key: &IdempotencyKey) -> String {
+    self::key(key.resource(), &format!("idem:{}", key.request_digest()))
+}
+
+fn decode_record(json: &str) -> Result<IdempotencyRecord, StoreError> {
+    serde_json::from_str(json).map_err(|e| StoreError::Backend(Box::new(e)))
+}
+
+fn encode_record(record: &IdempotencyRecord) -> String {
+    serde_json::to_string(record).expect("an idempotency record serialises")
 }
 
 fn backend(e: redis::RedisError) -> StoreError {
@@ -281,6 +324,45 @@ impl FenceStore for RedisStore {
             "gone" => LeaseOutcome::Gone,
             other => return Err(StoreError::Backend(format!("lease script answered {other:?}").into())),
         })
+    }
+
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        // Redis expires the record on its own clock; the retention is what is left of it.
+        let ttl_ms = claim.expires_at_ms.saturating_sub(now_ms).max(1);
+        let mut inv = self.idempotency_begin.key(idempotency_key(key));
+        inv.arg(&claim.claim).arg(encode_record(claim)).arg(ttl_ms);
+        let existing: Option<String> = self.connection.invoke(&inv).await.map_err(backend)?;
+        match existing {
+            None => Ok(IdempotencyBegin::Claimed),
+            Some(json) => Ok(IdempotencyBegin::Existing(decode_record(&json)?)),
+        }
+    }
+
+    async fn idempotency_get(
+        &self,
+        key: &IdempotencyKey,
+        _now_ms: u64,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        let json: Option<String> =
+            self.connection.query(redis::cmd("HGET").arg(idempotency_key(key)).arg("record")).await.map_err(backend)?;
+        json.map(|j| decode_record(&j)).transpose()
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        let mut inv = self.idempotency_finish.key(idempotency_key(key));
+        inv.arg(claim).arg(record.map(encode_record).unwrap_or_default());
+        let _changed: i64 = self.connection.invoke(&inv).await.map_err(backend)?;
+        Ok(())
     }
 
     fn kind(&self) -> &'static str {
@@ -391,5 +473,7 @@ mod tests {
         let r = ResourceKey::new("job:{a}}%").unwrap();
         assert_eq!(key(&r, "fence"), "fg:{job:{a%7D%7D%25}:fence");
         assert_eq!(key(&r, "inflight"), "fg:{job:{a%7D%7D%25}:inflight");
+        let k = IdempotencyKey::new(r, b"request");
+        assert_eq!(idempotency_key(&k), format!("fg:{{job:{{a%7D%7D%25}}:idem:{}", k.request_digest()));
     }
 }

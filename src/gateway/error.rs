@@ -1,0 +1,185 @@
+//! Every error of the API gateway, and the one place it becomes an `application/problem+json`
+//! response (RFC 9457) whose `type` ends in the code.
+//!
+//! Who is at fault decides the status: the client (4xx: the same request will fail again), the
+//! fence store or the API (5xx: a retry may help, except where the outcome is unknown).
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+use s3s::Body;
+
+use crate::fence::{AdmitError, AmbiguousCause, FenceToken, ResourceKeyError, StoreError, TokenParseError};
+use crate::s3::CURRENT_TOKEN_HEADER;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("this write needs a fencing token")]
+    MissingToken,
+    #[error("invalid fencing token: {0}")]
+    InvalidToken(TokenParseError),
+    #[error("the fencing token header appears more than once")]
+    RepeatedToken,
+    #[error("invalid fencing resource: {0}")]
+    InvalidResource(ResourceKeyError),
+    #[error("the route's resource template needs path segment {0} after the prefix")]
+    MissingSegment(usize),
+    #[error("the path belongs to resource {bound:?}, not to {presented:?}")]
+    ResourceMismatch { bound: String, presented: String },
+    #[error("the path is malformed or has `.` or `..` segments")]
+    UnsafePath,
+    #[error("fencing token {presented} is older than the current fence {current}")]
+    Stale { presented: FenceToken, current: FenceToken },
+    #[error("fence state unknown; the request was not forwarded")]
+    StoreUnavailable(#[source] StoreError),
+    #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
+    DrainTimeout { waited_ms: u64 },
+    #[error("{max} writes are already in flight on the resource; retry")]
+    TooManyInflight { max: usize },
+    #[error("the body is larger than routes.body_bytes_max ({max} bytes)")]
+    BodyTooLarge { max: usize },
+    #[error("the client's body ended early or failed; nothing was forwarded complete")]
+    IncompleteBody,
+    #[error("the Idempotency-Key header must appear once, with 1 to {max} visible ASCII characters")]
+    InvalidIdempotencyKey { max: usize },
+    #[error("a request with this idempotency key is still in flight; retry later")]
+    RequestInFlight,
+    #[error("this idempotency key was used for a different request (method, path or body)")]
+    KeyReused,
+    #[error("the request executed (upstream status {status}) but its response was not kept for replay")]
+    NotRetained { status: u16 },
+    #[error(
+        "the upstream outcome is unknown ({cause:?}); fencegate will not send it again under idempotency key {upstream_key:?}"
+    )]
+    OutcomeUnknown { cause: AmbiguousCause, upstream_key: Option<String> },
+    #[error("the upstream answered (status {status}) but its response body broke off")]
+    ResponseIncomplete { status: u16 },
+    #[error("the upstream did not answer within {after_ms} ms")]
+    UpstreamTimeout { after_ms: u64 },
+    #[error("the upstream could not be reached; nothing was sent")]
+    UpstreamUnavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("fencegate failed internally")]
+    Internal,
+}
+
+impl From<AdmitError> for GatewayError {
+    fn from(e: AdmitError) -> Self {
+        match e {
+            AdmitError::Stale { presented, current } => Self::Stale { presented, current },
+            AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
+            AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
+            AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
+        }
+    }
+}
+
+impl From<StoreError> for GatewayError {
+    fn from(e: StoreError) -> Self {
+        Self::StoreUnavailable(e)
+    }
+}
+
+impl GatewayError {
+    /// The label of `fencegate_decisions_total` for errors that are decisions.
+    pub fn decision(&self) -> &'static str {
+        match self {
+            Self::MissingToken => "missing_token",
+            Self::InvalidToken(_) | Self::RepeatedToken => "invalid_token",
+            Self::InvalidResource(_) | Self::MissingSegment(_) | Self::ResourceMismatch { .. } => "invalid_resource",
+            Self::Stale { .. } => "stale",
+            Self::StoreUnavailable(_) => "store_unavailable",
+            Self::DrainTimeout { .. } => "drain_timeout",
+            Self::TooManyInflight { .. } => "too_many_inflight",
+            _ => "error",
+        }
+    }
+
+    /// The label of `fencegate_gateway_requests_total`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::RequestInFlight => "in_flight",
+            Self::KeyReused => "key_reused",
+            Self::NotRetained { .. } => "not_retained",
+            Self::OutcomeUnknown { .. } | Self::ResponseIncomplete { .. } => "outcome_unknown",
+            _ => "refused",
+        }
+    }
+
+    fn parts(&self) -> (StatusCode, &'static str) {
+        use StatusCode as S;
+        match self {
+            Self::MissingToken => (S::PRECONDITION_REQUIRED, "FencingTokenRequired"),
+            Self::InvalidToken(_) | Self::RepeatedToken => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::InvalidResource(_) | Self::MissingSegment(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
+            Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
+            Self::UnsafePath => (S::BAD_REQUEST, "InvalidPath"),
+            Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
+            Self::DrainTimeout { .. } => (S::SERVICE_UNAVAILABLE, "FencingDrainTimeout"),
+            Self::TooManyInflight { .. } => (S::SERVICE_UNAVAILABLE, "TooManyInflightWrites"),
+            Self::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "RequestTooLarge"),
+            Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
+            Self::InvalidIdempotencyKey { .. } => (S::BAD_REQUEST, "InvalidIdempotencyKey"),
+            Self::RequestInFlight => (S::CONFLICT, "IdempotentRequestInFlight"),
+            Self::KeyReused => (S::UNPROCESSABLE_ENTITY, "IdempotencyKeyReused"),
+            Self::NotRetained { .. } => (S::CONFLICT, "IdempotentResponseNotRetained"),
+            Self::OutcomeUnknown { cause: AmbiguousCause::Timeout, .. } => {
+                (S::GATEWAY_TIMEOUT, "UpstreamOutcomeUnknown")
+            }
+            Self::OutcomeUnknown { .. } | Self::ResponseIncomplete { .. } => (S::BAD_GATEWAY, "UpstreamOutcomeUnknown"),
+            Self::UpstreamTimeout { .. } => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
+            Self::UpstreamUnavailable(_) => (S::BAD_GATEWAY, "UpstreamUnavailable"),
+            Self::Internal => (S::INTERNAL_SERVER_ERROR, "InternalError"),
+        }
+    }
+
+    /// The problem response; `Fencing-Token-Current` on a stale token, `Retry-After` where a
+    /// plain retry may succeed.
+    pub fn into_response(self) -> http::Response<Body> {
+        let (status, code) = self.parts();
+        let mut problem = serde_json::json!({
+            "type": format!("{}{code}", crate::admin::PROBLEM_BASE),
+            "title": code,
+            "status": status.as_u16(),
+            "detail": self.to_string(),
+        });
+        match &self {
+            Self::Stale { current, .. } => problem["fencing_token_current"] = serde_json::json!(current.0),
+            Self::OutcomeUnknown { upstream_key: Some(key), .. } => {
+                problem["upstream_idempotency_key"] = serde_json::json!(key)
+            }
+            Self::NotRetained { status } | Self::ResponseIncomplete { status } => {
+                problem["upstream_status"] = serde_json::json!(status)
+            }
+            _ => {}
+        }
+        let mut resp = http::Response::new(Body::from(Bytes::from(problem.to_string())));
+        *resp.status_mut() = status;
+        let headers = resp.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Self::Stale { current, .. } = &self {
+            headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE || matches!(self, Self::RequestInFlight) {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stale token's problem names the code in `type` and the fence in a header.
+    #[test]
+    fn stale_tokens_become_409_problems_with_the_current_fence() {
+        let resp = GatewayError::Stale { presented: FenceToken(11), current: FenceToken(12) }.into_response();
+        assert_eq!(resp.status(), StatusCode::CONFLICT);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(resp.headers()[CURRENT_TOKEN_HEADER], "12");
+        let body = resp.into_body().bytes().unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert!(json["type"].as_str().unwrap().ends_with("FencingTokenStale"));
+        assert_eq!(json["status"], 409);
+    }
+}

@@ -1,0 +1,615 @@
+//! The HTTP API gateway (SPEC section 6): third-party APIs behind the same gate as the S3 front.
+//!
+//! A request whose path starts with a route's prefix is forwarded to the route's upstream with
+//! the client's own headers (its `Authorization` included: fencegate does not authenticate route
+//! clients, the API does). Reads pass unfenced. A write (any method but GET, HEAD and OPTIONS)
+//! presents a token, which the gate judges exactly as for S3 (pure `decide`, durable advance,
+//! older in-flight writes drained first: G2, G3); then the route's mode makes the call safe for
+//! an API that knows nothing of tokens:
+//! - `idempotency-key`: the API is sent an `Idempotency-Key` derived from resource, token and
+//!   the client's request id; the outcome is recorded in the fence store and a retry is answered
+//!   from the record (`replay`);
+//! - `conditional`: the write carries `If-Match` with the resource's last ETag, or
+//!   `If-None-Match: *` (`etags`);
+//! - `fence-only`: check and forward.
+//!
+//! Errors are `application/problem+json` (`error`). The upstream client is `client`, the
+//! routes and their resource templates `route`.
+
+mod client;
+mod error;
+mod etags;
+mod replay;
+mod route;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use s3s::Body;
+use tracing::{Instrument, field};
+
+pub use self::error::GatewayError;
+pub use self::replay::REPLAYED_HEADER;
+
+use self::client::{ApiClient, SendError};
+use self::etags::EtagCache;
+use self::replay::Collected;
+use self::route::Route;
+use crate::config::{Config, RouteMode, ms};
+use crate::fence::{
+    AmbiguousCause, Decision, FenceToken, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
+    IdempotencyRecord, Permit, ResourceKey, StoreError, decide, fingerprint,
+};
+use crate::lease::Clock;
+use crate::metrics;
+use crate::s3::body::{BodyFailure, ForwardBody};
+
+/// The header carrying the client's request id, and fencegate's key to the API.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// A client's `Idempotency-Key` is at most this long (Stripe's limit; the draft sets none).
+const CLIENT_KEY_BYTES_MAX: usize = 255;
+/// Slack on top of the longest a live fencegate takes over one call, before its in-flight
+/// record counts as abandoned.
+const CLAIM_SLACK: Duration = Duration::from_secs(1);
+
+/// Request headers about the hop to fencegate, never forwarded.
+const HOP_HEADERS: &[&str] = &[
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+];
+
+/// Response headers about the hop from the upstream, never passed on or recorded.
+const RESPONSE_HOP_HEADERS: &[&str] =
+    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"];
+
+pub struct Gateway {
+    /// Longest prefix first, so the most specific route takes a path.
+    routes: Vec<Route>,
+    gate: Arc<Gate>,
+    token_header: HeaderName,
+    resource_header: HeaderName,
+    require_token: bool,
+    /// Wall-clock time of idempotency records (injectable, like the lease service's).
+    clock: Arc<dyn Clock>,
+    /// Last ETag per resource, for `conditional` routes.
+    etags: EtagCache,
+    /// A store call slower than this has an unknown outcome.
+    store_timeout: Duration,
+    /// How long the gate may hold a write before admitting it.
+    inflight_deadline: Duration,
+}
+
+impl Gateway {
+    /// Compiles the `[[routes]]`; errors name the key at fault.
+    pub fn new(config: &Config, gate: Arc<Gate>, clock: Arc<dyn Clock>) -> anyhow::Result<Self> {
+        let connect_timeout = ms(config.upstream.connect_timeout_ms);
+        let idle_max = config.upstream.idle_connections_max;
+        let mut default_client: Option<Arc<ApiClient>> = None;
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for rc in &config.routes {
+            let client = match &rc.ca_cert_path {
+                Some(path) => Arc::new(ApiClient::new(Some(path), connect_timeout, idle_max)?),
+                None => match &default_client {
+                    Some(client) => client.clone(),
+                    None => default_client.insert(Arc::new(ApiClient::new(None, connect_timeout, idle_max)?)).clone(),
+                },
+            };
+            let route = Route::new(rc, client).map_err(|e| anyhow::anyhow!("routes.resource: {e}"))?;
+            routes.push(route);
+        }
+        routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
+        Ok(Self {
+            routes,
+            gate,
+            token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
+            resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
+            require_token: config.fencing.require_token,
+            clock,
+            etags: EtagCache::new(config.fencing.etag_cache_entries_max),
+            store_timeout: ms(config.store.timeout_ms),
+            inflight_deadline: ms(config.fencing.inflight_deadline_ms),
+        })
+    }
+
+    /// Whether a route takes `path`.
+    pub fn takes(&self, path: &str) -> bool {
+        self.route_of(path).is_some()
+    }
+
+    fn route_of(&self, path: &str) -> Option<usize> {
+        self.routes.iter().position(|r| path.starts_with(r.prefix.as_str()))
+    }
+
+    /// Serves one request of a route (see [`Gateway::takes`]).
+    pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> http::Response<Body> {
+        let Some(ix) = self.route_of(req.uri().path()) else {
+            return GatewayError::UnsafePath.into_response();
+        };
+        let mode = self.routes[ix].mode_name();
+        let span = tracing::info_span!(
+            "api",
+            route = self.routes[ix].prefix.as_str(),
+            mode,
+            method = %req.method(),
+            resource = field::Empty,
+            token = field::Empty,
+            fence = field::Empty,
+            decision = field::Empty,
+            upstream_status = field::Empty,
+            duration_ms = field::Empty,
+        );
+        let started = Instant::now();
+        let result = self.dispatch(ix, req).instrument(span.clone()).await;
+        span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
+        match result {
+            Ok(resp) => {
+                span.in_scope(|| tracing::debug!(status = resp.status().as_u16(), "done"));
+                resp
+            }
+            Err(error) => {
+                let decision = error.decision();
+                if decision != "error" {
+                    metrics::decision(decision);
+                    span.record("decision", decision);
+                }
+                if let GatewayError::Stale { current, .. } = &error {
+                    span.record("fence", current.0);
+                }
+                metrics::gateway_request(mode, error.outcome());
+                span.in_scope(|| tracing::info!(%error, "refused"));
+                error.into_response()
+            }
+        }
+    }
+
+    async fn dispatch(
+        self: Arc<Self>,
+        ix: usize,
+        req: http::Request<Incoming>,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        let (parts, body) = req.into_parts();
+        let route = &self.routes[ix];
+        let rest = route.rest(parts.uri.path())?.to_owned();
+        let uri = route.upstream_uri(&rest, parts.uri.query())?;
+        if matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS) {
+            return self.read(route, &parts, &rest, uri, body).await;
+        }
+        let Some(token) = self.token(&parts.headers)? else {
+            if self.require_token {
+                return Err(GatewayError::MissingToken);
+            }
+            metrics::decision("unchecked");
+            tracing::Span::current().record("decision", "unchecked");
+            metrics::gateway_request(route.mode_name(), "unchecked");
+            let req = self.upstream_request(&parts, uri, limited(body, route.body_bytes_max));
+            return self.send_unfenced(route, req, true).await;
+        };
+        let resource = self.resource(route, &rest, &parts.headers)?;
+        let span = tracing::Span::current();
+        span.record("resource", resource.as_str());
+        span.record("token", token.0);
+        if content_length(&parts.headers).is_some_and(|n| n > route.body_bytes_max as u64) {
+            return Err(GatewayError::BodyTooLarge { max: route.body_bytes_max });
+        }
+        match route.mode {
+            RouteMode::FenceOnly => {
+                let req = self.upstream_request(&parts, uri, Body::empty());
+                let body = limited(body, route.body_bytes_max);
+                let (resp, _permit) = self.send_fenced(route, req, body, &resource, token, false).await?;
+                metrics::gateway_request(route.mode_name(), "forwarded");
+                Ok(client_response(resp))
+            }
+            RouteMode::Conditional => self.conditional(route, &parts, uri, body, resource, token).await,
+            RouteMode::IdempotencyKey => {
+                // In a task of its own: once a request id is claimed, the call and its record
+                // finish even if the client goes away.
+                let this = self.clone();
+                let task = async move { this.idempotent(ix, parts, uri, body, resource, token).await };
+                tokio::spawn(task.instrument(span)).await.unwrap_or(Err(GatewayError::Internal))
+            }
+        }
+    }
+
+    /// Reads pass unfenced. A `conditional` route learns the resource's ETag from them.
+    async fn read(
+        &self,
+        route: &Route,
+        parts: &http::request::Parts,
+        rest: &str,
+        uri: http::Uri,
+        body: Incoming,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        metrics::gateway_request(route.mode_name(), "read");
+        let req = self.upstream_request(parts, uri, Body::from(body));
+        let resp = self.send_unfenced(route, req, false).await?;
+        if route.mode == RouteMode::Conditional
+            && matches!(parts.method, Method::GET | Method::HEAD)
+            && resp.status().is_success()
+            && let (Some(etag), Ok(resource)) = (resp.headers().get(header::ETAG), route.resource(rest))
+        {
+            self.etags.put(resource, etag.clone());
+        }
+        Ok(resp)
+    }
+
+    /// `conditional`: `If-Match` with the resource's last ETag (or `If-None-Match: *`), the
+    /// client's own preconditions replaced. A 412 goes back to the client as it is.
+    async fn conditional(
+        &self,
+        route: &Route,
+        parts: &http::request::Parts,
+        uri: http::Uri,
+        body: Incoming,
+        resource: ResourceKey,
+        token: FenceToken,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        let req = self.upstream_request(parts, uri, Body::empty());
+        let body = limited(body, route.body_bytes_max);
+        let (resp, permit) = self.send_fenced(route, req, body, &resource, token, true).await?;
+        let status = resp.status();
+        if status.is_success() {
+            match resp.headers().get(header::ETAG) {
+                Some(etag) if parts.method != Method::DELETE => self.etags.put(resource, etag.clone()),
+                _ => self.etags.forget(&resource),
+            }
+            metrics::gateway_request(route.mode_name(), "forwarded");
+        } else if status == StatusCode::PRECONDITION_FAILED {
+            self.etags.forget(&resource);
+            metrics::precondition_conflict("api_refused");
+            metrics::gateway_request(route.mode_name(), "precondition_failed");
+        } else {
+            metrics::gateway_request(route.mode_name(), "forwarded");
+        }
+        drop(permit);
+        Ok(client_response(resp))
+    }
+
+    /// `idempotency-key`: see the module documentation and the README.
+    async fn idempotent(
+        self: Arc<Self>,
+        ix: usize,
+        parts: http::request::Parts,
+        uri: http::Uri,
+        body: Incoming,
+        resource: ResourceKey,
+        token: FenceToken,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        let route = &self.routes[ix];
+        let client_key = client_idempotency_key(&parts.headers)?;
+        let store = self.gate.store().clone();
+        let now_ms = self.clock.now_ms();
+
+        // A stale token may still be the retry of a request that executed: its record answers
+        // for it. Without a record it is refused, before its body is read when the client
+        // named its request.
+        let fence = self.gate.fence(&resource).await?;
+        let stale = match decide(fence, token) {
+            Decision::Stale { current } => Some(current),
+            _ => None,
+        };
+        if let (Some(current), Some(client_key)) = (stale, &client_key) {
+            let key = IdempotencyKey::new(resource.clone(), client_key.as_bytes());
+            if self.store_call(store.idempotency_get(&key, now_ms)).await?.is_none() {
+                return Err(GatewayError::Stale { presented: token, current });
+            }
+        }
+        let body = read_body(body, route.body_bytes_max).await?;
+        let path_and_query = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
+        let fingerprint = fingerprint(&[parts.method.as_str().as_bytes(), path_and_query.as_bytes(), &body]);
+        let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());
+        let key = IdempotencyKey::new(resource.clone(), request_id.as_bytes());
+        if let Some(current) = stale {
+            return match self.store_call(store.idempotency_get(&key, now_ms)).await? {
+                Some(record) => self.answer_from(route, &record, &fingerprint, now_ms),
+                None => Err(GatewayError::Stale { presented: token, current }),
+            };
+        }
+
+        let claim = IdempotencyRecord {
+            claim: uuid::Uuid::new_v4().simple().to_string(),
+            fingerprint: fingerprint.clone(),
+            token,
+            upstream_key: key.upstream_key(token),
+            expires_at_ms: now_ms.saturating_add(route.retention_ms),
+            outcome: IdempotencyOutcome::InFlight {
+                deadline_ms: now_ms.saturating_add(millis(self.claim_window(route))),
+            },
+        };
+        if let IdempotencyBegin::Existing(record) =
+            self.store_call(store.idempotency_begin(&key, &claim, now_ms)).await?
+        {
+            return self.answer_from(route, &record, &fingerprint, now_ms);
+        }
+        // The claim is ours: every path below finishes it, with an outcome or by removing it
+        // (nothing reached the API, so a retry may go ahead).
+        let permit = match self.gate.admit(&resource, token).await {
+            Ok(permit) => Arc::new(permit),
+            Err(error) => {
+                self.finish(&key, &claim, None).await;
+                return Err(error.into());
+            }
+        };
+        self.accepted();
+        let mut req = self.upstream_request(&parts, uri, Body::empty());
+        let headers = req.headers_mut();
+        headers
+            .insert(IDEMPOTENCY_KEY_HEADER, HeaderValue::from_str(&claim.upstream_key).expect("hex is a header value"));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        let (forwarded, report) = ForwardBody::new(Body::from(body), Some(permit.clone()), None, 0);
+        *req.body_mut() = Body::http_body(forwarded);
+        let result = self.call(route, req).await;
+
+        let resp = match (result, report.failure()) {
+            (_, Some(failure)) => {
+                self.finish(&key, &claim, None).await;
+                return Err(match failure {
+                    BodyFailure::Cancelled => self.stale_after_cancel(&resource, token).await,
+                    _ => GatewayError::IncompleteBody,
+                });
+            }
+            (Err(SendError::NotSent(e)), None) => {
+                self.finish(&key, &claim, None).await;
+                return Err(GatewayError::UpstreamUnavailable(Box::new(e)));
+            }
+            (Err(e), None) => {
+                let cause = ambiguous_cause(&e);
+                self.finish(&key, &claim, Some(IdempotencyOutcome::Ambiguous { cause })).await;
+                return Err(unknown_outcome(e, Some(claim.upstream_key.clone())));
+            }
+            (Ok(resp), None) => resp,
+        };
+        // The outcome is known from the head on: newer writes need not wait for the body.
+        drop(permit);
+        let (head, body) = resp.into_parts();
+        if !replay::is_recorded(head.status) {
+            self.finish(&key, &claim, None).await;
+            metrics::gateway_request(route.mode_name(), "forwarded");
+            return Ok(client_response(http::Response::from_parts(head, body)));
+        }
+        let (recorded, answer) = match replay::collect(body, route.response_bytes_max, route.request_timeout).await {
+            Collected::Whole(bytes) => {
+                let recorded = replay::record(&head, Some(&bytes));
+                (recorded, Ok(http::Response::from_parts(head, Body::from(bytes))))
+            }
+            Collected::TooLarge(read, rest) => {
+                let recorded = replay::record(&head, None);
+                (recorded, Ok(http::Response::from_parts(head, replay::stream_on(read, rest))))
+            }
+            Collected::Broken => {
+                metrics::ambiguous_outcome("api");
+                (replay::record(&head, None), Err(GatewayError::ResponseIncomplete { status: head.status.as_u16() }))
+            }
+        };
+        self.finish(&key, &claim, Some(IdempotencyOutcome::Completed(recorded))).await;
+        metrics::gateway_request(route.mode_name(), "forwarded");
+        answer.map(client_response)
+    }
+
+    /// The answer a record gives a request that finds it.
+    fn answer_from(
+        &self,
+        route: &Route,
+        record: &IdempotencyRecord,
+        fingerprint: &str,
+        now_ms: u64,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        let recorded = replay::judge(record, fingerprint, now_ms)?;
+        metrics::gateway_request(route.mode_name(), "replayed");
+        tracing::Span::current().record("decision", "replayed");
+        Ok(replay::replay(recorded))
+    }
+
+    /// Finishes a claim: the outcome, or (`None`) removal. A failure leaves the claim in
+    /// flight: retries get 409 until its deadline, then "outcome unknown". Never a second call.
+    async fn finish(&self, key: &IdempotencyKey, claim: &IdempotencyRecord, outcome: Option<IdempotencyOutcome>) {
+        let record = outcome.map(|outcome| IdempotencyRecord { outcome, ..claim.clone() });
+        let call = self.gate.store().idempotency_finish(key, &claim.claim, record.as_ref());
+        if let Err(error) = self.store_call(call).await {
+            metrics::idempotency_record_failed();
+            tracing::error!(%error, upstream_key = claim.upstream_key, "cannot record the outcome of an API call");
+        }
+    }
+
+    /// The longest a live fencegate works on one claimed request: the gate's wait, the call,
+    /// its response body, and two store calls.
+    fn claim_window(&self, route: &Route) -> Duration {
+        self.inflight_deadline + route.request_timeout * 2 + self.store_timeout * 2 + CLAIM_SLACK
+    }
+
+    /// Admits the write, then sends it with a body that a newer token can still cut off (G3).
+    /// With `conditional`, the precondition is chosen once admitted: the gate has drained the
+    /// older writes by then, and their ETags are in. The permit comes back with the response
+    /// head: keep it while acting on the response.
+    async fn send_fenced(
+        &self,
+        route: &Route,
+        mut req: http::Request<Body>,
+        body: Body,
+        resource: &ResourceKey,
+        token: FenceToken,
+        conditional: bool,
+    ) -> Result<(http::Response<Incoming>, Arc<Permit>), GatewayError> {
+        let permit = Arc::new(self.gate.admit(resource, token).await?);
+        self.accepted();
+        if conditional {
+            let (name, value) = self.etags.precondition(resource);
+            let headers = req.headers_mut();
+            headers.remove(header::IF_MATCH);
+            headers.remove(header::IF_NONE_MATCH);
+            headers.insert(name, value);
+        }
+        let (forwarded, report) = ForwardBody::new(body, Some(permit.clone()), None, 0);
+        *req.body_mut() = Body::http_body(forwarded);
+        let result = self.call(route, req).await;
+        match (result, report.failure()) {
+            (_, Some(BodyFailure::Cancelled)) => Err(self.stale_after_cancel(resource, token).await),
+            (_, Some(_)) => Err(GatewayError::IncompleteBody),
+            (Ok(resp), None) => Ok((resp, permit)),
+            (Err(SendError::NotSent(e)), None) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
+            (Err(e), None) => Err(unknown_outcome(e, None)),
+        }
+    }
+
+    /// A write whose body a newer token cut off: stale, with the fence that did it.
+    async fn stale_after_cancel(&self, resource: &ResourceKey, token: FenceToken) -> GatewayError {
+        let current = self.gate.fence(resource).await.ok().flatten().unwrap_or(token);
+        GatewayError::Stale { presented: token, current }
+    }
+
+    /// Reads and unfenced writes; a write's broken call is still an unknown outcome.
+    async fn send_unfenced(
+        &self,
+        route: &Route,
+        req: http::Request<Body>,
+        write: bool,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        match self.call(route, req).await {
+            Ok(resp) => Ok(client_response(resp)),
+            Err(SendError::NotSent(e)) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
+            Err(e) if write => Err(unknown_outcome(e, None)),
+            Err(SendError::Timeout { after_ms }) => Err(GatewayError::UpstreamTimeout { after_ms }),
+            Err(SendError::Broken(e)) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
+        }
+    }
+
+    async fn call(&self, route: &Route, req: http::Request<Body>) -> Result<http::Response<Incoming>, SendError> {
+        let started = Instant::now();
+        let result = route.client.send(req, route.request_timeout).await;
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        metrics::upstream_call("api", started.elapsed(), status);
+        if let Some(status) = status {
+            tracing::Span::current().record("upstream_status", status);
+        }
+        result
+    }
+
+    async fn store_call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.store_timeout) }),
+        };
+        metrics::store_call(self.gate.store().kind(), started.elapsed(), result.is_ok());
+        result
+    }
+
+    fn accepted(&self) {
+        metrics::decision("accepted");
+        tracing::Span::current().record("decision", "accepted");
+    }
+
+    /// The client's request with the client's headers, less the hop and fencing headers.
+    fn upstream_request(&self, parts: &http::request::Parts, uri: http::Uri, body: Body) -> http::Request<Body> {
+        let mut req = http::Request::new(body);
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        let headers = req.headers_mut();
+        for (name, value) in &parts.headers {
+            if HOP_HEADERS.contains(&name.as_str()) || *name == self.token_header || *name == self.resource_header {
+                continue;
+            }
+            headers.append(name.clone(), value.clone());
+        }
+        req
+    }
+
+    /// The presented token: one header, parsed by the same rules as for S3.
+    fn token(&self, headers: &HeaderMap) -> Result<Option<FenceToken>, GatewayError> {
+        let mut values = headers.get_all(&self.token_header).iter();
+        let Some(first) = values.next() else { return Ok(None) };
+        if values.next().is_some() {
+            return Err(GatewayError::RepeatedToken);
+        }
+        FenceToken::parse(first.as_bytes()).map(Some).map_err(GatewayError::InvalidToken)
+    }
+
+    /// The resource the route's template binds the path to; a `Fencing-Resource` header must
+    /// agree with it.
+    fn resource(&self, route: &Route, rest: &str, headers: &HeaderMap) -> Result<ResourceKey, GatewayError> {
+        let bound = route.resource(rest)?;
+        if let Some(presented) = headers.get(&self.resource_header)
+            && presented.as_bytes() != bound.as_str().as_bytes()
+        {
+            return Err(GatewayError::ResourceMismatch {
+                bound: bound.as_str().to_owned(),
+                presented: String::from_utf8_lossy(presented.as_bytes()).into_owned(),
+            });
+        }
+        Ok(bound)
+    }
+}
+
+/// The client's `Idempotency-Key`, if it sent one.
+fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, GatewayError> {
+    let invalid = GatewayError::InvalidIdempotencyKey { max: CLIENT_KEY_BYTES_MAX };
+    let mut values = headers.get_all(IDEMPOTENCY_KEY_HEADER).iter();
+    let Some(value) = values.next() else { return Ok(None) };
+    if values.next().is_some() || value.is_empty() || value.len() > CLIENT_KEY_BYTES_MAX {
+        return Err(invalid);
+    }
+    match value.to_str() {
+        Ok(key) if key.bytes().all(|b| b.is_ascii_graphic() || b == b' ') => Ok(Some(key.to_owned())),
+        _ => Err(invalid),
+    }
+}
+
+fn ambiguous_cause(e: &SendError) -> AmbiguousCause {
+    match e {
+        SendError::Timeout { .. } => AmbiguousCause::Timeout,
+        _ => AmbiguousCause::ConnectionLost,
+    }
+}
+
+/// A write that may have executed: counted, logged, reported; never sent again by fencegate.
+fn unknown_outcome(e: SendError, upstream_key: Option<String>) -> GatewayError {
+    let cause = ambiguous_cause(&e);
+    metrics::ambiguous_outcome("api");
+    tracing::warn!(error = %e, ?cause, upstream_key, "API call outcome unknown");
+    GatewayError::OutcomeUnknown { cause, upstream_key }
+}
+
+/// The client body, cut off (failing) past `bytes_max`.
+fn limited(body: Incoming, bytes_max: usize) -> Body {
+    Body::http_body(http_body_util::Limited::new(body, bytes_max))
+}
+
+/// The whole client body, up to `bytes_max`.
+async fn read_body(body: Incoming, bytes_max: usize) -> Result<Bytes, GatewayError> {
+    match http_body_util::Limited::new(body, bytes_max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(GatewayError::BodyTooLarge { max: bytes_max }),
+        Err(_) => Err(GatewayError::IncompleteBody),
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// The upstream's response without its hop headers.
+fn client_response<B: Into<Body>>(resp: http::Response<B>) -> http::Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    for name in RESPONSE_HOP_HEADERS {
+        parts.headers.remove(*name);
+    }
+    http::Response::from_parts(parts, body.into())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

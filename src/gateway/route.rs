@@ -1,0 +1,223 @@
+//! One `[[routes]]` entry, compiled: which paths it takes, the resource a write belongs to, and
+//! the URL a request goes to.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{RouteConfig, RouteMode, ms};
+use crate::fence::ResourceKey;
+
+use super::client::ApiClient;
+use super::error::GatewayError;
+
+pub struct Route {
+    /// Path prefix on fencegate's listener, with both slashes (`/payments/`).
+    pub prefix: String,
+    /// The upstream base URL without its trailing slash; the rest of the path follows it.
+    base: String,
+    template: Template,
+    pub mode: RouteMode,
+    pub client: Arc<ApiClient>,
+    /// From sending a request upstream until its response head.
+    pub request_timeout: Duration,
+    /// Largest request body forwarded (and, in `idempotency-key` mode, buffered and hashed).
+    pub body_bytes_max: usize,
+    /// Largest response recorded for replay.
+    pub response_bytes_max: usize,
+    /// How long idempotency records are kept.
+    pub retention_ms: u64,
+}
+
+impl Route {
+    pub fn new(config: &RouteConfig, client: Arc<ApiClient>) -> Result<Self, String> {
+        Ok(Self {
+            prefix: config.prefix.clone(),
+            base: config.upstream.trim_end_matches('/').to_owned(),
+            template: Template::parse(&config.resource)?,
+            mode: config.mode,
+            client,
+            request_timeout: ms(config.request_timeout_ms),
+            body_bytes_max: config.body_bytes_max,
+            response_bytes_max: config.response_bytes_max,
+            retention_ms: config.idempotency_retention_ms,
+        })
+    }
+
+    pub fn mode_name(&self) -> &'static str {
+        match self.mode {
+            RouteMode::IdempotencyKey => "idempotency-key",
+            RouteMode::Conditional => "conditional",
+            RouteMode::FenceOnly => "fence-only",
+        }
+    }
+
+    /// The path after the prefix, once checked: no segment may be (or percent-decode to) a
+    /// dot segment, which would let a request climb out of the upstream base.
+    pub fn rest<'p>(&self, path: &'p str) -> Result<&'p str, GatewayError> {
+        let rest = path.strip_prefix(self.prefix.as_str()).ok_or(GatewayError::UnsafePath)?;
+        for segment in rest.split('/') {
+            let decoded = percent_decode(segment).ok_or(GatewayError::UnsafePath)?;
+            if decoded.split(['/', '\\']).any(|part| part == "." || part == "..") {
+                return Err(GatewayError::UnsafePath);
+            }
+        }
+        Ok(rest)
+    }
+
+    /// The upstream URL of `rest` (from [`Route::rest`]) and the client's query.
+    pub fn upstream_uri(&self, rest: &str, query: Option<&str>) -> Result<http::Uri, GatewayError> {
+        let uri = match query {
+            Some(q) => format!("{}/{rest}?{q}", self.base),
+            None => format!("{}/{rest}", self.base),
+        };
+        uri.parse().map_err(|_| GatewayError::UnsafePath)
+    }
+
+    /// The resource a write to `rest` belongs to. Segments are percent-decoded first, so that
+    /// `/payments/42` and `/payments/%34%32` (the same payment to the API) are one resource.
+    pub fn resource(&self, rest: &str) -> Result<ResourceKey, GatewayError> {
+        let segments: Vec<&str> = rest.split('/').collect();
+        let name = self.template.render(&segments)?;
+        ResourceKey::new(&name).map_err(GatewayError::InvalidResource)
+    }
+}
+
+/// A resource template: literal text and `{n}` placeholders (the n-th path segment after the
+/// prefix, from 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Template(Vec<Part>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Segment(usize),
+}
+
+impl Template {
+    fn parse(text: &str) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            match rest.find(['{', '}']) {
+                None => {
+                    parts.push(Part::Literal(rest.to_owned()));
+                    break;
+                }
+                Some(i) if rest.as_bytes()[i] == b'}' => return Err(format!("{text:?}: a '}}' without its '{{'")),
+                Some(i) => {
+                    if i > 0 {
+                        parts.push(Part::Literal(rest[..i].to_owned()));
+                    }
+                    let close = rest[i..].find('}').ok_or_else(|| format!("{text:?}: a '{{' without its '}}'"))?;
+                    let inside = &rest[i + 1..i + close];
+                    let n: usize = inside
+                        .parse()
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| format!("{text:?}: placeholders are {{1}}, {{2}}, ..., got {{{inside}}}"))?;
+                    parts.push(Part::Segment(n));
+                    rest = &rest[i + close + 1..];
+                }
+            }
+        }
+        if parts.is_empty() {
+            return Err("must not be empty".into());
+        }
+        Ok(Self(parts))
+    }
+
+    fn render(&self, segments: &[&str]) -> Result<String, GatewayError> {
+        let mut out = String::new();
+        for part in &self.0 {
+            match part {
+                Part::Literal(text) => out.push_str(text),
+                Part::Segment(n) => {
+                    let raw = segments.get(n - 1).filter(|s| !s.is_empty()).ok_or(GatewayError::MissingSegment(*n))?;
+                    out.push_str(&percent_decode(raw).ok_or(GatewayError::UnsafePath)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `%XX` decoding; `None` for a broken escape or a result that is not UTF-8.
+fn percent_decode(raw: &str) -> Option<String> {
+    if !raw.contains('%') {
+        return Some(raw.to_owned());
+    }
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RouteMode;
+
+    fn route(prefix: &str, upstream: &str, resource: &str) -> Route {
+        let config = RouteConfig {
+            prefix: prefix.into(),
+            upstream: upstream.into(),
+            resource: resource.into(),
+            mode: RouteMode::FenceOnly,
+            idempotency_retention_ms: 1,
+            request_timeout_ms: 1,
+            body_bytes_max: 1,
+            response_bytes_max: 1,
+            ca_cert_path: None,
+        };
+        Route::new(&config, Arc::new(ApiClient::new(None, Duration::from_secs(1), 1).unwrap())).unwrap()
+    }
+
+    /// `{n}` takes the n-th segment after the prefix, percent-decoded; a missing one is an error.
+    #[test]
+    fn templates_take_path_segments() {
+        let r = route("/payments/", "https://api.example.com/v1/payments/", "payment:{1}");
+        assert_eq!(r.resource("42").unwrap().as_str(), "payment:42");
+        assert_eq!(r.resource("42/capture").unwrap().as_str(), "payment:42");
+        assert_eq!(r.resource("%34%32").unwrap().as_str(), "payment:42");
+        assert!(matches!(r.resource(""), Err(GatewayError::MissingSegment(1))));
+        let r = route("/t/", "http://h/", "{2}@{1}-x");
+        assert_eq!(r.resource("a/b/c").unwrap().as_str(), "b@a-x");
+        assert!(matches!(r.resource("a"), Err(GatewayError::MissingSegment(2))));
+        assert_eq!(route("/t/", "http://h/", "all-of-it").resource("").unwrap().as_str(), "all-of-it");
+    }
+
+    #[test]
+    fn broken_templates_are_refused() {
+        for bad in ["{0}", "{x}", "a{1", "a}1", "{}", ""] {
+            assert!(Template::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// The rest of the path is appended to the upstream base; dot segments, encoded or not, are
+    /// refused so a request cannot leave the base.
+    #[test]
+    fn upstream_urls_stay_under_the_base() {
+        let r = route("/payments/", "https://api.example.com/v1/payments/", "payment:{1}");
+        let rest = r.rest("/payments/42/capture").unwrap();
+        assert_eq!(r.upstream_uri(rest, Some("a=1")).unwrap(), "https://api.example.com/v1/payments/42/capture?a=1");
+        assert_eq!(
+            r.upstream_uri(r.rest("/payments/").unwrap(), None).unwrap(),
+            "https://api.example.com/v1/payments/"
+        );
+        for bad in
+            ["/payments/../admin", "/payments/42/%2e%2E/x", "/payments/.", "/payments/a%2F..%2Fb", "/payments/%zz"]
+        {
+            assert!(matches!(r.rest(bad), Err(GatewayError::UnsafePath)), "{bad}");
+        }
+    }
+}

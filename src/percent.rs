@@ -1,0 +1,34 @@
+//! Percent-decoding of URL paths, shared by every listener.
+
+/// Decodes `%XX` escapes; `None` for a broken escape or a result that is not UTF-8. A `+` is
+/// a plus sign (paths are not form-encoded).
+pub fn decode(raw: &str) -> Option<String> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode;
+
+    #[test]
+    fn decodes_escapes_and_refuses_broken_ones() {
+        assert_eq!(decode("a%20b%2Fc+d").as_deref(), Some("a b/c+d"));
+        assert_eq!(decode("%e2%82%ac").as_deref(), Some("€"));
+        for bad in ["%", "%2", "%zz", "%ff"] {
+            assert_eq!(decode(bad), None, "{bad}");
+        }
+    }
+}

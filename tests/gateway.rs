@@ -1,0 +1,887 @@
+//! Proves the HTTP API gateway (SPEC section 6) against a fake third-party API that executes
+//! every request it gets, records the `Idempotency-Key` and `If-Match` it was sent, honours
+//! preconditions with 412, and can be told to stall or to drop a connection: a retried request
+//! executes once and its replay is identical (both stores), stale writes never reach the API,
+//! a stalled upstream never lets an older write commit after a newer one, an ambiguous outcome
+//! is never executed twice, and https upstreams are verified.
+mod common;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{Fencegate, RedisServer, redis_store_toml};
+use fencegate::fence::{
+    FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, ResourceKey,
+};
+use http::{HeaderMap, Method, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Every wait on a background event is bounded by this, so a broken gateway fails, not hangs.
+const WAIT_MAX: Duration = Duration::from_secs(10);
+/// The routes' request timeout in these tests: short, so that timeouts are quick to provoke.
+const REQUEST_TIMEOUT_MS: u64 = 600;
+
+// ---------------------------------------------------------------------------------------------
+// The fake third-party API.
+
+/// What the fake API does with the next write to a path.
+#[derive(Debug, Clone, Copy)]
+enum Script {
+    /// Waits this long after reading the body, then executes and answers. The wait runs in a
+    /// task of its own, so the API executes even if the caller hung up (as a real backend does).
+    StallThenExecute(Duration),
+    /// Executes, then closes the connection without answering.
+    ExecuteThenDrop,
+}
+
+/// A write the API received complete (and so executed or refused).
+#[derive(Debug, Clone)]
+struct Received {
+    method: Method,
+    path: String,
+    body: Bytes,
+    idempotency_key: Option<String>,
+    if_match: Option<String>,
+    if_none_match: Option<String>,
+    authorization: Option<String>,
+    fencing_token: Option<String>,
+    /// `None`: refused with 412; else the execution number.
+    execution: Option<u64>,
+}
+
+#[derive(Default)]
+struct ApiState {
+    ledger: Vec<Received>,
+    /// path → (ETag, body) of what is there now.
+    current: HashMap<String, (String, Bytes)>,
+    scripts: HashMap<String, VecDeque<Script>>,
+    executions: u64,
+}
+
+struct FakeApi {
+    addr: SocketAddr,
+    state: Arc<Mutex<ApiState>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakeApi {
+    async fn start(tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(Mutex::new(ApiState::default()));
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let (state, tls) = (shared.clone(), tls.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| handle(state.clone(), req));
+                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let _ = match tls {
+                        None => builder.serve_connection(TokioIo::new(stream), service).await,
+                        Some(acceptor) => match acceptor.accept(stream).await {
+                            Ok(stream) => builder.serve_connection(TokioIo::new(stream), service).await,
+                            Err(_) => return,
+                        },
+                    };
+                });
+            }
+        });
+        Self { addr, state, task }
+    }
+
+    fn url(&self, scheme: &str, base: &str) -> String {
+        format!("{scheme}://{}{base}", self.addr)
+    }
+
+    fn script(&self, path: &str, script: Script) {
+        self.state.lock().unwrap().scripts.entry(path.to_owned()).or_default().push_back(script);
+    }
+
+    fn ledger(&self) -> Vec<Received> {
+        self.state.lock().unwrap().ledger.clone()
+    }
+
+    fn received(&self, path: &str) -> Vec<Received> {
+        self.ledger().into_iter().filter(|r| r.path == path).collect()
+    }
+
+    fn current_body(&self, path: &str) -> Option<Bytes> {
+        self.state.lock().unwrap().current.get(path).map(|(_, b)| b.clone())
+    }
+
+    /// Waits until `path` received `n` complete writes.
+    async fn wait_for(&self, path: &str, n: usize) {
+        let deadline = Instant::now() + WAIT_MAX;
+        while self.received(path).len() < n {
+            assert!(Instant::now() < deadline, "{path} never received {n} writes: {:?}", self.received(path));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn handle(
+    state: Arc<Mutex<ApiState>>,
+    req: http::Request<Incoming>,
+) -> Result<http::Response<Full<Bytes>>, std::io::Error> {
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path().to_owned();
+    if matches!(parts.method, Method::GET | Method::HEAD) {
+        let current = state.lock().unwrap().current.get(&path).cloned();
+        return Ok(match current {
+            Some((etag, body)) => response(StatusCode::OK, &[("etag", &etag)], body),
+            None => response(StatusCode::NOT_FOUND, &[], Bytes::from_static(b"{\"error\":\"not found\"}")),
+        });
+    }
+    // A body that does not arrive whole is never executed.
+    let body = body.collect().await.map_err(std::io::Error::other)?.to_bytes();
+    let header = |name: &str| parts.headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+    let received = Received {
+        method: parts.method.clone(),
+        path: path.clone(),
+        body,
+        idempotency_key: header("idempotency-key"),
+        if_match: header("if-match"),
+        if_none_match: header("if-none-match"),
+        authorization: header("authorization"),
+        fencing_token: header("fencing-token"),
+        execution: None,
+    };
+    let script = state.lock().unwrap().scripts.get_mut(&path).and_then(VecDeque::pop_front);
+    match script {
+        None => Ok(execute(&state, received)),
+        Some(Script::StallThenExecute(wait)) => {
+            let state = state.clone();
+            let late = tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                execute(&state, received)
+            });
+            Ok(late.await.unwrap())
+        }
+        Some(Script::ExecuteThenDrop) => {
+            execute(&state, received);
+            Err(std::io::Error::other("connection dropped on purpose"))
+        }
+    }
+}
+
+/// Applies a write unless its precondition fails (412); either way it is in the ledger.
+fn execute(state: &Mutex<ApiState>, mut received: Received) -> http::Response<Full<Bytes>> {
+    let mut s = state.lock().unwrap();
+    let etag = s.current.get(&received.path).map(|(e, _)| e.clone());
+    let refused = match (&received.if_match, &received.if_none_match) {
+        (Some(m), _) => etag.as_deref() != Some(m.as_str()) && !(m == "*" && etag.is_some()),
+        (None, Some(n)) => n == "*" && etag.is_some(),
+        (None, None) => false,
+    };
+    if refused {
+        s.ledger.push(received);
+        return response(StatusCode::PRECONDITION_FAILED, &[], Bytes::from_static(b"{\"error\":\"precondition\"}"));
+    }
+    s.executions += 1;
+    let n = s.executions;
+    received.execution = Some(n);
+    let etag = format!("\"e{n}\"");
+    if received.method == Method::DELETE {
+        s.current.remove(&received.path);
+    } else {
+        s.current.insert(received.path.clone(), (etag.clone(), received.body.clone()));
+    }
+    let status = if received.method == Method::POST { StatusCode::CREATED } else { StatusCode::OK };
+    let body = format!("{{\"execution\":{n},\"path\":\"{}\",\"bytes\":{}}}", received.path, received.body.len());
+    s.ledger.push(received);
+    response(status, &[("etag", &etag), ("x-execution", &n.to_string())], Bytes::from(body))
+}
+
+fn response(status: StatusCode, headers: &[(&str, &str)], body: Bytes) -> http::Response<Full<Bytes>> {
+    let mut resp = http::Response::new(Full::new(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert("content-type", "application/json".parse().unwrap());
+    for (name, value) in headers {
+        resp.headers_mut().insert(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+    }
+    resp
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fencegate with routes to the fake API, and a client for it.
+
+/// The three routes, one per mode, in front of `api`.
+fn routes(api: &FakeApi) -> String {
+    let mut toml = String::new();
+    for (prefix, base, resource, mode) in [
+        ("/pay/", "/v1/payments/", "payment:{1}", "idempotency-key"),
+        ("/doc/", "/v1/docs/", "doc:{1}", "conditional"),
+        ("/hook/", "/v1/hooks/", "hook:{1}", "fence-only"),
+    ] {
+        toml.push_str(&format!(
+            "[[routes]]\nprefix = \"{prefix}\"\nupstream = \"{}\"\nresource = \"{resource}\"\nmode = \"{mode}\"\n\
+             request_timeout_ms = {REQUEST_TIMEOUT_MS}\n",
+            api.url("http", base)
+        ));
+    }
+    toml
+}
+
+struct Resp {
+    status: u16,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Resp {
+    /// The code at the end of a problem's `type`.
+    fn code(&self) -> String {
+        assert_eq!(self.headers["content-type"], "application/problem+json", "status {}: {:?}", self.status, self.body);
+        let json: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        let kind = json["type"].as_str().unwrap();
+        kind.rsplit(':').next().unwrap().to_owned()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+}
+
+#[derive(Clone)]
+struct Caller {
+    base: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Caller {
+    fn new(fg: &Fencegate) -> Self {
+        Self { base: fg.endpoint(), client: Client::builder(TokioExecutor::new()).build_http() }
+    }
+
+    async fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+        let mut req = http::Request::new(Full::new(Bytes::copy_from_slice(body.as_bytes())));
+        *req.method_mut() = method.parse().unwrap();
+        *req.uri_mut() = format!("{}{path}", self.base).parse().unwrap();
+        for (name, value) in headers {
+            req.headers_mut().append(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+        }
+        let resp = tokio::time::timeout(WAIT_MAX, self.client.request(req)).await.expect("fencegate answers").unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        Resp { status: parts.status.as_u16(), headers: parts.headers, body }
+    }
+
+    async fn write(&self, method: &str, path: &str, token: u64, key: Option<&str>, body: &str) -> Resp {
+        let token = token.to_string();
+        let mut headers = vec![("fencing-token", token.as_str()), ("authorization", "Bearer client-secret")];
+        if let Some(key) = key {
+            headers.push(("idempotency-key", key));
+        }
+        self.send(method, path, &headers, body).await
+    }
+}
+
+/// The same response: status, the API's headers and body byte for byte.
+fn assert_same_response(first: &Resp, replay: &Resp) {
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body);
+    for name in ["etag", "x-execution", "content-type", "content-length"] {
+        assert_eq!(replay.header(name), first.header(name), "header {name}");
+    }
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(first.header("idempotent-replayed"), None);
+}
+
+async fn metrics(fg: &Fencegate) -> String {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let uri = format!("http://{}/metrics", fg.admin);
+    let resp = client.get(uri.parse().unwrap()).await.unwrap();
+    String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+
+/// A retried request executes once at the API, and its replay is the first response byte for
+/// byte (with and without a client `Idempotency-Key`); a different body under the same key
+/// gets 422; a stale-token retry of a request that executed gets its recorded result, while a
+/// new stale request never reaches the API. Embedded store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_request_executes_once_and_its_replay_is_identical() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    retried_requests_execute_once(&api, &Caller::new(&fg)).await;
+}
+
+/// The same on the Redis store: records live in Redis, shared by replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_request_executes_once_on_the_redis_store() {
+    let api = FakeApi::start(None).await;
+    let redis = RedisServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.path().join("objects").display());
+    let fg =
+        Fencegate::start_configured(dir.path(), &redis_store_toml(&redis.url(), "r1"), &upstream, &routes(&api)).await;
+    retried_requests_execute_once(&api, &Caller::new(&fg)).await;
+
+    // A second replica on the same Redis answers the retry from the same record.
+    let dir2 = tempfile::tempdir().unwrap();
+    let fg2 =
+        Fencegate::start_configured(dir2.path(), &redis_store_toml(&redis.url(), "r2"), &upstream, &routes(&api)).await;
+    let replica = Caller::new(&fg2);
+    let before = api.ledger().len();
+    let again = replica.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(api.ledger().len(), before, "the other replica did not call the API again");
+}
+
+async fn retried_requests_execute_once(api: &FakeApi, c: &Caller) {
+    // With the client's own key.
+    let first = c.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let retry = c.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;
+    assert_same_response(&first, &retry);
+    let sent = api.received("/v1/payments/42/charges");
+    assert_eq!(sent.len(), 1, "executed once");
+    let upstream_key = sent[0].idempotency_key.clone().unwrap();
+    assert!(upstream_key.starts_with("fg-") && upstream_key != "k1", "{upstream_key}");
+    assert_eq!(sent[0].authorization.as_deref(), Some("Bearer client-secret"), "the client's Authorization passes");
+    assert_eq!(sent[0].fencing_token, None, "the API is not sent fencing headers");
+
+    // The same key with another body is another request: refused, not executed.
+    let reused = c.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":999}").await;
+    assert_eq!((reused.status, reused.code().as_str()), (422, "IdempotencyKeyReused"));
+
+    // Without a key, the request id is a hash of method, path and body.
+    let plain = c.write("POST", "/pay/43/charges", 5, None, "{\"amount\":7}").await;
+    assert_eq!(plain.status, 201);
+    assert_same_response(&plain, &c.write("POST", "/pay/43/charges", 5, None, "{\"amount\":7}").await);
+    assert_eq!(api.received("/v1/payments/43/charges").len(), 1);
+    let other = c.write("POST", "/pay/43/charges", 5, None, "{\"amount\":8}").await;
+    assert_eq!(other.status, 201, "a different body is a different request");
+    assert_eq!(api.received("/v1/payments/43/charges").len(), 2);
+
+    // A newer lease writes; the older holder's retry of what already executed gets its result.
+    let newer = c.write("POST", "/pay/42/refunds", 6, Some("k2"), "{\"amount\":100}").await;
+    assert_eq!(newer.status, 201);
+    let stale_retry = c.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;
+    assert_same_response(&first, &stale_retry);
+    // A new request under the old token is refused and never reaches the API.
+    let before = api.ledger().len();
+    for key in [Some("k3"), None] {
+        let stale = c.write("POST", "/pay/42/charges", 5, key, "{\"amount\":1}").await;
+        assert_eq!((stale.status, stale.code().as_str()), (409, "FencingTokenStale"));
+        assert_eq!(stale.header("fencing-token-current"), Some("6"));
+    }
+    assert_eq!(api.ledger().len(), before);
+    // The newer holder cannot reuse the old request's key for another request either.
+    let reused = c.write("POST", "/pay/42/other", 6, Some("k1"), "{}").await;
+    assert_eq!((reused.status, reused.code().as_str()), (422, "IdempotencyKeyReused"));
+    assert_eq!(api.ledger().len(), before);
+}
+
+/// While the first request is still in flight a duplicate gets 409 (and does not execute);
+/// once the first finished, the duplicate is answered from its record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_of_a_request_in_flight_gets_409_then_the_replay() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+    api.script("/v1/payments/7/charges", Script::StallThenExecute(Duration::from_millis(400)));
+    let first = tokio::spawn({
+        let c = c.clone();
+        async move { c.write("POST", "/pay/7/charges", 1, Some("dup"), "{\"n\":1}").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let duplicate = c.write("POST", "/pay/7/charges", 1, Some("dup"), "{\"n\":1}").await;
+    assert_eq!((duplicate.status, duplicate.code().as_str()), (409, "IdempotentRequestInFlight"));
+    assert_eq!(duplicate.header("retry-after"), Some("1"));
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_same_response(&first, &c.write("POST", "/pay/7/charges", 1, Some("dup"), "{\"n\":1}").await);
+    assert_eq!(api.received("/v1/payments/7/charges").len(), 1);
+}
+
+/// In every mode, a write with a token below the fence (raised by a write or by registration,
+/// G7) is refused with 409 `FencingTokenStale` and `Fencing-Token-Current`, a missing token with
+/// 428 and a malformed one with 400, all as problem+json; none reaches the API. Reads pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_writes_never_reach_the_api() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+
+    for (path, method) in [("/pay/1/x", "POST"), ("/doc/1", "PUT"), ("/hook/1", "POST")] {
+        let ok = c.write(method, path, 2, None, "{\"token\":2}").await;
+        assert!(ok.status < 300, "{path}: {} {:?}", ok.status, ok.body);
+        let stale = c.write(method, path, 1, None, "{\"token\":1}").await;
+        assert_eq!((stale.status, stale.code().as_str()), (409, "FencingTokenStale"), "{path}");
+        assert_eq!(stale.header("fencing-token-current"), Some("2"));
+        assert_eq!(stale.json()["fencing_token_current"], 2);
+        let missing = c.send(method, path, &[], "{\"token\":null}").await;
+        assert_eq!((missing.status, missing.code().as_str()), (428, "FencingTokenRequired"), "{path}");
+        for bad in ["-1", "0x10", "18446744073709551616", ""] {
+            let malformed = c.send(method, path, &[("fencing-token", bad)], "{}").await;
+            assert_eq!((malformed.status, malformed.code().as_str()), (400, "InvalidFencingToken"), "{bad:?}");
+        }
+    }
+    // Registration fences the resource before the new holder writes.
+    let admin: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut register = http::Request::new(Full::new(Bytes::from_static(b"{\"token\": 3}")));
+    *register.method_mut() = Method::PUT;
+    *register.uri_mut() = format!("http://{}/v1/fences/hook:9", fg.admin).parse().unwrap();
+    assert_eq!(admin.request(register).await.unwrap().status(), 200);
+    let fenced = c.write("DELETE", "/hook/9", 2, None, "").await;
+    assert_eq!((fenced.status, fenced.header("fencing-token-current")), (409, Some("3")));
+    // A resource header that disagrees with the route's template is refused.
+    let mismatch = c.send("POST", "/hook/1", &[("fencing-token", "2"), ("fencing-resource", "hook:2")], "{}").await;
+    assert_eq!((mismatch.status, mismatch.code().as_str()), (400, "FencingResourceMismatch"));
+    let escape = c.write("POST", "/hook/%2e%2e/admin", 2, None, "{}").await;
+    assert_eq!((escape.status, escape.code().as_str()), (400, "InvalidPath"));
+
+    let ledger = api.ledger();
+    assert_eq!(ledger.len(), 3, "only the three token-2 writes reached the API: {ledger:?}");
+    assert!(ledger.iter().all(|r| r.body.as_ref() == b"{\"token\":2}"));
+    // Reads need no token and pass through.
+    assert_eq!(c.send("GET", "/doc/1", &[], "").await.status, 200);
+    assert_eq!(c.send("GET", "/doc/404", &[], "").await.status, 404);
+}
+
+/// G3 with a stalled upstream: an older write that is stuck at the API when a newer token
+/// arrives is awaited, so the newer write reaches the API only after it; meanwhile the fence is
+/// already advanced and another old-token write is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_older_write_is_awaited_before_a_newer_one_is_forwarded() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+    let path = "/v1/hooks/5";
+    api.script(path, Script::StallThenExecute(Duration::from_millis(400)));
+    let old = tokio::spawn({
+        let c = c.clone();
+        async move { (c.write("POST", "/hook/5", 1, None, "old").await, Instant::now()) }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let new = tokio::spawn({
+        let c = c.clone();
+        async move { (c.write("POST", "/hook/5", 2, None, "new").await, Instant::now()) }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let refused = c.write("POST", "/hook/5", 1, None, "old-again").await;
+    assert_eq!((refused.status, refused.header("fencing-token-current")), (409, Some("2")));
+    let (old, old_done) = old.await.unwrap();
+    let (new, new_done) = new.await.unwrap();
+    assert_eq!((old.status, new.status), (201, 201));
+    assert!(old_done <= new_done);
+    let order: Vec<Bytes> = api.received(path).into_iter().map(|r| r.body).collect();
+    assert_eq!(order, vec![Bytes::from("old"), Bytes::from("new")], "the older write committed first");
+}
+
+/// G3 when the older write's body is still streaming: the newer token cuts it off, the API
+/// never gets it whole (so never executes it), its client gets 409, and the newer write goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_body_still_streaming_is_cut_off_by_a_newer_token() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+
+    let mut slow = tokio::net::TcpStream::connect(fg.s3).await.unwrap();
+    let head = "POST /hook/6 HTTP/1.1\r\nhost: x\r\nfencing-token: 1\r\ncontent-length: 1000\r\n\r\n";
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&[b'a'; 400]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let new = c.write("POST", "/hook/6", 2, None, "new").await;
+    assert_eq!(new.status, 201);
+    let answer = read_head(&mut slow).await;
+    assert!(answer.starts_with("HTTP/1.1 409"), "{answer}");
+    assert!(answer.contains("fencing-token-current: 2"), "{answer}");
+    let received = api.received("/v1/hooks/6");
+    assert_eq!(received.len(), 1, "only the newer write arrived whole: {received:?}");
+    assert_eq!(received[0].body, Bytes::from("new"));
+}
+
+/// Reads a raw HTTP response until the end of its head (bounded by `WAIT_MAX`).
+async fn read_head(stream: &mut tokio::net::TcpStream) -> String {
+    let mut answer = Vec::new();
+    let deadline = Instant::now() + WAIT_MAX;
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut buf = [0u8; 4096];
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&buf[..n]),
+            Ok(_) => break,
+            Err(_) => panic!("no answer within {WAIT_MAX:?}: {:?}", String::from_utf8_lossy(&answer)),
+        }
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// In `conditional` mode even an upstream that stalls past fencegate's deadline cannot commit
+/// an older write after a newer one: both carry `If-Match` with the ETag before either, so when
+/// the stalled older write finally executes the API refuses it (412). Also: fencegate's
+/// `If-Match`/`If-None-Match` replace the client's, and a 412 goes back to the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_past_the_deadline_cannot_commit_an_older_conditional_write() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+    let path = "/v1/docs/d1";
+
+    let created = c.write("PUT", "/doc/d1", 1, None, "v1").await;
+    assert_eq!(created.status, 200);
+    let e1 = created.header("etag").unwrap().to_owned();
+    assert_eq!(api.received(path)[0].if_none_match.as_deref(), Some("*"), "a create is If-None-Match: *");
+
+    api.script(path, Script::StallThenExecute(Duration::from_millis(REQUEST_TIMEOUT_MS + 700)));
+    let old = c.write("PUT", "/doc/d1", 1, None, "old").await;
+    assert_eq!((old.status, old.code().as_str()), (504, "UpstreamOutcomeUnknown"));
+    let new = c.write("PUT", "/doc/d1", 2, None, "new").await;
+    assert_eq!(new.status, 200, "{:?}", new.body);
+
+    api.wait_for(path, 3).await;
+    let received = api.received(path);
+    let late = received.iter().find(|r| r.body.as_ref() == b"old").unwrap();
+    let newer = received.iter().find(|r| r.body.as_ref() == b"new").unwrap();
+    assert_eq!((late.if_match.as_deref(), newer.if_match.as_deref()), (Some(e1.as_str()), Some(e1.as_str())));
+    assert_eq!(late.execution, None, "the stalled older write was refused by its precondition");
+    assert!(newer.execution.is_some());
+    assert_eq!(api.current_body(path), Some(Bytes::from("new")));
+
+    // The ETag of the newer write is known now; a client's own precondition is replaced.
+    let next = c.send("PUT", "/doc/d1", &[("fencing-token", "2"), ("if-match", "\"bogus\"")], "next").await;
+    assert_eq!(next.status, 200);
+    assert_eq!(api.received(path).last().unwrap().if_match.as_deref(), newer_etag(&api, "new").as_deref());
+    // A change behind fencegate's back: the next write gets the API's 412, not retried.
+    api.state.lock().unwrap().current.insert(path.into(), ("\"elsewhere\"".into(), Bytes::from("x")));
+    let refused = c.write("PUT", "/doc/d1", 2, None, "lost").await;
+    assert_eq!(refused.status, 412);
+    assert_eq!(api.received(path).len(), 5, "one attempt, no retry");
+    // A read through fencegate teaches it the current ETag.
+    assert_eq!(c.send("GET", "/doc/d1", &[], "").await.status, 200);
+    assert_eq!(c.write("PUT", "/doc/d1", 2, None, "after-read").await.status, 200);
+    assert!(metrics(&fg).await.contains("fencegate_ambiguous_outcomes_total{op=\"api\"}"));
+}
+
+/// The ETag the API gave the write with `body`.
+fn newer_etag(api: &FakeApi, body: &str) -> Option<String> {
+    let execution = api.ledger().into_iter().find(|r| r.body.as_ref() == body.as_bytes())?.execution?;
+    Some(format!("\"e{execution}\""))
+}
+
+/// An ambiguous outcome (the connection dropped after the API executed; or no answer before
+/// the deadline) is reported with 502/504 `UpstreamOutcomeUnknown`, recorded, and answered
+/// from the record on every retry: the API executes it exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambiguous_outcome_is_never_executed_twice() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+
+    api.script("/v1/payments/9/charges", Script::ExecuteThenDrop);
+    let dropped = c.write("POST", "/pay/9/charges", 1, Some("amb-1"), "{\"amount\":5}").await;
+    assert_eq!((dropped.status, dropped.code().as_str()), (502, "UpstreamOutcomeUnknown"));
+    let upstream_key = api.received("/v1/payments/9/charges")[0].idempotency_key.clone().unwrap();
+    assert_eq!(dropped.json()["upstream_idempotency_key"], upstream_key.as_str(), "reported for reconciliation");
+    for _ in 0..3 {
+        let retry = c.write("POST", "/pay/9/charges", 1, Some("amb-1"), "{\"amount\":5}").await;
+        assert_eq!((retry.status, retry.code().as_str()), (502, "UpstreamOutcomeUnknown"));
+    }
+    assert_eq!(api.received("/v1/payments/9/charges").len(), 1);
+
+    api.script("/v1/payments/10/charges", Script::StallThenExecute(Duration::from_millis(REQUEST_TIMEOUT_MS + 400)));
+    let timed_out = c.write("POST", "/pay/10/charges", 1, None, "{\"amount\":6}").await;
+    assert_eq!((timed_out.status, timed_out.code().as_str()), (504, "UpstreamOutcomeUnknown"));
+    api.wait_for("/v1/payments/10/charges", 1).await;
+    for _ in 0..3 {
+        let retry = c.write("POST", "/pay/10/charges", 1, None, "{\"amount\":6}").await;
+        assert_eq!((retry.status, retry.code().as_str()), (504, "UpstreamOutcomeUnknown"));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(api.received("/v1/payments/10/charges").len(), 1, "executed once, never re-sent");
+    let m = metrics(&fg).await;
+    assert!(m.contains("fencegate_ambiguous_outcomes_total{op=\"api\"}"), "{m}");
+}
+
+/// https upstreams: certificates are verified, against the route's own CA when
+/// `ca_cert_path` is set; an upstream with an unknown CA is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_upstreams_are_verified() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certificates(certs.path());
+    let api = FakeApi::start(Some(fencegate::server::tls_acceptor(&cert, &key).unwrap())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = format!(
+        "[[routes]]\nprefix = \"/private/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\
+         ca_cert_path = \"{}\"\n\
+         [[routes]]\nprefix = \"/public/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n",
+        api.url("https", "/v1/"),
+        ca.display(),
+        api.url("https", "/v1/"),
+    );
+    let fg = Fencegate::start_local(dir.path(), &routes).await;
+    let c = Caller::new(&fg);
+    let trusted = c.write("POST", "/private/1", 1, None, "over tls").await;
+    assert_eq!(trusted.status, 201, "{:?}", trusted.body);
+    let untrusted = c.write("POST", "/public/1", 1, None, "over tls").await;
+    assert_eq!((untrusted.status, untrusted.code().as_str()), (502, "UpstreamUnavailable"));
+    assert_eq!(api.ledger().len(), 1);
+}
+
+/// A CA and a certificate for 127.0.0.1 signed by it, made with the openssl command.
+fn make_certificates(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let out =
+            std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl is needed");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let mut ca_args = vec!["req", "-x509"];
+    ca_args.extend(ec);
+    ca_args.extend(["-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=fencegate test CA", "-days", "2"]);
+    ca_args.extend(["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"]);
+    run(&ca_args);
+    let mut csr_args = vec!["req"];
+    csr_args.extend(ec);
+    csr_args.extend(["-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=127.0.0.1"]);
+    run(&csr_args);
+    std::fs::write(
+        dir.join("leaf.ext"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "leaf.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "leaf.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "leaf.ext",
+    ]);
+    (dir.join("ca.pem"), dir.join("leaf.pem"), dir.join("leaf.key"))
+}
+
+/// Both durable stores keep the idempotency contract: one claim per live key, the existing
+/// record to everyone else, only the claimant finishes it, removal frees the key, and an
+/// expired record counts as absent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_stores_keep_the_idempotency_record_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = fencegate::store::EmbeddedStore::open(dir.path()).unwrap();
+    record_contract(&embedded, "embedded").await;
+    let redis = RedisServer::start().await;
+    let shared =
+        fencegate::store::RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into()).await.unwrap();
+    record_contract(&shared, "redis").await;
+    record_contract(&fencegate::store::MemoryStore::default(), "memory").await;
+}
+
+async fn record_contract(store: &dyn FenceStore, name: &str) {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let key = IdempotencyKey::new(ResourceKey::new("payment:{1}").unwrap(), b"client-key");
+    let record = |claim: &str, expires_at_ms: u64| IdempotencyRecord {
+        claim: claim.into(),
+        fingerprint: "fp".into(),
+        token: FenceToken(4),
+        upstream_key: key.upstream_key(FenceToken(4)),
+        expires_at_ms,
+        outcome: IdempotencyOutcome::InFlight { deadline_ms: now + 1_000 },
+    };
+    let a = record("a", now + 60_000);
+    assert_eq!(store.idempotency_begin(&key, &a, now).await.unwrap(), IdempotencyBegin::Claimed, "{name}");
+    assert_eq!(
+        store.idempotency_begin(&key, &record("b", now + 60_000), now).await.unwrap(),
+        IdempotencyBegin::Existing(a.clone()),
+        "{name}"
+    );
+    let done = IdempotencyRecord {
+        outcome: IdempotencyOutcome::Completed(fencegate::fence::RecordedResponse {
+            status: 201,
+            headers: vec![("etag".into(), "\"e1\"".into())],
+            body: Some(b"\x00\xffbody".to_vec()),
+        }),
+        ..a.clone()
+    };
+    store.idempotency_finish(&key, "b", Some(&done)).await.unwrap();
+    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), Some(a.clone()), "{name}: only the claimant finishes");
+    store.idempotency_finish(&key, "a", Some(&done)).await.unwrap();
+    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), Some(done.clone()), "{name}");
+    store.idempotency_finish(&key, "a", None).await.unwrap();
+    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), None, "{name}: removed");
+
+    // Expiry: a short-lived record is absent once its time is up, and the key is free again.
+    let short = record("c", now + 150);
+    assert_eq!(store.idempotency_begin(&key, &short, now).await.unwrap(), IdempotencyBegin::Claimed);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let later = now + 250;
+    assert_eq!(store.idempotency_get(&key, later).await.unwrap(), None, "{name}: expired");
+    assert_eq!(
+        store.idempotency_begin(&key, &record("d", later + 60_000), later).await.unwrap(),
+        IdempotencyBegin::Claimed
+    );
+    store.idempotency_finish(&key, "d", None).await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The latency each mode adds (not part of CI: run by hand against a release build).
+
+/// Measures the latency each route mode adds over calling the fake API directly, under a
+/// bounded load (REQUESTS writes, CONCURRENCY at a time, each connection writing its own
+/// resource with one token), against a fencegate binary given by `FENCEGATE_BIN`:
+///
+/// ```sh
+/// cargo build --release -p fencegate
+/// FENCEGATE_BIN=target/release/fencegate cargo test -p fencegate --test gateway -- --ignored --nocapture latency
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run by hand with a release build (see the doc comment)"]
+async fn latency_each_mode_adds() {
+    const REQUESTS: usize = 2_000;
+    const CONCURRENCY: usize = 8;
+    const ROUNDS: usize = 3;
+    let bin = std::env::var("FENCEGATE_BIN").unwrap_or_else(|_| "target/release/fencegate".into());
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (common::free_port(), common::free_port());
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\n\
+         [store]\nkind = \"embedded\"\npath = \"{}\"\n[upstream]\nkind = \"local\"\npath = \"{}\"\nprobe = \"off\"\n\
+         [[credentials]]\naccess_key_id = \"k\"\nsecret_access_key = \"s\"\n[log]\nlevel = \"warn\"\n{}",
+        dir.path().join("fences").display(),
+        dir.path().join("objects").display(),
+        routes(&api),
+    );
+    let config_path = dir.path().join("fencegate.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let mut child = std::process::Command::new(&bin)
+        .args(["serve", "--config", config_path.to_str().unwrap()])
+        .env_remove("FENCEGATE_BIN") // every FENCEGATE_* variable is a config override
+        .spawn()
+        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    let ready = Instant::now();
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        assert!(ready.elapsed() < WAIT_MAX, "fencegate did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).pool_max_idle_per_host(CONCURRENCY).build_http();
+    let direct = format!("http://{}/v1", api.addr);
+    let via = format!("http://127.0.0.1:{port}");
+    let paths: [(&str, String, &str); 4] = [
+        ("direct", format!("{direct}/hooks"), "PUT"),
+        ("fence-only", format!("{via}/hook"), "PUT"),
+        ("conditional", format!("{via}/doc"), "PUT"),
+        ("idempotency-key", format!("{via}/pay"), "POST"),
+    ];
+    // Paths interleaved in rounds, so a burst of other work on the machine hits all of them;
+    // each figure is the median over the rounds.
+    let mut figures: Vec<Vec<[f64; 3]>> = vec![Vec::new(); paths.len()];
+    for _round in 0..ROUNDS {
+        for (i, (_, base, method)) in paths.iter().enumerate() {
+            // Warm-up: connections, first advances, first ETags.
+            run_load(&client, base, method, CONCURRENCY * 4, CONCURRENCY).await;
+            let mut lat = run_load(&client, base, method, REQUESTS, CONCURRENCY).await;
+            lat.sort();
+            let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0;
+            let mean = lat.iter().map(Duration::as_secs_f64).sum::<f64>() / lat.len() as f64 * 1000.0;
+            figures[i].push([mean, pct(0.50), pct(0.99)]);
+        }
+    }
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let summary: Vec<[f64; 3]> = figures
+        .iter()
+        .map(|rounds| std::array::from_fn(|k| median(&mut rounds.iter().map(|f| f[k]).collect())))
+        .collect();
+    println!("{REQUESTS} writes per run, {CONCURRENCY} concurrent, median of {ROUNDS} rounds (ms):");
+    println!("| path | mean | p50 | p99 | added mean | added p50 | added p99 |");
+    println!("|---|---|---|---|---|---|---|");
+    for (i, (name, _, _)) in paths.iter().enumerate() {
+        let [mean, p50, p99] = summary[i];
+        let [d_mean, d50, d99] = summary[0];
+        println!(
+            "| {name} | {mean:.2} | {p50:.2} | {p99:.2} | {:+.2} | {:+.2} | {:+.2} |",
+            mean - d_mean,
+            p50 - d50,
+            p99 - d99
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// `total` writes, `concurrency` at a time; worker `w` writes resource `w` with token 1, every
+/// request its own (a fresh body, so a fresh request id). Returns each latency.
+async fn run_load(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    base: &str,
+    method: &str,
+    total: usize,
+    concurrency: usize,
+) -> Vec<Duration> {
+    static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut workers = Vec::new();
+    for w in 0..concurrency {
+        let (client, uri, method) = (client.clone(), format!("{base}/w{w}"), method.parse::<Method>().unwrap());
+        let n = total / concurrency + usize::from(w < total % concurrency);
+        workers.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(n);
+            for _ in 0..n {
+                let seq = SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut req = http::Request::new(Full::new(Bytes::from(format!(
+                    "{{\"seq\":{seq},\"pad\":\"{}\"}}",
+                    "x".repeat(200)
+                ))));
+                *req.method_mut() = method.clone();
+                *req.uri_mut() = uri.parse().unwrap();
+                req.headers_mut().insert("fencing-token", "1".parse().unwrap());
+                req.headers_mut().insert("content-type", "application/json".parse().unwrap());
+                let started = Instant::now();
+                let resp = client.request(req).await.unwrap();
+                let status = resp.status();
+                resp.into_body().collect().await.unwrap();
+                latencies.push(started.elapsed());
+                assert!(status.is_success(), "{uri}: {status}");
+            }
+            latencies
+        }));
+    }
+    let mut all = Vec::with_capacity(total);
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    all
+}
