@@ -1,0 +1,700 @@
+//! `fencegate-bench run`: the whole suite, every scenario on every path in one run, written
+//! as `results.md` and `chart.svg`.
+//!
+//! Processes: the in-memory upstream, the 409 ceiling, fencegate (release build, embedded fence
+//! store in a temp dir, forwarding to the upstream) and, when installed, nginx as a plain
+//! reverse proxy to the same upstream. All listen on 127.0.0.1 and are ended by pid at the end.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::Args;
+use http::Method;
+use tokio::time::Instant;
+
+use crate::large::{self, LargeReport, StreamReport};
+use crate::load::{self, Limits};
+use crate::procs::{self, FencegateAddrs, Proc};
+use crate::report::{Row, Suite, Target};
+use crate::scenario::{self, Params, Registrations, Scenario};
+use crate::sign::{self, Signer};
+
+const MIB: u64 = 1024 * 1024;
+/// Priming passes send each distinct request once; they get this long at most.
+const PRIME_DURATION: Duration = Duration::from_secs(120);
+/// A pause between runs, so one run's leftovers (closing connections, group commits) do not
+/// land in the next one's figures.
+const SETTLE: Duration = Duration::from_millis(500);
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// The fencegate binary (build it with `cargo build --release -p fencegate`).
+    #[arg(long, default_value = "target/release/fencegate")]
+    fencegate_bin: PathBuf,
+    /// Where `results.md` and `chart.svg` are written.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+    /// Length of each timed keep-alive run.
+    #[arg(long, default_value_t = 8)]
+    duration_s: u64,
+    /// Requests per timed run at most.
+    #[arg(long, default_value_t = 2_000_000)]
+    requests_max: u64,
+    #[arg(long, default_value_t = 1024)]
+    body_bytes: usize,
+    #[arg(long, default_value_t = 32)]
+    keys_per_connection: usize,
+    /// Body size of the stale large uploads.
+    #[arg(long, default_value_t = 64 * MIB as usize)]
+    large_bytes: usize,
+    /// Stale large uploads per variant (one at a time), within `--large-duration-s`.
+    #[arg(long, default_value_t = 200)]
+    large_requests: u64,
+    #[arg(long, default_value_t = 30)]
+    large_duration_s: u64,
+    /// Size of the object streamed through fencegate for the RSS figure.
+    #[arg(long, default_value_t = 1024 * MIB)]
+    stream_bytes: u64,
+    /// The small fence store of the lookup comparison.
+    #[arg(long, default_value_t = 1_000)]
+    lookup_resources_small: u64,
+    /// The large fence store of the lookup comparison (registration is bounded by
+    /// `--register-duration-max-s`; the report says how many were registered).
+    #[arg(long, default_value_t = 1_000_000)]
+    lookup_resources_large: u64,
+    #[arg(long, default_value_t = 400)]
+    register_duration_max_s: u64,
+    /// Distinct lookups signed per lookup run (each is sent once).
+    #[arg(long, default_value_t = 150_000)]
+    lookup_requests: u64,
+    /// Extra environment for every fencegate started, `KEY=VALUE` (repeatable): config
+    /// overrides such as `FENCEGATE_FENCING__CACHED_RESOURCES_MAX=2000000`, or
+    /// `LD_PRELOAD=...` to try another allocator.
+    #[arg(long = "fencegate-env", value_parser = parse_env_pair)]
+    fencegate_env: Vec<(String, String)>,
+    /// Leave nginx out even when it is installed.
+    #[arg(long)]
+    no_nginx: bool,
+    /// Skip the 64 MiB and 1 GiB scenarios.
+    #[arg(long)]
+    no_large: bool,
+    /// Skip the Redis fence store runs.
+    #[arg(long)]
+    no_redis: bool,
+    /// Skip the 1k / 1M fence lookup comparison.
+    #[arg(long)]
+    no_lookup: bool,
+}
+
+fn parse_env_pair(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{text:?} is not KEY=VALUE")),
+    }
+}
+
+/// The limits of a priming pass: every request once, concurrently, bounded in time.
+pub fn prime_limits(limits: &Limits) -> Limits {
+    Limits { duration: PRIME_DURATION, ..limits.clone() }
+}
+
+/// One path a scenario runs against: the upstream directly, a proxy, or the ceiling.
+struct Endpoint {
+    name: &'static str,
+    addr: SocketAddr,
+    pid: Option<u32>,
+}
+
+struct Ctx {
+    args: RunArgs,
+    signer: Signer,
+    suite: Suite,
+    body: Bytes,
+    limits: Limits,
+    run_seq: u32,
+    base_run_id: String,
+    /// Kept for the target checks.
+    large: Vec<(&'static str, bool, LargeReport)>,
+    streams: Vec<(Method, StreamReport)>,
+    /// Why the Redis store was not measured.
+    redis_missing: Option<String>,
+    lookups: Vec<(u64, f64)>,
+}
+
+impl Ctx {
+    /// `base` plus the `--fencegate-env` pairs (which win).
+    fn fencegate_env<'a>(&'a self, base: &[(&'a str, String)]) -> Vec<(&'a str, String)> {
+        let mut env = base.to_vec();
+        env.extend(self.args.fencegate_env.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        env
+    }
+
+    /// A fresh signer (signatures are valid for 15 minutes from their timestamp, and a suite
+    /// can run longer) and a fresh run id per scenario.
+    fn params(&mut self, addr: SocketAddr) -> Params<'_> {
+        self.run_seq += 1;
+        self.signer = Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION);
+        Params {
+            signer: &self.signer,
+            authority: addr.to_string(),
+            bucket: crate::BUCKET.into(),
+            run_id: format!("{}x{}", self.base_run_id, self.run_seq),
+            connections: self.args.connections,
+            keys_per_connection: self.args.keys_per_connection,
+            body: self.body.clone(),
+            requests_max: self.args.requests_max,
+        }
+    }
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.fencegate_bin.is_file(),
+        "{} not found: build it with `cargo build --release -p fencegate -p fencegate-bench`",
+        args.fencegate_bin.display()
+    );
+    let tmp = tempfile::Builder::new().prefix("fencegate-bench").tempdir()?;
+    let limits = Limits {
+        connections: args.connections,
+        duration: Duration::from_secs(args.duration_s),
+        requests_max: args.requests_max,
+        request_timeout: Duration::from_secs(30),
+    };
+    let mut ctx = Ctx {
+        signer: Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION),
+        suite: Suite { command: std::env::args().collect::<Vec<_>>().join(" "), ..Suite::default() },
+        body: Bytes::from(vec![b'x'; args.body_bytes]),
+        limits,
+        run_seq: 0,
+        base_run_id: crate::run_id(),
+        large: Vec::new(),
+        streams: Vec::new(),
+        redis_missing: None,
+        lookups: Vec::new(),
+        args,
+    };
+    describe_setup(&mut ctx);
+
+    let (upstream, upstream_addr) = procs::spawn_upstream(false)?;
+    let status = crate::create_bucket(upstream_addr, &upstream_addr.to_string(), &ctx.signer, crate::BUCKET).await?;
+    anyhow::ensure!(status == 200, "creating the bucket answered {status}");
+    let (ceiling, ceiling_addr) = procs::spawn_upstream(true)?;
+    let (mut fencegate, fg) = procs::spawn_fencegate(
+        &ctx.args.fencegate_bin,
+        &tmp.path().join("fg"),
+        upstream_addr,
+        &ctx.fencegate_env(&[]),
+    )?;
+    let nginx = start_nginx(&mut ctx, tmp.path(), upstream_addr);
+    eprintln!("upstream {upstream_addr}, ceiling {ceiling_addr}, fencegate {}", fg.s3);
+
+    let mut paths = vec![Endpoint { name: "upstream", addr: upstream_addr, pid: Some(upstream.pid()) }];
+    if let Some((proc, addr)) = &nginx {
+        paths.push(Endpoint { name: "nginx", addr: *addr, pid: Some(proc.pid()) });
+    }
+    paths.push(Endpoint { name: "fencegate", addr: fg.s3, pid: Some(fencegate.pid()) });
+    let ceiling_path = Endpoint { name: "409 ceiling", addr: ceiling_addr, pid: Some(ceiling.pid()) };
+    let fencegate_path = Endpoint { name: "fencegate", addr: fg.s3, pid: Some(fencegate.pid()) };
+
+    for scenario in [Scenario::Accepted, Scenario::AcceptedOneResource, Scenario::Advancing] {
+        for path in &paths {
+            keep_alive_run(&mut ctx, scenario, path).await?;
+            if let Some(status) = fencegate.exited() {
+                anyhow::bail!("fencegate exited ({status}) during {}", scenario.name());
+            }
+        }
+    }
+    for path in [&fencegate_path, &ceiling_path] {
+        keep_alive_run(&mut ctx, Scenario::Stale, path).await?;
+    }
+    let idle_rss = procs::rss(fencegate.pid()).ok();
+
+    if !ctx.args.no_large {
+        for expect in [true, false] {
+            for path in [&fencegate_path, &ceiling_path] {
+                stale_large_run(&mut ctx, path, expect).await?;
+            }
+        }
+        stream_runs(&mut ctx, &fencegate_path, upstream_addr).await?;
+    }
+    drop(nginx);
+    drop(fencegate);
+    if let Some(rss) = idle_rss {
+        ctx.suite.notes.push(format!(
+            "fencegate's RSS after the keep-alive runs: {:.1} MiB (peak so far {:.1} MiB).",
+            rss.now_kb as f64 / 1024.0,
+            rss.peak_kb as f64 / 1024.0
+        ));
+    }
+
+    if !ctx.args.no_redis {
+        redis_runs(&mut ctx, tmp.path(), upstream_addr).await?;
+    }
+    if !ctx.args.no_lookup {
+        lookup_runs(&mut ctx, tmp.path(), upstream_addr).await?;
+    }
+    drop((upstream, ceiling));
+    check_targets(&mut ctx);
+    write_outputs(&ctx)
+}
+
+fn describe_setup(ctx: &mut Ctx) {
+    let a = &ctx.args;
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    ctx.suite.setup = vec![
+        format!("{cpus} CPUs; everything on loopback (client, proxies, upstream share the CPUs)."),
+        format!(
+            "Keep-alive runs: {} connections, {} s each (at most {} requests), {}-byte SigV4-signed PUTs \
+             (UNSIGNED-PAYLOAD), {} objects per connection; an untimed priming pass first.",
+            a.connections, a.duration_s, a.requests_max, a.body_bytes, a.keys_per_connection
+        ),
+        "Client: fencegate-bench on one tokio thread, hyper `client::conn::http1`, heads pre-signed \
+         and replayed; latency in an HDR histogram (µs)."
+            .into(),
+        "Upstream: fencegate-bench's in-memory S3 (ETags, If-Match / If-None-Match, metadata; \
+         signatures not verified), one tokio thread. 409 ceiling: the same server answering 409 \
+         to everything without reading the body."
+            .into(),
+        "fencegate: release build, embedded fence store (redb, fsync per advance) in a temp dir, \
+         `upstream.kind = \"s3\"` to the in-memory upstream, `log.level = \"warn\"`, SigV4 \
+         verification on."
+            .into(),
+    ];
+    let binary = ctx.args.fencegate_bin.display().to_string();
+    ctx.suite.setup.push(format!("fencegate binary: `{binary}`."));
+    if !ctx.args.fencegate_env.is_empty() {
+        let pairs: Vec<String> = ctx.args.fencegate_env.iter().map(|(k, v)| format!("`{k}={v}`")).collect();
+        ctx.suite.setup.push(format!("fencegate environment: {}.", pairs.join(", ")));
+    }
+}
+
+fn start_nginx(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> Option<(Proc, SocketAddr)> {
+    if ctx.args.no_nginx {
+        return None;
+    }
+    let Some(binary) = procs::find_nginx() else {
+        ctx.suite.notes.push("nginx is not installed: its rows are missing (`apt-get install nginx-light`).".into());
+        return None;
+    };
+    let nginx_dir = dir.join("nginx");
+    let _ = std::fs::create_dir_all(&nginx_dir);
+    match procs::spawn_nginx(&binary, &nginx_dir, upstream) {
+        Ok(started) => {
+            ctx.suite.setup.push(
+                "nginx: `worker_processes auto`, keep-alive to the client and to the upstream \
+                 (`keepalive 128`), `proxy_request_buffering off`, `proxy_buffering off`, no access log."
+                    .into(),
+            );
+            Some(started)
+        }
+        Err(e) => {
+            ctx.suite.notes.push(format!("nginx did not start: {e:#}"));
+            None
+        }
+    }
+}
+
+async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> anyhow::Result<()> {
+    let limits = ctx.limits.clone();
+    let workload = {
+        let params = ctx.params(path.addr);
+        scenario::build(scenario, &params)?
+    };
+    let primed = load::run(path.addr, workload.prime.clone(), &prime_limits(&limits)).await;
+    tokio::time::sleep(SETTLE).await;
+    eprintln!("{} via {}: running", scenario.name(), path.name);
+    let cpu_before = path.pid.and_then(procs::cpu_seconds);
+    let report = load::run(path.addr, workload.timed.clone(), &limits).await;
+    let cpu = cpu_per_request(cpu_before, path.pid, report.completed);
+    let mut outcome = report.statuses_text();
+    if primed.completed > 0 && scenario == Scenario::Stale {
+        outcome.push_str(&format!(" (primed: {})", primed.statuses_text()));
+    }
+    eprintln!("  {:.0} req/s p99 {:.2} ms {}", report.per_second(), report.ms(0.99), outcome);
+    ctx.suite.rows.push(Row {
+        scenario: scenario_label(scenario, ctx.args.body_bytes),
+        path: path.name.into(),
+        per_second: Some(report.per_second()),
+        p50_ms: Some(report.ms(0.5)),
+        p99_ms: Some(report.ms(0.99)),
+        p999_ms: Some(report.ms(0.999)),
+        cpu_us_per_request: cpu,
+        outcome,
+        charted: true,
+    });
+    tokio::time::sleep(SETTLE).await;
+    Ok(())
+}
+
+/// CPU µs per request of process `pid` since `before` (seconds of CPU).
+fn cpu_per_request(before: Option<f64>, pid: Option<u32>, requests: u64) -> Option<f64> {
+    let after = pid.and_then(procs::cpu_seconds)?;
+    Some((after - before?) * 1e6 / requests.max(1) as f64)
+}
+
+fn scenario_label(scenario: Scenario, body_bytes: usize) -> String {
+    let size = size_text(body_bytes as u64);
+    match scenario {
+        Scenario::Accepted => format!("accepted {size}, many resources"),
+        Scenario::AcceptedOneResource => format!("accepted {size}, one resource"),
+        Scenario::Advancing => format!("advancing {size} (new token per request)"),
+        Scenario::Stale => format!("stale {size}"),
+    }
+}
+
+fn size_text(bytes: u64) -> String {
+    if bytes >= MIB && bytes.is_multiple_of(MIB) {
+        format!("{} MiB", bytes / MIB)
+    } else if bytes >= 1024 && bytes.is_multiple_of(1024) {
+        format!("{} KiB", bytes / 1024)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Primes a fence above the token the uploads present (one small write with token 2), then
+/// sends stale uploads of `body` one at a time.
+pub async fn stale_large(
+    addr: SocketAddr,
+    params: &Params<'_>,
+    body: Bytes,
+    expect: bool,
+    limits: &Limits,
+    server_pid: Option<u32>,
+) -> anyhow::Result<LargeReport> {
+    let key = format!("big-{}", params.run_id);
+    let prime = params.plan(Method::PUT, &key, Some(2), None, Bytes::from_static(b"p"))?;
+    let source = Arc::new(scenario::Signed { per_connection: vec![vec![prime]], cycle: false });
+    let one = Limits { connections: 1, ..prime_limits(limits) };
+    load::run(addr, source, &one).await;
+    let plan = params.plan(Method::PUT, &key, Some(1), None, body.clone())?;
+    large::stale_uploads(addr, &plan, body, expect, limits.requests_max, limits.duration, server_pid).await
+}
+
+pub fn large_outcome(r: &LargeReport) -> String {
+    let statuses: Vec<String> = r.statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect();
+    let mut text = statuses.join(" ");
+    if r.no_response > 0 {
+        text.push_str(&format!(" no-answer×{}", r.no_response));
+    }
+    text.push_str(&format!(
+        "; client wrote ≤ {:.0} KiB of body per request (mean {:.0} KiB)",
+        r.body_bytes_sent_max as f64 / 1024.0,
+        r.body_bytes_sent_total as f64 / 1024.0 / r.requests.max(1) as f64
+    ));
+    if let Some(read) = r.server_read_per_request {
+        text.push_str(&format!("; server read {:.1} KiB per request, head included (strace)", read / 1024.0));
+    }
+    text
+}
+
+async fn stale_large_run(ctx: &mut Ctx, path: &Endpoint, expect: bool) -> anyhow::Result<()> {
+    let limits = Limits {
+        connections: 1,
+        duration: Duration::from_secs(ctx.args.large_duration_s),
+        requests_max: ctx.args.large_requests,
+        request_timeout: Duration::from_secs(30),
+    };
+    let body = Bytes::from(vec![b'x'; ctx.args.large_bytes]);
+    let label = format!(
+        "stale {} upload, {}",
+        size_text(ctx.args.large_bytes as u64),
+        if expect { "Expect: 100-continue" } else { "no Expect" }
+    );
+    eprintln!("{label} via {}: running", path.name);
+    let report = {
+        let params = ctx.params(path.addr);
+        stale_large(path.addr, &params, body, expect, &limits, path.pid).await?
+    };
+    let outcome = large_outcome(&report);
+    eprintln!("  p99 {:.2} ms {outcome}", report.latency_us.value_at_quantile(0.99) as f64 / 1000.0);
+    let ms = |q: f64| Some(report.latency_us.value_at_quantile(q) as f64 / 1000.0);
+    ctx.suite.rows.push(Row {
+        scenario: label,
+        path: path.name.into(),
+        per_second: Some(report.requests as f64 / report.elapsed.as_secs_f64().max(1e-9)),
+        p50_ms: ms(0.5),
+        p99_ms: ms(0.99),
+        p999_ms: ms(0.999),
+        cpu_us_per_request: None,
+        outcome,
+        charted: false,
+    });
+    ctx.large.push((path.name, expect, report));
+    tokio::time::sleep(SETTLE).await;
+    Ok(())
+}
+
+/// PUT then GET of one `--stream-bytes` object, through fencegate (its RSS sampled) and
+/// directly (for the transfer rate without a proxy).
+async fn stream_runs(ctx: &mut Ctx, fencegate: &Endpoint, upstream: SocketAddr) -> anyhow::Result<()> {
+    let size = ctx.args.stream_bytes;
+    let chunk = Bytes::from(vec![b's'; MIB as usize]);
+    for (name, addr, pid) in [("fencegate", fencegate.addr, fencegate.pid), ("upstream", upstream, None)] {
+        for method in [Method::PUT, Method::GET] {
+            let plan = {
+                let params = ctx.params(addr);
+                let key = format!("stream-{}", params.run_id.split('x').next().unwrap_or("0"));
+                params.head(method.clone(), &key, Some(1), None, size)?
+            };
+            eprintln!("stream {method} {} via {name}: running", size_text(size));
+            let r = large::stream_object(addr, &plan, chunk.clone(), size, pid).await?;
+            eprintln!("  {} {:.0} MiB/s", r.status, r.mib_per_s());
+            ctx.suite.rows.push(stream_row(name, &method, size, &r));
+            if name == "fencegate" {
+                ctx.streams.push((method.clone(), r));
+            }
+            tokio::time::sleep(SETTLE).await;
+        }
+    }
+    Ok(())
+}
+
+fn stream_row(path: &str, method: &Method, size: u64, r: &StreamReport) -> Row {
+    let mut outcome = format!(
+        "{}; {:.0} MiB in {:.2} s = {:.0} MiB/s",
+        r.status,
+        r.bytes as f64 / MIB as f64,
+        r.elapsed.as_secs_f64(),
+        r.mib_per_s()
+    );
+    if r.idle_kb > 0 {
+        outcome.push_str(&format!(
+            "; RSS idle {:.1} MiB, peak {:.1} MiB above idle (sampled every 5 ms: +{:.1}; VmHWM{}: +{:.1})",
+            r.idle_kb as f64 / 1024.0,
+            r.peak_above_idle_mib(),
+            r.sampled_peak_kb.saturating_sub(r.idle_kb) as f64 / 1024.0,
+            if r.hwm_was_reset { " after reset" } else { " (not reset)" },
+            r.hwm_kb.saturating_sub(r.idle_kb) as f64 / 1024.0,
+        ));
+    }
+    Row {
+        scenario: format!("stream {} {}", size_text(size), method),
+        path: path.into(),
+        per_second: None,
+        p50_ms: None,
+        p99_ms: None,
+        p999_ms: None,
+        cpu_us_per_request: None,
+        outcome,
+        charted: false,
+    }
+}
+
+/// The same keep-alive runs on a fencegate whose fence store is Redis (fsync-always AOF).
+async fn redis_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow::Result<()> {
+    let Some(binary) = procs::find_redis() else {
+        ctx.redis_missing = Some("redis-server is not installed".into());
+        return Ok(());
+    };
+    let (redis, redis_addr) = procs::spawn_redis(&binary, &dir.join("redis"))?;
+    let env = procs::redis_store_env(redis_addr);
+    let started =
+        procs::spawn_fencegate(&ctx.args.fencegate_bin, &dir.join("fg-redis"), upstream, &ctx.fencegate_env(&env));
+    let (mut fencegate, fg) = match started {
+        Ok(started) => started,
+        Err(e) => {
+            ctx.redis_missing = Some(format!("fencegate did not start on the Redis store: {e:#}"));
+            return Ok(());
+        }
+    };
+    let path = Endpoint { name: "fencegate (redis store)", addr: fg.s3, pid: Some(fencegate.pid()) };
+    for scenario in [Scenario::Accepted, Scenario::Advancing, Scenario::Stale] {
+        keep_alive_run(ctx, scenario, &path).await?;
+        if let Some(status) = fencegate.exited() {
+            anyhow::bail!("fencegate (redis store) exited ({status}) during {}", scenario.name());
+        }
+    }
+    drop(fencegate);
+    drop(redis);
+    Ok(())
+}
+
+/// Stale writes over uniformly picked resources, on a fresh fencegate whose store holds the
+/// small count, then (registration continued) the large count.
+async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow::Result<()> {
+    let (proc, fg) =
+        procs::spawn_fencegate(&ctx.args.fencegate_bin, &dir.join("fg-lookup"), upstream, &ctx.fencegate_env(&[]))?;
+    let run_id = format!("{}l", ctx.base_run_id);
+    let mut registered = 0;
+    for target in [ctx.args.lookup_resources_small, ctx.args.lookup_resources_large] {
+        let (count, took) = register(ctx, fg, &run_id, registered, target).await;
+        let rate = (count - registered) as f64 / took.as_secs_f64().max(1e-9);
+        registered = count;
+        eprintln!("registered {count} fences (last batch {took:?})");
+        let label = format!("fence lookup (stale 1 KiB), {} fences", thousands(count));
+        let limits = Limits { requests_max: ctx.args.lookup_requests, ..ctx.limits.clone() };
+        let workload = {
+            let lookup_requests = ctx.args.lookup_requests;
+            let mut params = ctx.params(fg.s3);
+            params.run_id = run_id.clone();
+            params.requests_max = lookup_requests;
+            scenario::lookups(&params, count, 0x5eed)?
+        };
+        let cpu_before = procs::cpu_seconds(proc.pid());
+        let report = load::run(fg.s3, workload.timed.clone(), &limits).await;
+        let cpu = cpu_per_request(cpu_before, Some(proc.pid()), report.completed);
+        eprintln!("  {:.0} req/s p99 {:.2} ms", report.per_second(), report.ms(0.99));
+        let rss = procs::rss(proc.pid()).ok();
+        ctx.suite.rows.push(Row {
+            scenario: label,
+            path: "fencegate".into(),
+            per_second: Some(report.per_second()),
+            p50_ms: Some(report.ms(0.5)),
+            p99_ms: Some(report.ms(0.99)),
+            p999_ms: Some(report.ms(0.999)),
+            cpu_us_per_request: cpu,
+            outcome: format!(
+                "{}; registered through the admin API at {:.0}/s; RSS {:.0} MiB",
+                report.statuses_text(),
+                rate,
+                rss.map_or(0.0, |r| r.now_kb as f64 / 1024.0)
+            ),
+            charted: true,
+        });
+        ctx.lookups.push((count, report.ms(0.99)));
+        if count < target {
+            ctx.suite.notes.push(format!(
+                "Fence registration stopped at {count} of {target} after --register-duration-max-s {} s.",
+                ctx.args.register_duration_max_s
+            ));
+            break;
+        }
+        tokio::time::sleep(SETTLE).await;
+    }
+    drop(proc);
+    Ok(())
+}
+
+/// Registers fences `from..to` through the admin API within the registration bound; returns
+/// how many are registered in total and how long this batch took.
+async fn register(ctx: &Ctx, fg: FencegateAddrs, run_id: &str, from: u64, to: u64) -> (u64, Duration) {
+    let connections = ctx.args.connections.min(48);
+    let source = Arc::new(Registrations {
+        run_id: run_id.to_owned(),
+        admin_authority: fg.admin.to_string(),
+        from,
+        to,
+        connections,
+    });
+    let limits = Limits {
+        connections,
+        duration: Duration::from_secs(ctx.args.register_duration_max_s),
+        requests_max: to - from,
+        request_timeout: Duration::from_secs(30),
+    };
+    let started = Instant::now();
+    let report = load::run(fg.admin, source, &limits).await;
+    let ok = report.statuses.get(&200).copied().unwrap_or(0);
+    if ok != report.completed || report.errors > 0 {
+        eprintln!("registration: {}", report.statuses_text());
+    }
+    (from + ok, started.elapsed())
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn find_row<'a>(ctx: &'a Ctx, scenario_prefix: &str, path: &str) -> Option<&'a Row> {
+    ctx.suite.rows.iter().find(|r| r.scenario.starts_with(scenario_prefix) && r.path == path)
+}
+
+fn check_targets(ctx: &mut Ctx) {
+    let mut targets = Vec::new();
+    let rps = |prefix: &str, path: &str| find_row(ctx, prefix, path).and_then(|r| r.per_second);
+
+    let accepted = rps("accepted", "fencegate");
+    targets.push(match (accepted, rps("accepted", "nginx")) {
+        (Some(f), Some(n)) => Target {
+            goal: "accepted 1 KiB writes: fencegate ≥ 1.0 × nginx".into(),
+            measured: format!("{f:.0} / {n:.0} req/s = {:.2}×", f / n),
+            met: Some(f >= n),
+        },
+        _ => Target {
+            goal: "accepted 1 KiB writes: fencegate ≥ 1.0 × nginx".into(),
+            measured: "nginx not measured".into(),
+            met: None,
+        },
+    });
+    if let (Some(s), Some(a)) = (rps("stale", "fencegate"), accepted) {
+        targets.push(Target {
+            goal: "stale rejections/s ≥ 3 × accepted writes/s".into(),
+            measured: format!("{s:.0} / {a:.0} req/s = {:.2}×", s / a),
+            met: Some(s >= 3.0 * a),
+        });
+    }
+    if let Some((_, _, r)) = ctx.large.iter().find(|(path, expect, _)| *path == "fencegate" && *expect) {
+        let p99 = r.latency_us.value_at_quantile(0.99) as f64 / 1000.0;
+        let read = r.server_read_per_request.unwrap_or(r.body_bytes_sent_max as f64);
+        targets.push(Target {
+            goal: "stale 64 MiB with 100-continue: < 64 KiB of body read, p99 < 5 ms".into(),
+            measured: format!(
+                "{:.1} KiB read per request (head included), client sent ≤ {:.0} KiB of body; p99 {p99:.2} ms",
+                read / 1024.0,
+                r.body_bytes_sent_max as f64 / 1024.0
+            ),
+            met: Some(read < 65536.0 && p99 < 5.0 && r.no_response == 0),
+        });
+    }
+    if !ctx.streams.is_empty() {
+        let worst = ctx.streams.iter().map(|(_, r)| r.peak_above_idle_mib()).fold(0.0, f64::max);
+        let each: Vec<String> =
+            ctx.streams.iter().map(|(m, r)| format!("{m} +{:.1} MiB", r.peak_above_idle_mib())).collect();
+        let ok = ctx.streams.iter().all(|(_, r)| (200..300).contains(&r.status));
+        targets.push(Target {
+            goal: "peak RSS streaming 1 GiB: < 64 MiB above idle".into(),
+            measured: each.join(", "),
+            met: Some(worst < 64.0 && ok),
+        });
+    }
+    let redis_goal = "Redis store ≥ 0.7 × embedded store throughput (accepted 1 KiB)".to_string();
+    targets.push(match (rps("accepted", "fencegate (redis store)"), accepted) {
+        (Some(r), Some(e)) => Target {
+            goal: redis_goal,
+            measured: format!("{r:.0} / {e:.0} req/s = {:.2}×", r / e),
+            met: Some(r >= 0.7 * e),
+        },
+        _ => Target {
+            goal: redis_goal,
+            measured: ctx.redis_missing.clone().unwrap_or_else(|| "not run (--no-redis)".into()),
+            met: None,
+        },
+    });
+    if let [(small_n, small), (large_n, large), ..] = ctx.lookups[..] {
+        targets.push(Target {
+            goal: "fence lookup p99 with 1M resources ≤ 2 × with 1k".into(),
+            measured: format!(
+                "{} fences: {large:.2} ms / {} fences: {small:.2} ms = {:.2}×",
+                thousands(large_n),
+                thousands(small_n),
+                large / small
+            ),
+            met: Some(large <= 2.0 * small && large_n >= 1_000_000),
+        });
+    }
+    ctx.suite.targets = targets;
+}
+
+fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&ctx.args.out)?;
+    let md = ctx.suite.markdown();
+    std::fs::write(ctx.args.out.join("results.md"), &md)?;
+    std::fs::write(ctx.args.out.join("chart.svg"), ctx.suite.svg())?;
+    println!("{md}");
+    eprintln!("wrote {} and {}", ctx.args.out.join("results.md").display(), ctx.args.out.join("chart.svg").display());
+    Ok(())
+}
