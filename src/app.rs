@@ -45,7 +45,7 @@ impl App {
         let store: Arc<dyn FenceStore> = match config.store.kind {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
-                Arc::new(EmbeddedStore::open(path)?)
+                Arc::new(EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?)
             }
             StoreKind::Redis => {
                 let urls = match &config.store.url {

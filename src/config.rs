@@ -109,6 +109,9 @@ pub struct StoreConfig {
     /// This replica's name in the shared in-flight registry; default: host name and process id.
     #[serde(default)]
     pub replica_id: Option<String>,
+    /// The embedded store's page cache (redb); the rest of the file is read from disk.
+    #[serde(default = "defaults::store_cache_bytes_max")]
+    pub cache_bytes_max: usize,
     /// A store call that takes longer has an unknown outcome: the write gets 503.
     #[serde(default = "defaults::store_timeout_ms")]
     pub timeout_ms: u64,
@@ -317,6 +320,9 @@ mod defaults {
     }
     pub fn connections_max() -> usize {
         4096
+    }
+    pub fn store_cache_bytes_max() -> usize {
+        crate::store::DEFAULT_CACHE_BYTES
     }
     pub fn store_timeout_ms() -> u64 {
         2_000

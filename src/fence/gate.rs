@@ -408,9 +408,11 @@ impl Gate {
             return slot.clone();
         }
         if slots.len() >= self.limits.cached_resources_max {
-            // Forget idle resources: nobody but the map holds them, so no write is in flight
-            // and no task waits on them. Their fence is reloaded from the store on next use.
-            slots.retain(|_, slot| Arc::strong_count(slot) > 1);
+            // Forget a sixteenth of the cache, idle resources only: nobody but the map holds
+            // them, so no write is in flight and no task waits on them. Their fence is reloaded
+            // from the store on next use. A bounded batch keeps the time under the lock short.
+            let batch = (self.limits.cached_resources_max / 16).max(1);
+            slots.extract_if(|_, slot| Arc::strong_count(slot) == 1).take(batch).for_each(drop);
         }
         let slot = Arc::new(Slot {
             state: Mutex::new(SlotState::default()),

@@ -26,6 +26,9 @@ const IDEMPOTENCY: TableDefinition<&str, (u64, &str, &[u8])> = TableDefinition::
 /// (expiry ms, record name): the sweep's index, oldest first.
 const IDEMPOTENCY_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idempotency_expiry");
 
+/// redb's page cache when none is configured (`store.cache_bytes_max`).
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
 /// The database file inside `store.path`.
 pub const FILE_NAME: &str = "fences.redb";
 
@@ -115,9 +118,17 @@ impl EmbeddedStore {
     /// Opens (or creates) the store in directory `dir`, recovering it if the last process
     /// died mid-commit.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
+        Self::open_with_cache(dir, DEFAULT_CACHE_BYTES)
+    }
+
+    /// Like [`Self::open`], with redb's page cache bounded to `cache_bytes`.
+    pub fn open_with_cache(dir: &Path, cache_bytes: usize) -> Result<Self, OpenError> {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir { path: dir.into(), source })?;
         let path = dir.join(FILE_NAME);
-        let db = Database::create(&path).map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        let db = Database::builder()
+            .set_cache_size(cache_bytes)
+            .create(&path)
+            .map_err(|source| OpenError::Open { path: path.clone(), source })?;
         let init = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;

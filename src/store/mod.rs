@@ -4,6 +4,6 @@ mod embedded;
 mod memory;
 mod redis;
 
-pub use embedded::{EmbeddedStore, OpenError};
+pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, OpenError};
 pub use memory::MemoryStore;
 pub use redis::{ANNOUNCE_CHANNEL, RedisStore};
