@@ -403,11 +403,13 @@ impl Config {
         if !file.is_file() {
             return Err(ConfigError::NotFound { file: file.into() });
         }
-        let figment = Figment::new().merge(Toml::file(file)).merge(Env::prefixed(ENV_PREFIX).split("__"));
+        let figment = Figment::new().merge(Toml::file(file)).merge(overrides());
         Self::from_figment(figment, file)
     }
 
     /// Parses a TOML text (no environment); for tests and embedding.
+    ///
+    /// (See [`overrides`] for how the environment is read by [`Config::load`].)
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         Self::from_figment(Figment::new().merge(Toml::string(text)), Path::new("<inline>"))
     }
@@ -533,6 +535,13 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `FENCEGATE_<SECTION>__<KEY>` variables. Every top-level key is a section, so a variable
+/// without `__` (`FENCEGATE_BIN` in a test harness, say) cannot be an override and is ignored
+/// rather than refused as an unknown key.
+fn overrides() -> Env {
+    Env::prefixed(ENV_PREFIX).filter(|key| key.as_str().contains("__")).split("__")
 }
 
 /// Milliseconds from config to a `Duration`.
