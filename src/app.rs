@@ -157,9 +157,25 @@ impl App {
             async move {
                 // `[[routes]]` prefixes first (none can be under /_fencegate/), then S3.
                 if gateway.takes(req.uri().path()) {
-                    return Ok(gateway.handle(req).await);
+                    return Ok::<_, s3s::HttpError>(gateway.handle(req).await);
                 }
-                svc.call(req.map(s3s::Body::from)).await
+                let expect_continue = req
+                    .headers()
+                    .get(http::header::EXPECT)
+                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+                let content_length = req
+                    .headers()
+                    .get(http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                let (parts, body) = req.into_parts();
+                let (body, polled) = server::RequestBody::new(body, expect_continue);
+                let req = http::Request::from_parts(parts, s3s::Body::http_body_unsync(body));
+                let mut resp = svc.call(req).await?;
+                let polled = polled.load(std::sync::atomic::Ordering::Relaxed);
+                if server::answered_early(expect_continue, polled, content_length) {
+                    resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+                }
+                Ok(resp)
             }
         });
         let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));

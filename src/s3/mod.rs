@@ -44,7 +44,6 @@ const HOP_HEADERS: &[&str] = &[
     "x-amz-security-token",
     "x-amz-decoded-content-length",
     "x-amz-trailer",
-    "x-amz-sdk-checksum-algorithm",
     "expect",
     "connection",
     "keep-alive",
@@ -97,9 +96,36 @@ pub fn service(
     builder.set_route(FencegateRoute { front: Arc::new(front), leases });
     builder.set_validation(BucketNames);
     if let Some(domain) = &config.server.domain {
-        builder.set_host(s3s::host::SingleDomain::new(domain).map_err(|e| anyhow::anyhow!("server.domain: {e:?}"))?);
+        builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
     Ok(builder.build())
+}
+
+/// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
+/// any other host (the domain itself, an IP, `localhost`) is path-style. The port is not part
+/// of the name (s3s's own parser keeps it, and then sees `bucket.domain:9000` as a bucket).
+struct VirtualHosts {
+    domain: String,
+}
+
+impl s3s::host::S3Host for VirtualHosts {
+    fn parse_host_header<'a>(&'a self, host: &'a str) -> S3Result<s3s::host::VirtualHost<'a>> {
+        let name = match host.rsplit_once(':') {
+            Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => host,
+        };
+        let bucket = name
+            .len()
+            .checked_sub(self.domain.len() + 1)
+            .filter(|&end| name[end..].eq_ignore_ascii_case(&format!(".{}", self.domain)))
+            .map(|end| &name[..end])
+            .filter(|bucket| !bucket.is_empty());
+        let host = s3s::host::VirtualHost::new(self.domain.as_str());
+        Ok(match bucket {
+            Some(bucket) => host.with_bucket(bucket.to_ascii_lowercase()),
+            None => host,
+        })
+    }
 }
 
 /// The `[[credentials]]` that may sign requests to fencegate.
@@ -761,6 +787,11 @@ fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
     }
     if let Some(decoded) = headers.get("x-amz-decoded-content-length") {
         out.insert(http::header::CONTENT_LENGTH, decoded.clone());
+    }
+    // The algorithm header goes with a checksum header; a trailing checksum is verified here
+    // and not forwarded (the body goes upstream unframed), so its algorithm header goes too.
+    if headers.contains_key("x-amz-trailer") {
+        out.remove("x-amz-sdk-checksum-algorithm");
     }
     out
 }

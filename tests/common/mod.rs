@@ -248,3 +248,161 @@ impl Drop for RedisServer {
 pub fn redis_store_toml(url: &str, replica: &str) -> String {
     format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\n")
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 3 (tests/s3_surface.rs): extra `[server]` keys (HTTPS, domain), a throwaway test CA,
+// and aws-sdk-s3 clients that trust it or resolve test names to loopback.
+// ---------------------------------------------------------------------------------------------
+
+impl Fencegate {
+    /// Starts fencegate from a complete TOML document (the caller writes every section).
+    pub async fn start_from_toml(dir: &Path, toml: &str) -> Self {
+        let config = Config::from_toml(toml).expect("test config is valid");
+        let app = App::build(config).await.expect("fencegate builds");
+        let (s3, admin) = app.bind().await.expect("binds loopback");
+        let (s3_addr, admin_addr) = (s3.local_addr().unwrap(), admin.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            app.serve(s3, admin, async move {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("fencegate serves");
+        });
+        Self { s3: s3_addr, admin: admin_addr, dir: dir.into(), stop: Some(stop), task: Some(task) }
+    }
+
+    /// Like `start_with` (embedded store in `dir`), plus `server_extra` lines in `[server]`
+    /// (e.g. `tls_cert_path = "..."`, `domain = "..."`).
+    pub async fn start_with_server(dir: &Path, server_extra: &str, upstream_toml: &str, extra: &str) -> Self {
+        let toml = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server_extra}\n\
+             [store]\nkind = \"embedded\"\npath = \"{}\"\n{upstream_toml}\n\
+             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}",
+            dir.join("fences").display()
+        );
+        Self::start_from_toml(dir, &toml).await
+    }
+
+    /// `https://127.0.0.1:<port>` (for an instance started with TLS).
+    pub fn https_endpoint(&self) -> String {
+        format!("https://{}", self.s3)
+    }
+}
+
+/// The test domain of virtual-hosted addressing; the test certificate covers `*.` of it.
+pub const TEST_DOMAIN: &str = "s3.fencegate.test";
+
+/// A throwaway CA and a server certificate it signed, made with the `openssl` CLI in a
+/// temporary directory (never committed). Clients trust `ca_pem`.
+pub struct TestTls {
+    pub ca_pem: Vec<u8>,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+pub fn make_test_tls(dir: &Path) -> TestTls {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = |name: &str| dir.join(name).display().to_string();
+    std::fs::write(
+        dir.join("server.ext"),
+        format!(
+            "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n\
+             subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:{TEST_DOMAIN},DNS:*.{TEST_DOMAIN}\n"
+        ),
+    )
+    .unwrap();
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let serial = format!("{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    let steps: Vec<Vec<String>> = vec![
+        [&["req", "-x509"][..], &ec[..], &["-keyout", &p("ca.key"), "-out", &p("ca.pem"), "-days", "2"][..]]
+            .concat()
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["-subj".into(), "/CN=fencegate throwaway test CA".into()])
+            .collect(),
+        [&["req", "-new"][..], &ec[..], &["-keyout", &p("server.key"), "-out", &p("server.csr")][..]]
+            .concat()
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["-subj".into(), "/CN=127.0.0.1".into()])
+            .collect(),
+        [
+            "x509",
+            "-req",
+            "-in",
+            &p("server.csr"),
+            "-CA",
+            &p("ca.pem"),
+            "-CAkey",
+            &p("ca.key"),
+            "-set_serial",
+            &serial,
+            "-days",
+            "2",
+            "-out",
+            &p("server.pem"),
+            "-extfile",
+            &p("server.ext"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    ];
+    for args in steps {
+        let out =
+            std::process::Command::new("openssl").args(&args).output().expect("openssl is needed for the TLS tests");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    TestTls {
+        ca_pem: std::fs::read(dir.join("ca.pem")).unwrap(),
+        cert: dir.join("server.pem"),
+        key: dir.join("server.key"),
+    }
+}
+
+/// `[server]` lines turning the S3 listener into HTTPS with `tls`.
+pub fn tls_server_toml(tls: &TestTls) -> String {
+    format!("tls_cert_path = \"{}\"\ntls_key_path = \"{}\"\n", tls.cert.display(), tls.key.display())
+}
+
+/// Resolves every name to 127.0.0.1 (virtual-hosted names under the test domain).
+#[derive(Debug, Clone)]
+pub struct LoopbackResolver;
+
+impl aws_smithy_runtime_api::client::dns::ResolveDns for LoopbackResolver {
+    fn resolve_dns<'a>(&'a self, _name: &'a str) -> aws_smithy_runtime_api::client::dns::DnsFuture<'a> {
+        aws_smithy_runtime_api::client::dns::DnsFuture::ready(Ok(vec![std::net::IpAddr::from([127, 0, 0, 1])]))
+    }
+}
+
+/// An HTTP client (rustls, HTTP/2 and HTTP/1.1 by ALPN) trusting only `ca_pem`; with
+/// `loopback`, every name resolves to 127.0.0.1. It speaks plain HTTP to http:// endpoints.
+pub fn tls_http_client(ca_pem: &[u8], loopback: bool) -> aws_sdk_s3::config::SharedHttpClient {
+    use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
+    let builder =
+        aws_smithy_http_client::Builder::new().tls_provider(tls::Provider::Rustls(CryptoMode::Ring)).tls_context(
+            TlsContext::builder()
+                .with_trust_store(TrustStore::empty().with_pem_certificate(ca_pem.to_vec()))
+                .build()
+                .expect("TLS context"),
+        );
+    if loopback { builder.build_with_resolver(LoopbackResolver) } else { builder.build_https() }
+}
+
+/// An aws-sdk-s3 client for `endpoint` with `http`, path-style or virtual-hosted.
+pub fn s3_client_on(
+    endpoint: &str,
+    http: aws_sdk_s3::config::SharedHttpClient,
+    path_style: bool,
+    access_key: &str,
+    secret_key: &str,
+) -> aws_sdk_s3::config::Builder {
+    aws_sdk_s3::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(endpoint)
+        .force_path_style(path_style)
+        .credentials_provider(Credentials::new(access_key, secret_key, None, None, "test"))
+        .http_client(http)
+}

@@ -150,3 +150,12 @@ def bucket(fg):
     name = "bkt1"
     fg.client().create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory):
+    """A throwaway test CA and server certificate (127.0.0.1, localhost, s3.fencegate.test and
+    *.s3.fencegate.test), made with openssl for this run only."""
+    from fencegate_testlib import make_test_tls
+
+    return make_test_tls(tmp_path_factory.mktemp("tls"))

@@ -577,3 +577,449 @@ def assert_still_serving(fg: FenceGate, bucket: str):
     c = fg.client(token=1, resource=unique("alive-res"))
     c.put_object(Bucket=bucket, Key=key, Body=b"still here")
     assert read_object(c, bucket, key) == b"still here"
+
+
+# --------------------------------------------------------------------------------------------
+# HTTPS, checksums and aws-chunked bodies (test_s3_surface.py, test_transparency.py)
+# --------------------------------------------------------------------------------------------
+
+import base64 as _base64
+import hashlib as _hashlib
+import hmac as _hmac
+import ssl as _ssl
+import zlib as _zlib
+
+# Names the test certificate covers: loopback, and the virtual-hosted test domain.
+TEST_DOMAIN = "s3.fencegate.test"
+
+
+@dataclass
+class TlsFiles:
+    """A throwaway CA and a server certificate it signed (never committed: made per run)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_test_tls(directory: Path) -> TlsFiles:
+    """Creates a test CA and a server certificate for 127.0.0.1, localhost, the test domain and
+    `*.<test domain>`, with the `openssl` CLI. The CA is what clients trust: rustls (webpki)
+    does not accept a self-signed leaf that is its own CA."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca = directory / "ca.key", directory / "ca.pem"
+    key, csr, cert = directory / "server.key", directory / "server.csr", directory / "server.pem"
+    ext = directory / "server.ext"
+    ext.write_text(
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=serverAuth\n"
+        f"subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:{TEST_DOMAIN},DNS:*.{TEST_DOMAIN}\n"
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        ["openssl", "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2",
+         "-subj", "/CN=fencegate throwaway test CA"],
+        ["openssl", "req", "-new", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key,
+         "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", "2",
+         "-out", cert, "-extfile", ext],
+    ]
+    for cmd in steps:
+        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise AssertionError(f"{' '.join(map(str, cmd))} failed: {r.stderr}")
+    return TlsFiles(ca=ca, cert=cert, key=key)
+
+
+def tls_config(tls: TlsFiles) -> dict:
+    """The `[server]` keys that turn fencegate's S3 listener into HTTPS."""
+    return {"server": {"tls_cert_path": str(tls.cert), "tls_key_path": str(tls.key)}}
+
+
+def start_fencegate(workdir: Path, config: dict | None = None, upstream: dict | None = None,
+                    https: TlsFiles | None = None) -> FenceGate:
+    """Starts a FenceGate outside the function-scoped `fencegate` fixture (module fixtures).
+    With `https`, the S3 listener speaks TLS and `s3_url` is an https:// URL."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = base_config(workdir)
+    if upstream is not None:
+        cfg["upstream"] = upstream
+    if https is not None:
+        cfg = merge(cfg, tls_config(https))
+    if config:
+        cfg = merge(cfg, config)
+    fg = FenceGate(workdir=workdir, config=cfg)
+    fg.start()
+    if https is not None:
+        fg.s3_url = fg.s3_url.replace("http://", "https://", 1)
+    return fg
+
+
+def s3_client_ex(
+    endpoint: str,
+    token=None,
+    verify=None,
+    access_key: str = ACCESS_KEY,
+    secret_key: str = SECRET_KEY,
+    addressing_style: str = "path",
+    signature_version: str = "s3v4",
+    **config_kw,
+):
+    """Like `s3_client`, plus a CA bundle (`verify`), the addressing style, the signature
+    version and any other botocore Config keyword (e.g. request_checksum_calculation)."""
+    cfg = Config(
+        signature_version=signature_version,
+        s3={"addressing_style": addressing_style},
+        retries={"total_max_attempts": 1},
+        connect_timeout=10,
+        read_timeout=60,
+        **config_kw,
+    )
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        config=cfg,
+        verify=str(verify) if verify is not None else None,
+    )
+    if token is not None:
+        attach_fencing_token(client, token)
+    return client
+
+
+def _crc_table(poly: int, width: int) -> list:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ poly if crc & 1 else crc >> 1
+        table.append(crc & ((1 << width) - 1))
+    return table
+
+
+_CRC32C_TABLE = _crc_table(0x82F63B78, 32)
+_CRC64NVME_TABLE = _crc_table(0x9A6C9329AC4BC9B5, 64)
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC32C_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def crc64nvme(data: bytes) -> int:
+    crc = 0xFFFFFFFFFFFFFFFF
+    for b in data:
+        crc = _CRC64NVME_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFFFFFFFFFF
+
+
+assert crc32c(b"123456789") == 0xE3069283
+assert crc64nvme(b"123456789") == 0xAE8B14860A799888
+
+# Checksum algorithms of S3: name -> (trailer header, digest function returning bytes).
+CHECKSUMS = {
+    "CRC32": ("x-amz-checksum-crc32", lambda d: _zlib.crc32(d).to_bytes(4, "big")),
+    "CRC32C": ("x-amz-checksum-crc32c", lambda d: crc32c(d).to_bytes(4, "big")),
+    "CRC64NVME": ("x-amz-checksum-crc64nvme", lambda d: crc64nvme(d).to_bytes(8, "big")),
+    "SHA1": ("x-amz-checksum-sha1", lambda d: _hashlib.sha1(d).digest()),
+    "SHA256": ("x-amz-checksum-sha256", lambda d: _hashlib.sha256(d).digest()),
+}
+
+
+def checksum_b64(algorithm: str, data: bytes) -> str:
+    return _base64.b64encode(CHECKSUMS[algorithm][1](data)).decode()
+
+
+def wrong_checksum_b64(algorithm: str, data: bytes) -> str:
+    """A well-formed checksum of the right length that does not match `data`."""
+    digest = bytearray(CHECKSUMS[algorithm][1](data))
+    digest[-1] ^= 0x01
+    return _base64.b64encode(bytes(digest)).decode()
+
+
+def aws_chunked_unsigned(data: bytes, trailer: str, value_b64: str, chunk: int = 64 * 1024) -> bytes:
+    """`STREAMING-UNSIGNED-PAYLOAD-TRAILER` framing (what SDKs send over HTTPS by default)."""
+    out = bytearray()
+    for i in range(0, len(data), chunk):
+        part = data[i : i + chunk]
+        out += f"{len(part):x}\r\n".encode() + part + b"\r\n"
+    out += b"0\r\n" + f"{trailer}:{value_b64}\r\n\r\n".encode()
+    return bytes(out)
+
+
+def aws_chunked_headers(data: bytes, trailer: str, algorithm: str | None = None) -> dict:
+    h = {
+        "x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER",
+        "Content-Encoding": "aws-chunked",
+        "x-amz-decoded-content-length": str(len(data)),
+        "x-amz-trailer": trailer,
+    }
+    if algorithm:
+        h["x-amz-sdk-checksum-algorithm"] = algorithm
+    return h
+
+
+def _sha256_hex(data: bytes) -> str:
+    return _hashlib.sha256(data).hexdigest()
+
+
+def _signing_key(secret_key: str, date: str, region: str = REGION, service: str = "s3") -> bytes:
+    k = _hmac.new(("AWS4" + secret_key).encode(), date.encode(), _hashlib.sha256).digest()
+    for part in (region, service, "aws4_request"):
+        k = _hmac.new(k, part.encode(), _hashlib.sha256).digest()
+    return k
+
+
+def signed_chunked_request(
+    host: str,
+    port: int,
+    path: str,
+    data: bytes,
+    extra_headers: dict | None = None,
+    trailer: tuple | None = None,
+    chunk: int = 64 * 1024,
+    tamper_chunk: int | None = None,
+    tamper_trailer_signature: bool = False,
+    access_key: str = ACCESS_KEY,
+    secret_key: str = SECRET_KEY,
+) -> tuple:
+    """A PUT with SigV4 chunk signatures (`STREAMING-AWS4-HMAC-SHA256-PAYLOAD`, or
+    `...-PAYLOAD-TRAILER` when `trailer=(name, base64 value)` is given).
+
+    `tamper_chunk=i` flips one byte of chunk `i` after it was signed (its signature no longer
+    matches); `tamper_trailer_signature` breaks the trailer's signature. Returns (headers, body).
+    """
+    sha_mode = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD-TRAILER" if trailer else "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"
+    chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)] + [b""]
+
+    def frame_len(n: int) -> int:
+        return len(f"{n:x};chunk-signature=".encode()) + 64 + 2 + n + (2 if n else 0)
+
+    length = sum(frame_len(len(c)) for c in chunks)
+    trailer_text = b""
+    if trailer:
+        trailer_text = f"{trailer[0]}:{trailer[1]}".encode()
+        length += len(trailer_text) + 2 + len(b"x-amz-trailer-signature:") + 64 + 2 + 2
+    else:
+        length += 2
+    headers = {
+        "x-amz-content-sha256": sha_mode,
+        "Content-Encoding": "aws-chunked",
+        "x-amz-decoded-content-length": str(len(data)),
+        "Content-Length": str(length),
+    }
+    if trailer:
+        headers["x-amz-trailer"] = trailer[0]
+    headers.update(extra_headers or {})
+    signed = sign_headers("PUT", host, port, path, headers, access_key=access_key, secret_key=secret_key)
+    hmap = {k.lower(): v for k, v in signed}
+    amz_date = hmap["x-amz-date"]
+    scope = f"{amz_date[:8]}/{REGION}/s3/aws4_request"
+    prev = hmap["authorization"].rsplit("Signature=", 1)[1]
+    key = _signing_key(secret_key, amz_date[:8])
+    empty = _sha256_hex(b"")
+    body = bytearray()
+    for i, c in enumerate(chunks):
+        sts = "\n".join(["AWS4-HMAC-SHA256-PAYLOAD", amz_date, scope, prev, empty, _sha256_hex(c)])
+        sig = _hmac.new(key, sts.encode(), _hashlib.sha256).hexdigest()
+        prev = sig
+        sent = c
+        if tamper_chunk == i and c:
+            sent = bytes([c[0] ^ 0x01]) + c[1:]
+        body += f"{len(c):x};chunk-signature={sig}\r\n".encode() + sent + (b"\r\n" if c else b"")
+    if trailer:
+        sts = "\n".join(["AWS4-HMAC-SHA256-TRAILER", amz_date, scope, prev, _sha256_hex(trailer_text + b"\n")])
+        sig = _hmac.new(key, sts.encode(), _hashlib.sha256).hexdigest()
+        if tamper_trailer_signature:
+            sig = ("0" if sig[0] != "0" else "1") + sig[1:]
+        body += trailer_text + b"\r\n" + f"x-amz-trailer-signature:{sig}\r\n\r\n".encode()
+    else:
+        body += b"\r\n"
+    assert len(body) == length, (len(body), length)
+    return signed, bytes(body)
+
+
+def connect_any(addr: tuple, ca: Path | None = None, server_hostname: str | None = None,
+                timeout: float = 10.0, alpn: list | None = None):
+    """A TCP connection, wrapped in TLS (trusting `ca`) when `ca` is given."""
+    sock = socket.create_connection(addr, timeout=timeout)
+    if ca is None:
+        return sock
+    ctx = _ssl.create_default_context(cafile=str(ca))
+    if alpn:
+        ctx.set_alpn_protocols(alpn)
+    return ctx.wrap_socket(sock, server_hostname=server_hostname or addr[0])
+
+
+def raw_request_any(addr: tuple, method: str, path: str, headers: list, body: bytes = b"",
+                    ca: Path | None = None, server_hostname: str | None = None,
+                    timeout: float = 30.0) -> RawResponse:
+    """`raw_request`, over TLS when `ca` is given."""
+    with connect_any(addr, ca, server_hostname) as sock:
+        try:
+            sock.sendall(build_head(method, path, headers) + body)
+        except OSError as exc:
+            resp = read_response(sock, timeout=5)
+            if resp.status is None:
+                resp.error = f"send failed: {exc!r}; then {resp.error}"
+            return resp
+        return read_response(sock, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# a minimal HTTP/2 client (frames, not a library): what exactly the server sends on a stream
+# --------------------------------------------------------------------------------------------
+
+H2_FRAME_NAMES = {0: "DATA", 1: "HEADERS", 3: "RST_STREAM", 4: "SETTINGS", 6: "PING", 7: "GOAWAY",
+                  8: "WINDOW_UPDATE"}
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = bytearray([first | limit])
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hpack_literal(name: str, value: str) -> bytes:
+    """Literal header field without indexing, new name, no Huffman coding (RFC 7541 6.2.2)."""
+    n, v = name.lower().encode(), value.encode()
+    return b"\x00" + _hpack_int(len(n), 7) + n + _hpack_int(len(v), 7) + v
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+@dataclass
+class H2Frame:
+    kind: str
+    flags: int
+    stream: int
+    payload: bytes
+
+    @property
+    def end_stream(self) -> bool:
+        return self.kind in ("DATA", "HEADERS") and bool(self.flags & 0x1)
+
+    @property
+    def error_code(self):
+        if self.kind == "RST_STREAM":
+            return int.from_bytes(self.payload[:4], "big")
+        if self.kind == "GOAWAY":
+            return int.from_bytes(self.payload[4:8], "big")
+        return None
+
+
+def h2_request(addr: tuple, method: str, path: str, headers: list, first_data: bytes = b"",
+               end_stream: bool = False, ca: Path | None = None, wait: float = 3.0) -> list:
+    """Sends one request on a fresh HTTP/2 connection (h2c prior knowledge, or TLS with ALPN h2
+    when `ca` is given): HEADERS, then `first_data` in DATA frames of at most 16 KiB (with
+    END_STREAM when `end_stream`). Returns every frame the server sent in `wait` seconds (or
+    until the connection closed), in order. `headers` is a signed list whose Host becomes
+    :authority."""
+    sock = connect_any(addr, ca, alpn=["h2"] if ca else None, timeout=wait)
+    if ca is not None:
+        assert sock.selected_alpn_protocol() == "h2", sock.selected_alpn_protocol()
+    authority = next((v for k, v in headers if k.lower() == "host"), f"{addr[0]}:{addr[1]}")
+    block = (_hpack_literal(":method", method) + _hpack_literal(":scheme", "https" if ca else "http")
+             + _hpack_literal(":path", path) + _hpack_literal(":authority", authority))
+    for k, v in headers:
+        if k.lower() not in ("host", "connection", "expect"):
+            block += _hpack_literal(k, v)
+    no_body = end_stream and not first_data
+    out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
+    out += _h2_frame(1, 0x4 | (0x1 if no_body else 0), 1, block)
+    chunks = [first_data[i : i + 16384] for i in range(0, len(first_data), 16384)]
+    for i, c in enumerate(chunks):
+        last = end_stream and i == len(chunks) - 1
+        out += _h2_frame(0, 0x1 if last else 0, 1, c)
+    frames: list = []
+    buf = b""
+    deadline = time.monotonic() + wait
+    try:
+        sock.sendall(out)
+        while time.monotonic() < deadline:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            try:
+                data = sock.recv(65536)
+            except (socket.timeout, _ssl.SSLError, OSError):
+                break
+            if not data:
+                frames.append(H2Frame("EOF", 0, 0, b""))
+                break
+            buf += data
+            while len(buf) >= 9:
+                length = int.from_bytes(buf[:3], "big")
+                if len(buf) < 9 + length:
+                    break
+                kind, flags = buf[3], buf[4]
+                stream = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                payload, buf = buf[9 : 9 + length], buf[9 + length :]
+                frames.append(H2Frame(H2_FRAME_NAMES.get(kind, str(kind)), flags, stream, payload))
+                if kind == 4 and not flags & 0x1:
+                    sock.sendall(_h2_frame(4, 0x1, 0, b""))  # SETTINGS ack
+                if kind == 6 and not flags & 0x1:
+                    sock.sendall(_h2_frame(6, 0x1, 0, payload))  # PING ack
+            if any(f.stream == 1 and f.kind == "RST_STREAM" for f in frames):
+                break
+            if any(f.stream == 1 and f.end_stream for f in frames):
+                deadline = min(deadline, time.monotonic() + 0.5)  # a reset may still follow
+    finally:
+        sock.close()
+    return frames
+
+
+_HUFFMAN_DIGITS = {"00000": "0", "00001": "1", "00010": "2", "011001": "3", "011010": "4", "011011": "5",
+                   "011100": "6", "011101": "7", "011110": "8", "011111": "9"}
+
+
+def _huffman_digits(data: bytes) -> str:
+    """Decodes an HPACK Huffman string made of digits only (enough for :status)."""
+    bits = "".join(f"{b:08b}" for b in data)
+    out, cur = "", ""
+    for bit in bits:
+        cur += bit
+        if cur in _HUFFMAN_DIGITS:
+            out += _HUFFMAN_DIGITS[cur]
+            cur = ""
+    assert set(cur) <= {"1"} and len(cur) < 8, f"not a digit string: {data!r}"
+    return out
+
+
+def h2_status(frames: list):
+    """The :status of stream 1's first HEADERS frame. Handles the encodings a server uses for
+    :status on a fresh connection: an indexed static entry, or a literal with the static name
+    index 8 (raw or Huffman-coded digits)."""
+    for f in frames:
+        if f.stream == 1 and f.kind == "HEADERS":
+            p = f.payload
+            if f.flags & 0x8:  # PADDED
+                p = p[1 : len(p) - p[0]]
+            if f.flags & 0x20:  # PRIORITY
+                p = p[5:]
+            static = {0x88: 200, 0x89: 204, 0x8A: 206, 0x8B: 304, 0x8C: 400, 0x8D: 404, 0x8E: 500}
+            if p[0] in static:
+                return static[p[0]]
+            if p[0] in (0x48, 0x08, 0x18, 0x49, 0x09, 0x19, 0x4A, 0x0A, 0x1A, 0x4B, 0x0B, 0x1B, 0x4C, 0x0C,
+                        0x1C, 0x4D, 0x0D, 0x1D, 0x4E, 0x0E, 0x1E):
+                huffman, length = p[1] & 0x80, p[1] & 0x7F
+                raw = p[2 : 2 + length]
+                return int(_huffman_digits(raw) if huffman else raw.decode())
+            raise AssertionError(f"cannot read :status from {p[:16]!r}")
+    return None
+
+
+def h2_body(frames: list) -> bytes:
+    return b"".join(f.payload for f in frames if f.stream == 1 and f.kind == "DATA")
