@@ -163,10 +163,8 @@ impl App {
                     .headers()
                     .get(http::header::EXPECT)
                     .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-                let content_length = req
-                    .headers()
-                    .get(http::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                let content_length =
+                    req.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
                 let (parts, body) = req.into_parts();
                 let (body, polled) = server::RequestBody::new(body, expect_continue);
                 let req = http::Request::from_parts(parts, s3s::Body::http_body_unsync(body));

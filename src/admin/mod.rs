@@ -112,7 +112,8 @@ impl Admin {
 }
 
 fn decode_resource(raw: &str) -> Result<ResourceKey, String> {
-    let decoded = crate::percent::decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
+    let decoded =
+        crate::percent::decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
     ResourceKey::new(&decoded).map_err(|e| e.to_string())
 }
 

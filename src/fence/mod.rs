@@ -11,7 +11,8 @@ mod token;
 pub use decision::{Decision, decide};
 pub use gate::{AdmitError, Gate, GateLimits, Permit};
 pub use idempotency::{
-    AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse, fingerprint,
+    AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
+    fingerprint,
 };
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
 pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError};
