@@ -18,6 +18,25 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
+/// Request headers about the hop to fencegate (RFC 9110 hop-by-hop fields, the host it was
+/// addressed as, and `Expect`, which fencegate itself answers): never forwarded upstream.
+pub const REQUEST_HOP_HEADERS: &[&str] = &[
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+];
+
+/// Response headers about the hop from the upstream: never passed on to the client.
+pub const RESPONSE_HOP_HEADERS: &[&str] =
+    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"];
+
 /// The limits of one listener.
 #[derive(Debug, Clone)]
 pub struct ConnectionLimits {

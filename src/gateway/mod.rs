@@ -56,23 +56,7 @@ const CLIENT_KEY_BYTES_MAX: usize = 255;
 /// record counts as abandoned.
 const CLAIM_SLACK: Duration = Duration::from_secs(1);
 
-/// Request headers about the hop to fencegate, never forwarded.
-const HOP_HEADERS: &[&str] = &[
-    "host",
-    "connection",
-    "keep-alive",
-    "proxy-authorization",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "expect",
-];
-
-/// Response headers about the hop from the upstream, never passed on or recorded.
-const RESPONSE_HOP_HEADERS: &[&str] =
-    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"];
+use crate::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADERS};
 
 pub struct Gateway {
     /// Longest prefix first, so the most specific route takes a path.

@@ -56,7 +56,7 @@ impl Route {
     pub fn rest<'p>(&self, path: &'p str) -> Result<&'p str, GatewayError> {
         let rest = path.strip_prefix(self.prefix.as_str()).ok_or(GatewayError::UnsafePath)?;
         for segment in rest.split('/') {
-            let decoded = percent_decode(segment).ok_or(GatewayError::UnsafePath)?;
+            let decoded = crate::percent::decode(segment).ok_or(GatewayError::UnsafePath)?;
             if decoded.split(['/', '\\']).any(|part| part == "." || part == "..") {
                 return Err(GatewayError::UnsafePath);
             }
@@ -133,33 +133,12 @@ impl Template {
                 Part::Literal(text) => out.push_str(text),
                 Part::Segment(n) => {
                     let raw = segments.get(n - 1).filter(|s| !s.is_empty()).ok_or(GatewayError::MissingSegment(*n))?;
-                    out.push_str(&percent_decode(raw).ok_or(GatewayError::UnsafePath)?);
+                    out.push_str(&crate::percent::decode(raw).ok_or(GatewayError::UnsafePath)?);
                 }
             }
         }
         Ok(out)
     }
-}
-
-/// `%XX` decoding; `None` for a broken escape or a result that is not UTF-8.
-fn percent_decode(raw: &str) -> Option<String> {
-    if !raw.contains('%') {
-        return Some(raw.to_owned());
-    }
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]

@@ -32,31 +32,19 @@ use crate::config::Config;
 use crate::fence::{AdmitError, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
 use crate::metrics;
+use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
 use crate::upstream::Upstream;
 
-/// Request headers that concern the hop to fencegate (authentication, framing, fencing) and
-/// are never forwarded.
-const HOP_HEADERS: &[&str] = &[
-    "host",
+/// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
+/// ones of every listener): never forwarded, the upstream request is signed anew.
+const S3_HOP_HEADERS: &[&str] = &[
     "authorization",
     "x-amz-date",
     "x-amz-content-sha256",
     "x-amz-security-token",
     "x-amz-decoded-content-length",
     "x-amz-trailer",
-    "expect",
-    "connection",
-    "keep-alive",
-    "proxy-authorization",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
 ];
-
-/// Response headers that concern the hop from the upstream.
-const RESPONSE_HOP_HEADERS: &[&str] = &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
 
 /// Query parameters of presigned URLs: fencegate's own signature, not the upstream's.
 const PRESIGN_PARAMS: &[&str] = &[
@@ -764,7 +752,8 @@ fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
         let n = name.as_str();
-        if HOP_HEADERS.contains(&n) || *name == wire.token_header || *name == wire.resource_header {
+        let hop = REQUEST_HOP_HEADERS.contains(&n) || S3_HOP_HEADERS.contains(&n);
+        if hop || *name == wire.token_header || *name == wire.resource_header {
             continue;
         }
         if *name == http::header::CONTENT_ENCODING {

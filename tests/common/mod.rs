@@ -42,19 +42,7 @@ impl Fencegate {
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{store_toml}\n{upstream_toml}\n\
              [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}"
         );
-        let config = Config::from_toml(&toml).expect("test config is valid");
-        let app = App::build(config).await.expect("fencegate builds");
-        let (s3, admin) = app.bind().await.expect("binds loopback");
-        let (s3_addr, admin_addr) = (s3.local_addr().unwrap(), admin.local_addr().unwrap());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            app.serve(s3, admin, async move {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("fencegate serves");
-        });
-        Self { s3: s3_addr, admin: admin_addr, dir: dir.into(), stop: Some(stop), task: Some(task) }
+        Self::start_from_toml(dir, &toml).await
     }
 
     pub fn endpoint(&self) -> String {
