@@ -78,7 +78,9 @@ pub struct ServerConfig {
     /// Time a client has to send its request head.
     #[serde(default = "defaults::header_read_timeout_ms")]
     pub header_read_timeout_ms: u64,
-    /// A connection with no request in flight is closed after this long.
+    /// A connection on which no byte moved, either way, for this long is closed. It counts
+    /// during a request too (a silent upstream call), so it stays above
+    /// `upstream.request_timeout_ms` by default.
     #[serde(default = "defaults::idle_timeout_ms")]
     pub idle_timeout_ms: u64,
     /// Open client connections at most; further ones wait in the kernel's backlog.
@@ -316,7 +318,7 @@ mod defaults {
         10_000
     }
     pub fn idle_timeout_ms() -> u64 {
-        60_000
+        310_000
     }
     pub fn connections_max() -> usize {
         4096
