@@ -141,20 +141,24 @@ proptest! {
             run(&Embedded { dir: tempfile::tempdir().unwrap() }, ops).await;
         });
     }
-
-    #[test]
-    fn redis_store_matches_the_model(ops in prop::collection::vec(op(), 1..40)) {
-        let redis = REDIS.get_or_init(|| runtime().block_on(common::RedisServer::start()));
-        let case = CASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        runtime().block_on(async {
-            run(&Redis { url: redis.url(), prefix: format!("case-{case}/") }, ops).await;
-        });
-    }
 }
 
-/// One redis-server for every case (each case uses its own key prefix).
-static REDIS: std::sync::OnceLock<common::RedisServer> = std::sync::OnceLock::new();
-static CASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The same cases on Redis: one redis-server for the whole run (each case uses its own key
+/// prefix), stopped when the run ends, a failing one included.
+#[test]
+fn redis_store_matches_the_model() {
+    let redis = runtime().block_on(common::RedisServer::start());
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 64, ..ProptestConfig::default() });
+    let cases = std::sync::atomic::AtomicU64::new(0);
+    let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
+        let case = cases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        runtime().block_on(run(&Redis { url: redis.url(), prefix: format!("case-{case}/") }, ops));
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
