@@ -4,19 +4,13 @@
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use aws_credential_types::Credentials;
-use aws_sigv4::http_request::{
-    PayloadChecksumKind, PercentEncodingMode, SignableBody, SignableRequest, SigningSettings, UriPathNormalizationMode,
-    sign,
-};
-use aws_sigv4::sign::v4;
-use aws_smithy_runtime_api::client::identity::Identity;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use s3s::Body;
 
+use super::sigv4::Signer;
 use super::{Upstream, UpstreamError};
 use crate::config::{UpstreamConfig, ms};
 
@@ -25,9 +19,7 @@ pub struct S3Upstream {
     /// `scheme://authority` of the endpoint, without a trailing slash.
     base: String,
     host: http::HeaderValue,
-    region: String,
-    identity: Identity,
-    settings: SigningSettings,
+    signer: Signer,
     request_timeout: Duration,
 }
 
@@ -50,53 +42,19 @@ impl S3Upstream {
         let client =
             Client::builder(TokioExecutor::new()).pool_max_idle_per_host(config.idle_connections_max).build(connector);
 
-        let credentials = Credentials::new(
+        let signer = Signer::new(
             config.access_key_id.clone().expect("validated: upstream.access_key_id"),
             config.secret_access_key.clone().expect("validated: upstream.secret_access_key"),
-            None,
-            None,
-            "fencegate-config",
+            config.region.clone(),
         );
-        let mut settings = SigningSettings::default();
-        // S3 signs the path as sent (single encoding, no dot-segment normalisation).
-        settings.percent_encoding_mode = PercentEncodingMode::Single;
-        settings.uri_path_normalization_mode = UriPathNormalizationMode::Disabled;
-        settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
 
         Ok(Self {
             client,
             base,
             host: http::HeaderValue::from_str(authority.as_str())?,
-            region: config.region.clone(),
-            identity: credentials.into(),
-            settings,
+            signer,
             request_timeout: ms(config.request_timeout_ms),
         })
-    }
-
-    fn sign(&self, req: &mut http::Request<Body>) -> Result<(), UpstreamError> {
-        let params = v4::SigningParams::builder()
-            .identity(&self.identity)
-            .region(&self.region)
-            .name("s3")
-            .time(SystemTime::now())
-            .settings(self.settings.clone())
-            .build()
-            .map_err(|e| UpstreamError::Sign(Box::new(e)))?
-            .into();
-        let mut headers = Vec::with_capacity(req.headers().len());
-        for (name, value) in req.headers() {
-            let value = value.to_str().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-            headers.push((name.as_str(), value));
-        }
-        let uri = req.uri().to_string();
-        let signable =
-            SignableRequest::new(req.method().as_str(), uri, headers.into_iter(), SignableBody::UnsignedPayload)
-                .map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-        let (instructions, _signature) =
-            sign(signable, &params).map_err(|e| UpstreamError::Sign(Box::new(e)))?.into_parts();
-        instructions.apply_to_request_http1x(req);
-        Ok(())
     }
 }
 
@@ -107,7 +65,7 @@ impl Upstream for S3Upstream {
         *req.uri_mut() =
             format!("{}{}", self.base, path_and_query).parse().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         req.headers_mut().insert(http::header::HOST, self.host.clone());
-        self.sign(&mut req)?;
+        self.signer.sign(&mut req, SystemTime::now()).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         let response = tokio::time::timeout(self.request_timeout, self.client.request(req))
             .await
             .map_err(|_| UpstreamError::Timeout { after_ms: self.request_timeout.as_millis() as u64 })?
