@@ -172,6 +172,56 @@ async fn redis_failures_fail_closed_and_heal() {
     fg.stop().await;
 }
 
+/// A lease holder writing again and again with its token costs Redis a read-only check per
+/// write: the registration made by its first write stays (one member, `replica:id:token`) and
+/// later writes add nothing to the append-only file. A newer token through another replica
+/// still goes ahead, the older registration is withdrawn, and the older token is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_writes_with_one_token_only_read_redis_and_a_newer_token_clears_them() {
+    let redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let local = format!(
+        "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
+        dir.path().join("objects").display()
+    );
+    let a = Fencegate::start_configured(&dir.path().join("a"), &redis_store_toml(&redis.url(), "a"), &local, "").await;
+    let b = Fencegate::start_configured(&dir.path().join("b"), &redis_store_toml(&redis.url(), "b"), &local, "").await;
+    let (ca, cb) = (client(&a), client(&b));
+    ca.create_bucket().bucket(BUCKET).send().await.unwrap();
+    let mut r = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let inflight = "fg:{shared/doc}:inflight";
+
+    put(&ca, "doc", 5, b"five".to_vec()).await.unwrap();
+    let members: Vec<String> = redis::cmd("ZRANGE").arg(inflight).arg(0).arg(-1).query_async(&mut r).await.unwrap();
+    assert_eq!(members.len(), 1, "{members:?}");
+    assert!(members[0].starts_with("a:") && members[0].ends_with(":5"), "{members:?}");
+
+    let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut r).await.unwrap();
+    for body in [&b"five again"[..], b"five once more", b"five, last"] {
+        put(&ca, "doc", 5, body.to_vec()).await.unwrap();
+    }
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut r).await.unwrap();
+    for write in ["cmdstat_zadd:", "cmdstat_zrem:", "cmdstat_set:", "cmdstat_pexpire:"] {
+        assert!(!stats.contains(write), "a repeated write wrote to Redis ({write}):\n{stats}");
+    }
+    assert!(stats.contains("cmdstat_zscore:calls=3"), "each repeated write checked its registration:\n{stats}");
+
+    put(&cb, "doc", 6, b"six".to_vec()).await.unwrap();
+    let mut left: Vec<String> = Vec::new();
+    for _ in 0..50 {
+        left = redis::cmd("ZRANGE").arg(inflight).arg(0).arg(-1).query_async(&mut r).await.unwrap();
+        if left.iter().all(|m| !m.ends_with(":5")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(left.iter().all(|m| !m.ends_with(":5")), "the older registration stayed: {left:?}");
+    let (code, status, current) = put(&ca, "doc", 5, b"stale".to_vec()).await.unwrap_err();
+    assert_eq!((code.as_deref(), status, current.as_deref()), (Some("FencingTokenStale"), 409, Some("6")));
+    a.stop().await;
+    b.stop().await;
+}
+
 /// Three cluster masters, slots spread over them: the classic scenario works on many
 /// resources, whichever node each resource's slot lives on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -69,7 +69,9 @@ struct Redis {
 impl Harness for Redis {
     type Store = RedisStore;
     async fn open(&self) -> RedisStore {
-        RedisStore::connect(&[self.url.clone()], std::time::Duration::from_secs(5), "model".into()).await.unwrap()
+        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into())
+            .await
+            .unwrap()
     }
     fn prefix(&self) -> &str {
         &self.prefix

@@ -268,22 +268,11 @@ impl Gate {
         } else {
             None
         };
-        let member = permit.as_ref().map(|p| format!("{}:{}:{}", shared.replica_id(), p.id, token.0));
         let mut backoff = Duration::from_millis(1);
         loop {
             let floor = slot.state().fence.flatten();
-            let answer = self.store_call(shared.admit(resource, token, floor, member.as_deref(), deadline_ms)).await;
-            let answer = match answer {
-                Ok(answer) => answer,
-                Err(error) => {
-                    // The registration may have happened; withdraw it rather than let it block
-                    // newer writers until its deadline.
-                    if let Some(member) = member {
-                        self.release_later(resource.clone(), member);
-                    }
-                    return Err(error.into());
-                }
-            };
+            // On an error the store withdraws what the call may have registered.
+            let answer = self.store_call(shared.admit(resource, token, floor, register, deadline_ms)).await?;
             match answer {
                 SharedAdmit::Stale { current } => {
                     slot.raise_fence(current);
@@ -316,19 +305,13 @@ impl Gate {
                         metrics::advanced();
                     }
                     slot.raise_fence(token);
-                    if let (Some(p), Some(member)) = (permit.as_mut(), member) {
-                        p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), member });
+                    if let Some(p) = permit.as_mut() {
+                        p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), token });
                     }
                     return Ok(permit);
                 }
             }
         }
-    }
-
-    /// Withdraws a registration in the background (best effort: it expires at its deadline).
-    fn release_later(&self, resource: ResourceKey, member: String) {
-        let ticket = RemoteTicket { store: self.store.clone(), resource, member };
-        drop(ticket);
     }
 
     /// Listens for advances announced by other replicas: older uploads still streaming here on
@@ -466,25 +449,17 @@ pub struct Permit {
     remote: Option<RemoteTicket>,
 }
 
-/// A write registered in a shared store; dropping it withdraws the registration.
+/// A write registered in a shared store; dropping it ends the registration's use.
 struct RemoteTicket {
     store: Arc<dyn FenceStore>,
     resource: ResourceKey,
-    member: String,
+    token: FenceToken,
 }
 
 impl Drop for RemoteTicket {
     fn drop(&mut self) {
-        let (store, resource, member) = (self.store.clone(), self.resource.clone(), std::mem::take(&mut self.member));
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Some(shared) = store.shared()
-                    && let Err(error) = shared.release(&resource, &member).await
-                {
-                    // It expires at its deadline; until then newer writes on the resource wait.
-                    tracing::warn!(%error, resource = resource.as_str(), "could not withdraw an in-flight registration");
-                }
-            });
+        if let Some(shared) = self.store.shared() {
+            shared.release(&self.resource, self.token);
         }
     }
 }

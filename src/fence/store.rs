@@ -105,23 +105,22 @@ pub enum SharedAdmit {
 #[async_trait]
 pub trait SharedRegistry: Send + Sync {
     /// Checks `token` against the fence (raising it, and first raising the store back to
-    /// `floor` if it fell below), and registers `member` as in flight until `deadline_ms`
-    /// after the store's own clock unless an older write is in flight.
+    /// `floor` if it fell below) and, if `register`, registers a write with `token` as in
+    /// flight on this replica (for `deadline_ms` of the store's own clock at most) unless an
+    /// older write is in flight. Every admitted registered write is ended by [`Self::release`].
     async fn admit(
         &self,
         resource: &ResourceKey,
         token: FenceToken,
         floor: Option<FenceToken>,
-        member: Option<&str>,
+        register: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError>;
 
-    /// Removes a finished write from the registry.
-    async fn release(&self, resource: &ResourceKey, member: &str) -> Result<(), StoreError>;
+    /// A registered write has finished. Never waits: the store withdraws the registration in
+    /// the background (at once, or after a short linger for the next write with that token).
+    fn release(&self, resource: &ResourceKey, token: FenceToken);
 
     /// Advances announced by any replica, as (resource, new fence). Taken once, by the gate.
     fn take_announcements(&self) -> Option<tokio::sync::mpsc::Receiver<(ResourceKey, FenceToken)>>;
-
-    /// This replica's name in in-flight members.
-    fn replica_id(&self) -> &str;
 }

@@ -3,6 +3,7 @@
 mod embedded;
 mod memory;
 mod redis;
+mod registrations;
 
 pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, OpenError};
 pub use memory::MemoryStore;

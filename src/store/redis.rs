@@ -5,8 +5,9 @@
 //!
 //! Keys of resource `r` (with `%` and `}` escaped in the tag):
 //! - `fg:{r}:fence`     the fence (string)
-//! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:write:token`, scored by
-//!   deadline (ms, Redis clock)
+//! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:token` (writes with that
+//!   token may be in flight on that replica), scored by deadline (ms, Redis clock); see
+//!   `registrations` for how a replica shares and withdraws its member
 //! - `fg:{r}:lease`     the lease (hash: holder, lease_id, token, ttl_ms, expires_at_ms)
 //! - `fg:{r}:idem:<d>`  the API gateway's idempotency record of request digest `d` (hash:
 //!   claim, record as JSON), expiring by itself (`PEXPIRE`) after the route's retention
@@ -14,15 +15,17 @@
 //! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
 //! replica cancels its older uploads still streaming on that resource.
 
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
+
+use super::registrations::{Member, Plan, Registrations, Withdrawal};
 
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
@@ -57,9 +60,11 @@ return {1, cur or ''}
 ";
 
 /// KEYS: fence, inflight. ARGV: token, floor or '', member or '', deadline_ms, channel,
-/// resource. Returns {outcome, advanced 0|1, value, repaired 0|1}: outcome 'ok' | 'stale'
-/// (value = current fence) | 'wait'; when repaired, value is what the store had ('' = none).
+/// resource, then members of this replica to withdraw first. Returns {outcome, advanced 0|1,
+/// value, repaired 0|1}: outcome 'ok' | 'stale' (value = current fence) | 'wait'; when
+/// repaired, value is what the store had ('' = none).
 const LUA_ADMIT: &str = r"
+if #ARGV > 6 then redis.call('ZREM', KEYS[2], unpack(ARGV, 7)) end
 local cur = redis.call('GET', KEYS[1])
 local repaired, had = 0, ''
 if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
@@ -85,6 +90,20 @@ if ARGV[3] ~= '' then
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
 end
 return {'ok', advanced, had, repaired}
+";
+
+/// The admission of a write whose registration is in place, writing nothing (so no
+/// append-only-file write). KEYS: fence, inflight. ARGV: token, floor or '', member. Returns
+/// {'ok'} when the token is the fence and the member is there within its deadline, {'stale',
+/// fence} when the token is older, {'register'} otherwise (the full admission decides).
+const LUA_ADMIT_CHECK: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if not cur or (ARGV[2] ~= '' and lt(cur, ARGV[2])) then return {'register'} end
+if lt(ARGV[1], cur) then return {'stale', cur} end
+if cur ~= ARGV[1] then return {'register'} end
+local deadline = redis.call('ZSCORE', KEYS[2], ARGV[3])
+if deadline and tonumber(deadline) > now_ms() then return {'ok'} end
+return {'register'}
 ";
 
 /// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
@@ -181,11 +200,15 @@ pub struct RedisStore {
     connection: Connection,
     advance: Script,
     admit: Script,
+    admit_check: Script,
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
     replica_id: String,
     announcements: Mutex<Option<mpsc::Receiver<(ResourceKey, FenceToken)>>>,
+    registrations: Arc<Registrations>,
+    /// Wakes the withdrawer when a registration is due at once.
+    withdraw_now: Arc<Notify>,
 }
 
 impl RedisStore {
@@ -207,18 +230,167 @@ impl RedisStore {
                 .build()?;
             Connection::Cluster(client.get_async_connection().await?)
         };
+        let registrations = Arc::new(Registrations::default());
+        let withdraw_now = Arc::new(Notify::new());
         let (tx, rx) = mpsc::channel(ANNOUNCEMENTS_QUEUED_MAX);
-        tokio::spawn(listen_for_announcements(urls[0].clone(), tx));
+        tokio::spawn(listen_for_announcements(
+            urls[0].clone(),
+            tx,
+            Arc::downgrade(&registrations),
+            withdraw_now.clone(),
+        ));
+        tokio::spawn(withdraw_registrations(
+            connection.clone(),
+            replica_id.clone(),
+            Arc::downgrade(&registrations),
+            withdraw_now.clone(),
+        ));
         Ok(Self {
             connection,
             advance: script(LUA_ADVANCE),
             admit: script(LUA_ADMIT),
+            admit_check: script(LUA_ADMIT_CHECK),
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
             replica_id,
             announcements: Mutex::new(Some(rx)),
+            registrations,
+            withdraw_now,
         })
+    }
+
+    /// The full admission: checks, advances or repairs the fence and, if `member` is given,
+    /// registers it (withdrawing `withdraw` first).
+    async fn admit_register(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        member: Option<&str>,
+        withdraw: &[Member],
+        deadline_ms: u64,
+    ) -> Result<SharedAdmit, StoreError> {
+        let mut inv = self.admit.key(key(resource, "fence"));
+        inv.key(key(resource, "inflight"));
+        inv.arg(token.0.to_string())
+            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
+            .arg(member.unwrap_or(""))
+            .arg(deadline_ms)
+            .arg(ANNOUNCE_CHANNEL)
+            .arg(resource.as_str());
+        for old in withdraw {
+            inv.arg(member_of(&self.replica_id, *old));
+        }
+        let (outcome, advanced, value, repaired): (String, i64, String, i64) =
+            self.connection.invoke(&inv).await.map_err(backend)?;
+        let advanced = advanced == 1;
+        let repaired_from = if repaired == 1 { Some(parse_token(&value)?) } else { None };
+        Ok(match outcome.as_str() {
+            "ok" => SharedAdmit::Admitted { advanced, repaired_from },
+            "wait" => SharedAdmit::OlderInflight { advanced },
+            "stale" => SharedAdmit::Stale {
+                current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
+            },
+            other => return Err(StoreError::Backend(format!("admit script answered {other:?}").into())),
+        })
+    }
+
+    /// The read-only admission of a write whose registration is in place; `None`: the full
+    /// admission has to decide.
+    async fn admit_check(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        member: &str,
+    ) -> Result<Option<SharedAdmit>, StoreError> {
+        let mut inv = self.admit_check.key(key(resource, "fence"));
+        inv.key(key(resource, "inflight"));
+        inv.arg(token.0.to_string()).arg(floor.map(|f| f.0.to_string()).unwrap_or_default()).arg(member);
+        let reply: Vec<String> = self.connection.invoke(&inv).await.map_err(backend)?;
+        Ok(match reply.first().map(String::as_str) {
+            Some("ok") => Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }),
+            Some("stale") => Some(SharedAdmit::Stale {
+                current: parse_token(reply.get(1).map_or("", String::as_str))?
+                    .ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
+            }),
+            Some("register") => None,
+            other => return Err(StoreError::Backend(format!("admit check answered {other:?}").into())),
+        })
+    }
+}
+
+/// An admission under way; see `SharedRegistry::admit` for `RedisStore`.
+struct PendingAdmission<'a> {
+    store: &'a RedisStore,
+    resource: &'a ResourceKey,
+    plan: &'a Plan,
+    settled: bool,
+}
+
+impl Drop for PendingAdmission<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.store.registrations.refused(self.resource, self.plan, true, Instant::now());
+            self.store.withdraw_now.notify_one();
+        }
+    }
+}
+
+/// A replica's member in a resource's in-flight set: `replica:id:token` (the admission script
+/// reads the token after the last colon).
+fn member_of(replica_id: &str, member: Member) -> String {
+    format!("{replica_id}:{}:{}", member.id, member.token.0)
+}
+
+/// How often idle registrations are looked at; an announced advance wakes the withdrawer at
+/// once.
+const WITHDRAW_TICK: Duration = Duration::from_millis(100);
+
+/// Withdraws this replica's registrations when they are due (see `registrations`), several
+/// in one round trip, until the store is dropped. A failed withdrawal is tried again at the
+/// next tick until the member's deadline, when the store drops it by itself.
+async fn withdraw_registrations(
+    connection: Connection,
+    replica_id: String,
+    registrations: Weak<Registrations>,
+    withdraw_now: Arc<Notify>,
+) {
+    let mut tick = tokio::time::interval(WITHDRAW_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let idle = tokio::select! {
+            () = withdraw_now.notified() => false,
+            _ = tick.tick() => true,
+        };
+        let Some(due) = registrations.upgrade().map(|r| r.due(Instant::now(), idle)) else { return };
+        if due.is_empty() {
+            continue;
+        }
+        let calls = due.into_iter().map(|withdrawal| {
+            let connection = &connection;
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(key(&withdrawal.resource, "inflight")).arg(member_of(&replica_id, withdrawal.member));
+            async move { (withdrawal, connection.query::<i64>(&cmd).await) }
+        });
+        let mut failed: Vec<Withdrawal> = Vec::new();
+        for (withdrawal, result) in futures_util::future::join_all(calls).await {
+            if let Err(error) = result {
+                // Until it goes, newer writes on the resource wait.
+                tracing::warn!(
+                    %error,
+                    resource = withdrawal.resource.as_str(),
+                    "could not withdraw an in-flight registration yet"
+                );
+                failed.push(withdrawal);
+            }
+        }
+        if !failed.is_empty()
+            && let Some(registrations) = registrations.upgrade()
+        {
+            registrations.retry(failed, Instant::now());
+        }
     }
 }
 
@@ -386,52 +558,80 @@ impl SharedRegistry for RedisStore {
         resource: &ResourceKey,
         token: FenceToken,
         floor: Option<FenceToken>,
-        member: Option<&str>,
+        register: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
-        let mut inv = self.admit.key(key(resource, "fence"));
-        inv.key(key(resource, "inflight"));
-        inv.arg(token.0.to_string())
-            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
-            .arg(member.unwrap_or(""))
-            .arg(deadline_ms)
-            .arg(ANNOUNCE_CHANNEL)
-            .arg(resource.as_str());
-        let (outcome, advanced, value, repaired): (String, i64, String, i64) =
-            self.connection.invoke(&inv).await.map_err(backend)?;
-        let advanced = advanced == 1;
-        let repaired_from = if repaired == 1 { Some(parse_token(&value)?) } else { None };
-        Ok(match outcome.as_str() {
-            "ok" => SharedAdmit::Admitted { advanced, repaired_from },
-            "wait" => SharedAdmit::OlderInflight { advanced },
-            "stale" => SharedAdmit::Stale {
-                current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
-            },
-            other => return Err(StoreError::Backend(format!("admit script answered {other:?}").into())),
-        })
+        if !register {
+            return self.admit_register(resource, token, floor, None, &[], deadline_ms).await;
+        }
+        let deadline = Duration::from_millis(deadline_ms);
+        let plan = self.registrations.begin(resource, token, deadline, Instant::now());
+        // Dropped before the answer (the store call timed out, the client went away): the
+        // call may have registered, so withdraw unless other writes use the registration.
+        let mut pending = PendingAdmission { store: self, resource, plan: &plan, settled: false };
+        let answer = match &plan {
+            Plan::Check { member } => {
+                match self.admit_check(resource, token, floor, &member_of(&self.replica_id, *member)).await {
+                    Ok(Some(answer)) => Ok((answer, None)),
+                    Ok(None) => {
+                        let sent = Instant::now();
+                        let name = member_of(&self.replica_id, *member);
+                        self.admit_register(resource, token, floor, Some(&name), &[], deadline_ms)
+                            .await
+                            .map(|answer| (answer, Some(sent)))
+                    }
+                    Err(error) => Err(error),
+                }
+            }
+            Plan::Register { member, withdraw } => {
+                let sent = Instant::now();
+                let name = member_of(&self.replica_id, *member);
+                self.admit_register(resource, token, floor, Some(&name), withdraw, deadline_ms)
+                    .await
+                    .map(|answer| (answer, Some(sent)))
+            }
+        };
+        pending.settled = true;
+        let member = match &plan {
+            Plan::Check { member } | Plan::Register { member, .. } => *member,
+        };
+        match answer {
+            Ok((answer @ SharedAdmit::Admitted { .. }, registered_at)) => {
+                self.registrations.admitted(resource, member, registered_at);
+                Ok(answer)
+            }
+            Ok((answer, _)) => {
+                self.registrations.refused(resource, &plan, false, Instant::now());
+                Ok(answer)
+            }
+            Err(error) => {
+                // The registration may have happened; withdraw it unless other writes use it.
+                self.registrations.refused(resource, &plan, true, Instant::now());
+                self.withdraw_now.notify_one();
+                Err(error)
+            }
+        }
     }
 
-    async fn release(&self, resource: &ResourceKey, member: &str) -> Result<(), StoreError> {
-        let _: i64 = self
-            .connection
-            .query(redis::cmd("ZREM").arg(key(resource, "inflight")).arg(member))
-            .await
-            .map_err(backend)?;
-        Ok(())
+    fn release(&self, resource: &ResourceKey, token: FenceToken) {
+        if self.registrations.release(resource, token, Instant::now()) {
+            self.withdraw_now.notify_one();
+        }
     }
 
     fn take_announcements(&self) -> Option<mpsc::Receiver<(ResourceKey, FenceToken)>> {
         self.announcements.lock().expect("announcements lock").take()
     }
-
-    fn replica_id(&self) -> &str {
-        &self.replica_id
-    }
 }
 
 /// Subscribes to advance announcements, reconnecting after failures, until the gate stops
 /// listening.
-async fn listen_for_announcements(url: String, tx: mpsc::Sender<(ResourceKey, FenceToken)>) {
+async fn listen_for_announcements(
+    url: String,
+    tx: mpsc::Sender<(ResourceKey, FenceToken)>,
+    registrations: Weak<Registrations>,
+    withdraw_now: Arc<Notify>,
+) {
     let mut backoff = Duration::from_millis(50);
     while !tx.is_closed() {
         let subscribed = async {
@@ -452,6 +652,11 @@ async fn listen_for_announcements(url: String, tx: mpsc::Sender<(ResourceKey, Fe
                     else {
                         continue;
                     };
+                    if let Some(registrations) = registrations.upgrade()
+                        && registrations.superseded(&resource, token, Instant::now())
+                    {
+                        withdraw_now.notify_one();
+                    }
                     if tx.try_send((resource, token)).is_err() && tx.is_closed() {
                         return;
                     }

@@ -83,8 +83,7 @@ impl Signer {
             canonical.push_str(name.as_str());
             canonical.push(':');
             for (i, value) in req.headers().get_all(*name).iter().enumerate() {
-                let value =
-                    value.to_str().map_err(|_| SignError::HeaderValue { name: name.as_str().to_owned() })?;
+                let value = value.to_str().map_err(|_| SignError::HeaderValue { name: name.as_str().to_owned() })?;
                 if i > 0 {
                     canonical.push(',');
                 }
@@ -254,8 +253,7 @@ mod tests {
             .build()
             .unwrap()
             .into();
-        let headers: Vec<(&str, &str)> =
-            req.headers().iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap())).collect();
+        let headers: Vec<(&str, &str)> = req.headers().iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap())).collect();
         let uri = req.uri().to_string();
         let signable =
             SignableRequest::new(req.method().as_str(), uri, headers.into_iter(), SignableBody::UnsignedPayload)
@@ -307,7 +305,11 @@ mod tests {
                 .header("x-amz-date", "19990101T000000Z")
                 .header("x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER")
                 .body(()),
-            http::Request::builder().method("GET").uri("http://127.0.0.1:9000/").header("host", "127.0.0.1:9000").body(()),
+            http::Request::builder()
+                .method("GET")
+                .uri("http://127.0.0.1:9000/")
+                .header("host", "127.0.0.1:9000")
+                .body(()),
         ];
         for req in cases {
             check(req.unwrap(), now);

@@ -1,0 +1,416 @@
+//! This replica's side of the shared in-flight registry: which registrations it holds in the
+//! store, how many of its writes use each, and when each must be withdrawn.
+//!
+//! A registration is per (resource, token), not per write: the member `replica:id:token` says
+//! "writes with this token may be in flight here", and newer tokens wait for it to go. `id`
+//! is new for every registration this replica makes, so a withdrawal still queued or under
+//! way can only remove the registration it was meant for, never a newer one with the same
+//! token. Writes
+//! with the same token share it, and it outlives its last write by a short linger, so the
+//! steady state of a lease holder writing again and again is a read-only check in the store
+//! (no append-only-file write, one round trip) instead of a register and a withdraw per write.
+//! A registration goes at once when an advance past its token is announced and no write uses
+//! it, after the linger otherwise, and at its deadline in the store if this replica dies.
+//! Nothing here talks to the store: the Redis store asks for a plan, runs it, and reports.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::fence::{FenceToken, ResourceKey};
+
+/// The longest an idle registration is kept for the next write with its token.
+pub const LINGER_MAX: Duration = Duration::from_secs(1);
+
+/// One registration of this replica in the store: its member is `replica:id:token`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Member {
+    pub id: u64,
+    pub token: FenceToken,
+}
+
+/// A registration to remove from the store, worth trying until `give_up_at` (its deadline:
+/// the store drops it by itself then).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withdrawal {
+    pub resource: ResourceKey,
+    pub member: Member,
+    pub give_up_at: Instant,
+}
+
+#[derive(Debug)]
+struct Registration {
+    member: Member,
+    /// Admissions in progress and admitted writes not yet finished.
+    active: u32,
+    /// When the store last set its deadline (the time the call was sent); `None` until an
+    /// admission registered it.
+    registered_at: Option<Instant>,
+    deadline: Duration,
+    idle_since: Option<Instant>,
+    /// A newer token was announced: withdraw as soon as no write uses it.
+    superseded: bool,
+}
+
+impl Registration {
+    fn linger(&self) -> Duration {
+        LINGER_MAX.min(self.deadline / 4)
+    }
+}
+
+/// What an admission has to ask the store.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// The registration is in place and fresh: check the fence and that the member is still
+    /// there, writing nothing.
+    Check { member: Member },
+    /// Register (or refresh) the member, first withdrawing these idle registrations of older
+    /// tokens on the same resource in the same call.
+    Register { member: Member, withdraw: Vec<Member> },
+}
+
+#[derive(Default)]
+pub struct Registrations {
+    /// Lock order: `by_resource`, then `urgent`.
+    by_resource: Mutex<HashMap<ResourceKey, Vec<Registration>>>,
+    /// Registrations to withdraw at the next flush, whatever their linger.
+    urgent: Mutex<Vec<Withdrawal>>,
+    next_id: AtomicU64,
+}
+
+impl Registrations {
+    /// An admission of a write with `token` starts; it counts as a user of the registration
+    /// until [`Self::admitted`]'s permit is released or [`Self::refused`] is called.
+    pub fn begin(&self, resource: &ResourceKey, token: FenceToken, deadline: Duration, now: Instant) -> Plan {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        let regs = map.entry(resource.clone()).or_default();
+        let mut withdraw = Vec::new();
+        regs.retain(|r| {
+            let idle_older = r.member.token < token && r.active == 0;
+            if idle_older {
+                withdraw.push(r.member);
+            }
+            !idle_older
+        });
+        if let Some(reg) = regs.iter_mut().find(|r| r.member.token == token) {
+            reg.active += 1;
+            reg.idle_since = None;
+            reg.deadline = deadline;
+            let fresh = reg.registered_at.is_some_and(|at| now.saturating_duration_since(at) < deadline / 2);
+            if fresh && !reg.superseded && withdraw.is_empty() {
+                return Plan::Check { member: reg.member };
+            }
+            return Plan::Register { member: reg.member, withdraw };
+        }
+        let member = Member { id: self.next_id.fetch_add(1, Ordering::Relaxed), token };
+        regs.push(Registration {
+            member,
+            active: 1,
+            registered_at: None,
+            deadline,
+            idle_since: None,
+            superseded: false,
+        });
+        Plan::Register { member, withdraw }
+    }
+
+    /// The store admitted the write; `registered_at` is when the call that set the member's
+    /// deadline was sent (`None` for a check that wrote nothing).
+    pub fn admitted(&self, resource: &ResourceKey, member: Member, registered_at: Option<Instant>) {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        if let Some(reg) = map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member))
+            && let Some(at) = registered_at
+        {
+            reg.registered_at = Some(reg.registered_at.map_or(at, |prev| prev.max(at)));
+        }
+    }
+
+    /// The admission ended without a write: stale, told to wait, or failed. `failed`: the call
+    /// failed or was abandoned, so the store may hold the member anyway (withdrawn unless other
+    /// writes use it) and may not have withdrawn `withdraw` (queued again).
+    pub fn refused(&self, resource: &ResourceKey, plan: &Plan, failed: bool, now: Instant) {
+        let (member, withdraw) = match plan {
+            Plan::Check { member } => (member, &[][..]),
+            Plan::Register { member, withdraw } => (member, &withdraw[..]),
+        };
+        if failed && !withdraw.is_empty() {
+            let deadline = self.deadline_of(resource, member.token);
+            let mut urgent = self.urgent.lock().expect("registrations lock");
+            for old in withdraw {
+                urgent.push(Withdrawal { resource: resource.clone(), member: *old, give_up_at: now + deadline });
+            }
+        }
+        self.finish(resource, member.token, failed, now);
+    }
+
+    fn deadline_of(&self, resource: &ResourceKey, token: FenceToken) -> std::time::Duration {
+        let map = self.by_resource.lock().expect("registrations lock");
+        map.get(resource)
+            .and_then(|regs| regs.iter().find(|r| r.member.token == token))
+            .map_or(LINGER_MAX, |r| r.deadline)
+    }
+
+    /// An admitted write has finished. Returns whether its registration is due now.
+    pub fn release(&self, resource: &ResourceKey, token: FenceToken, now: Instant) -> bool {
+        self.finish(resource, token, false, now)
+    }
+
+    fn finish(&self, resource: &ResourceKey, token: FenceToken, maybe_registered: bool, now: Instant) -> bool {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        let Some(regs) = map.get_mut(resource) else { return false };
+        let Some(index) = regs.iter().position(|r| r.member.token == token) else { return false };
+        let reg = &mut regs[index];
+        reg.active = reg.active.saturating_sub(1);
+        if reg.active > 0 {
+            return false;
+        }
+        let mut due = false;
+        let registered = reg.registered_at.is_some() || maybe_registered;
+        if !registered {
+            regs.swap_remove(index);
+        } else if reg.superseded || maybe_registered {
+            let reg = regs.swap_remove(index);
+            self.urgent.lock().expect("registrations lock").push(Withdrawal {
+                resource: resource.clone(),
+                member: reg.member,
+                give_up_at: now + reg.deadline,
+            });
+            due = true;
+        } else {
+            reg.idle_since = Some(now);
+            return false;
+        }
+        if regs.is_empty() {
+            map.remove(resource);
+        }
+        due
+    }
+
+    /// An advance of `resource` to `fence` was announced: registrations of older tokens go as
+    /// soon as no write uses them. Returns whether some are due now.
+    pub fn superseded(&self, resource: &ResourceKey, fence: FenceToken, now: Instant) -> bool {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        let Some(regs) = map.get_mut(resource) else { return false };
+        let mut due = false;
+        regs.retain_mut(|r| {
+            if r.member.token >= fence {
+                return true;
+            }
+            r.superseded = true;
+            if r.active > 0 {
+                return true;
+            }
+            if r.registered_at.is_some() {
+                self.urgent.lock().expect("registrations lock").push(Withdrawal {
+                    resource: resource.clone(),
+                    member: r.member,
+                    give_up_at: now + r.deadline,
+                });
+                due = true;
+            }
+            false
+        });
+        if regs.is_empty() {
+            map.remove(resource);
+        }
+        due
+    }
+
+    /// The registrations to withdraw now: the urgent ones, and (`idle`) those idle past their
+    /// linger, which takes a look at every registration. They are forgotten here; the caller
+    /// removes them from the store, and hands back with [`Self::retry`] those it could not.
+    pub fn due(&self, now: Instant, idle: bool) -> Vec<Withdrawal> {
+        let mut out = std::mem::take(&mut *self.urgent.lock().expect("registrations lock"));
+        if !idle {
+            return out;
+        }
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        map.retain(|resource, regs| {
+            regs.retain(|r| {
+                let expired =
+                    r.active == 0 && r.idle_since.is_some_and(|at| now.saturating_duration_since(at) >= r.linger());
+                if expired {
+                    out.push(Withdrawal { resource: resource.clone(), member: r.member, give_up_at: now + r.deadline });
+                }
+                !expired
+            });
+            !regs.is_empty()
+        });
+        out
+    }
+
+    /// Withdrawals that failed, tried again at the next flush until they are pointless.
+    pub fn retry(&self, failed: Vec<Withdrawal>, now: Instant) {
+        let mut urgent = self.urgent.lock().expect("registrations lock");
+        urgent.extend(failed.into_iter().filter(|w| w.give_up_at > now));
+    }
+
+    /// Whether withdrawals are waiting for the next flush.
+    #[cfg(test)]
+    fn has_urgent(&self) -> bool {
+        !self.urgent.lock().expect("registrations lock").is_empty()
+    }
+
+    /// Registrations this replica holds or is making.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.by_resource.lock().expect("registrations lock").values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEADLINE: Duration = Duration::from_secs(30);
+
+    fn r(name: &str) -> ResourceKey {
+        ResourceKey::new(name).unwrap()
+    }
+
+    fn register(regs: &Registrations, res: &ResourceKey, token: u64, now: Instant) -> Member {
+        let Plan::Register { member, .. } = regs.begin(res, FenceToken(token), DEADLINE, now) else {
+            panic!("expected a registration")
+        };
+        regs.admitted(res, member, Some(now));
+        member
+    }
+
+    fn withdrawn(due: Vec<Withdrawal>) -> Vec<(ResourceKey, Member)> {
+        due.into_iter().map(|w| (w.resource, w.member)).collect()
+    }
+
+    #[test]
+    fn the_next_write_with_the_same_token_only_checks() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        regs.release(&res, FenceToken(5), t0);
+        assert_eq!(regs.begin(&res, FenceToken(5), DEADLINE, t0 + Duration::from_millis(10)), Plan::Check { member });
+        regs.admitted(&res, member, None);
+        regs.release(&res, FenceToken(5), t0);
+        assert!(regs.due(t0 + Duration::from_millis(20), true).is_empty());
+    }
+
+    #[test]
+    fn an_idle_registration_goes_after_its_linger() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        assert!(regs.due(t0 + LINGER_MAX * 2, true).is_empty(), "in use: kept");
+        regs.release(&res, FenceToken(5), t0);
+        assert!(regs.due(t0 + LINGER_MAX / 2, true).is_empty());
+        assert_eq!(withdrawn(regs.due(t0 + LINGER_MAX, true)), vec![(res, member)]);
+        assert_eq!(regs.len(), 0);
+    }
+
+    #[test]
+    fn a_registration_near_its_deadline_is_refreshed() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        assert_eq!(
+            regs.begin(&res, FenceToken(5), DEADLINE, t0 + DEADLINE / 2),
+            Plan::Register { member, withdraw: vec![] }
+        );
+    }
+
+    #[test]
+    fn a_newer_token_withdraws_idle_older_ones_in_its_own_call() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        register(&regs, &res, 5, t0);
+        regs.release(&res, FenceToken(5), t0);
+        let six = register(&regs, &res, 6, t0); // token 6 still in use
+        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(7), DEADLINE, t0) else { panic!() };
+        assert!(withdraw.is_empty());
+        regs.release(&res, FenceToken(6), t0);
+        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(8), DEADLINE, t0) else { panic!() };
+        assert_eq!(withdraw, vec![six]);
+    }
+
+    #[test]
+    fn an_announced_advance_withdraws_at_once_or_at_the_last_release() {
+        let regs = Registrations::default();
+        let (a, b, t0) = (r("a"), r("b"), Instant::now());
+        let on_a = register(&regs, &a, 5, t0);
+        regs.release(&a, FenceToken(5), t0);
+        let on_b = register(&regs, &b, 5, t0);
+        assert!(regs.superseded(&a, FenceToken(6), t0), "idle: due now");
+        assert!(!regs.superseded(&b, FenceToken(6), t0), "in use: kept");
+        assert_eq!(withdrawn(regs.due(t0, true)), vec![(a.clone(), on_a)]);
+        assert!(regs.release(&b, FenceToken(5), t0), "superseded: due at its last release");
+        assert_eq!(withdrawn(regs.due(t0, false)), vec![(b.clone(), on_b)]);
+        assert!(!regs.superseded(&a, FenceToken(7), t0), "nothing left");
+    }
+
+    #[test]
+    fn a_refused_admission_leaves_nothing_unless_the_call_failed() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        regs.refused(&res, &plan, false, t0);
+        assert_eq!(regs.len(), 0);
+        assert!(regs.due(t0, true).is_empty());
+        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        let Plan::Register { member, .. } = plan else { panic!() };
+        regs.refused(&res, &plan, true, t0);
+        assert_eq!(withdrawn(regs.due(t0, true)), vec![(res, member)]);
+    }
+
+    #[test]
+    fn a_failed_call_queues_again_what_it_was_to_withdraw() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let five = register(&regs, &res, 5, t0);
+        regs.release(&res, FenceToken(5), t0);
+        let plan = regs.begin(&res, FenceToken(6), DEADLINE, t0);
+        let Plan::Register { member: six, withdraw } = &plan else { panic!() };
+        assert_eq!(withdraw, &vec![five]);
+        let six = *six;
+        regs.refused(&res, &plan, true, t0);
+        let mut due = withdrawn(regs.due(t0, true));
+        due.sort_by_key(|(_, m)| m.token);
+        assert_eq!(due, vec![(res.clone(), five), (res, six)]);
+    }
+
+    #[test]
+    fn a_failed_call_keeps_a_registration_other_writes_use() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        regs.refused(&res, &plan, true, t0);
+        assert!(regs.due(t0, true).is_empty());
+        assert_eq!(regs.begin(&res, FenceToken(5), DEADLINE, t0), Plan::Check { member });
+    }
+
+    #[test]
+    fn a_registration_made_again_has_a_new_member() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let first = register(&regs, &res, 5, t0);
+        regs.release(&res, FenceToken(5), t0);
+        assert!(regs.superseded(&res, FenceToken(6), t0));
+        // The withdrawal of `first` may still be under way when token 5 is registered again.
+        let again = register(&regs, &res, 5, t0);
+        assert_ne!(first, again);
+        assert_eq!(withdrawn(regs.due(t0, true)), vec![(res, first)]);
+    }
+
+    #[test]
+    fn failed_withdrawals_are_retried_until_their_deadline() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        register(&regs, &res, 5, t0);
+        regs.release(&res, FenceToken(5), t0);
+        regs.superseded(&res, FenceToken(6), t0);
+        let due = regs.due(t0, true);
+        regs.retry(due.clone(), t0 + Duration::from_secs(1));
+        assert!(regs.has_urgent());
+        assert_eq!(regs.due(t0 + Duration::from_secs(1), false), due);
+        regs.retry(due, t0 + DEADLINE);
+        assert!(!regs.has_urgent());
+    }
+}
