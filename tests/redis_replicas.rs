@@ -255,6 +255,8 @@ async fn a_redis_cluster_of_three_masters_is_a_fence_store() {
         let key = format!("object-{i}");
         put(&c, &key, 11, b"A".to_vec()).await.unwrap();
         put(&c, &key, 12, b"B".to_vec()).await.unwrap();
+        // The same token again: the read-only check, pipelined to the slot's node.
+        put(&c, &key, 12, b"B again".to_vec()).await.unwrap();
         let (code, status, current) = put(&c, &key, 11, b"A again".to_vec()).await.unwrap_err();
         assert_eq!((code.as_deref(), status, current.as_deref()), (Some("FencingTokenStale"), 409, Some("12")));
     }

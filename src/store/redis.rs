@@ -92,20 +92,6 @@ end
 return {'ok', advanced, had, repaired}
 ";
 
-/// The admission of a write whose registration is in place, writing nothing (so no
-/// append-only-file write). KEYS: fence, inflight. ARGV: token, floor or '', member. Returns
-/// {'ok'} when the token is the fence and the member is there within its deadline, {'stale',
-/// fence} when the token is older, {'register'} otherwise (the full admission decides).
-const LUA_ADMIT_CHECK: &str = r"
-local cur = redis.call('GET', KEYS[1])
-if not cur or (ARGV[2] ~= '' and lt(cur, ARGV[2])) then return {'register'} end
-if lt(ARGV[1], cur) then return {'stale', cur} end
-if cur ~= ARGV[1] then return {'register'} end
-local deadline = redis.call('ZSCORE', KEYS[2], ARGV[3])
-if deadline and tonumber(deadline) > now_ms() then return {'ok'} end
-return {'register'}
-";
-
 /// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
 /// channel, resource. Implements `fence::apply_lease` with Redis's clock. Returns
 /// {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}.
@@ -194,13 +180,20 @@ impl Connection {
             Self::Cluster(mut c) => cmd.query_async(&mut c).await,
         }
     }
+
+    /// Commands sent together; in a cluster their keys must share a slot.
+    async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
+        match self.clone() {
+            Self::Single(mut c) => pipe.query_async(&mut c).await,
+            Self::Cluster(mut c) => pipe.query_async(&mut c).await,
+        }
+    }
 }
 
 pub struct RedisStore {
     connection: Connection,
     advance: Script,
     admit: Script,
-    admit_check: Script,
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
@@ -249,7 +242,6 @@ impl RedisStore {
             connection,
             advance: script(LUA_ADVANCE),
             admit: script(LUA_ADMIT),
-            admit_check: script(LUA_ADMIT_CHECK),
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
@@ -296,8 +288,14 @@ impl RedisStore {
         })
     }
 
-    /// The read-only admission of a write whose registration is in place; `None`: the full
-    /// admission has to decide.
+    /// The admission of a write whose registration is in place: `GET` the fence and `ZSCORE`
+    /// the member in one round trip, writing nothing (so no append-only-file write, and no
+    /// script to run). `None`: the full admission has to decide.
+    ///
+    /// Reading the two keys without a script is enough: the member can only go by this
+    /// replica's own withdrawal (not while this admission uses it) or at its deadline, which
+    /// `Registrations` keeps at least half a deadline away before it plans a check. So the
+    /// answer is the one an atomic check at the moment of the `GET` would give.
     async fn admit_check(
         &self,
         resource: &ResourceKey,
@@ -305,19 +303,21 @@ impl RedisStore {
         floor: Option<FenceToken>,
         member: &str,
     ) -> Result<Option<SharedAdmit>, StoreError> {
-        let mut inv = self.admit_check.key(key(resource, "fence"));
-        inv.key(key(resource, "inflight"));
-        inv.arg(token.0.to_string()).arg(floor.map(|f| f.0.to_string()).unwrap_or_default()).arg(member);
-        let reply: Vec<String> = self.connection.invoke(&inv).await.map_err(backend)?;
-        Ok(match reply.first().map(String::as_str) {
-            Some("ok") => Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }),
-            Some("stale") => Some(SharedAdmit::Stale {
-                current: parse_token(reply.get(1).map_or("", String::as_str))?
-                    .ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
-            }),
-            Some("register") => None,
-            other => return Err(StoreError::Backend(format!("admit check answered {other:?}").into())),
-        })
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key(resource, "fence")).cmd("ZSCORE").arg(key(resource, "inflight")).arg(member);
+        let (fence, deadline): (Option<String>, Option<String>) =
+            self.connection.pipeline(&pipe).await.map_err(backend)?;
+        let Some(fence) = parse_token(fence.as_deref().unwrap_or(""))? else { return Ok(None) };
+        if floor.is_some_and(|floor| fence < floor) {
+            return Ok(None); // the store fell below what this replica has seen: repair
+        }
+        if token < fence {
+            return Ok(Some(SharedAdmit::Stale { current: fence }));
+        }
+        if fence != token || deadline.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }))
     }
 }
 
