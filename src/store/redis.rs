@@ -400,8 +400,19 @@ fn script(body: &str) -> Script {
 
 /// `fg:{<resource>}:<suffix>`, with the characters that would end the hash tag escaped.
 fn key(resource: &ResourceKey, suffix: &str) -> String {
-    let tag = resource.as_str().replace('%', "%25").replace('}', "%7D");
-    format!("fg:{{{tag}}}:{suffix}")
+    let raw = resource.as_str();
+    let mut key = String::with_capacity(raw.len() + suffix.len() + 8);
+    key.push_str("fg:{");
+    for c in raw.chars() {
+        match c {
+            '%' => key.push_str("%25"),
+            '}' => key.push_str("%7D"),
+            c => key.push(c),
+        }
+    }
+    key.push_str("}:");
+    key.push_str(suffix);
+    key
 }
 
 /// The key of one idempotency record: in its resource's hash slot.
