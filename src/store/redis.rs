@@ -5,8 +5,8 @@
 //!
 //! Keys of resource `r` (with `%` and `}` escaped in the tag):
 //! - `fg:{r}:fence`     the fence (string)
-//! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:token` (writes with that
-//!   token may be in flight on that replica), scored by deadline (ms, Redis clock); see
+//! - `fg:{r}:inflight`  in-flight writes: a sorted set of `replica:id:token` (writes with
+//!   that token may be in flight on that replica), scored by deadline (ms, Redis clock); see
 //!   `registrations` for how a replica shares and withdraws its member
 //! - `fg:{r}:lease`     the lease (hash: holder, lease_id, token, ttl_ms, expires_at_ms)
 //! - `fg:{r}:idem:<d>`  the API gateway's idempotency record of request digest `d` (hash:
@@ -321,7 +321,7 @@ impl RedisStore {
     }
 }
 
-/// An admission under way; see `SharedRegistry::admit` for `RedisStore`.
+/// An admission under way: unless settled, its drop tells `Registrations` the call failed.
 struct PendingAdmission<'a> {
     store: &'a RedisStore,
     resource: &'a ResourceKey,
@@ -577,51 +577,32 @@ impl SharedRegistry for RedisStore {
         }
         let deadline = Duration::from_millis(deadline_ms);
         let plan = self.registrations.begin(resource, token, deadline, Instant::now());
-        // Dropped before the answer (the store call timed out, the client went away): the
-        // call may have registered, so withdraw unless other writes use the registration.
+        // Dropped before the answer (the store call failed or timed out, the client went
+        // away): the call may have registered, so withdraw unless other writes use the
+        // registration.
         let mut pending = PendingAdmission { store: self, resource, plan: &plan, settled: false };
-        let answer = match &plan {
-            Plan::Check { member } => {
-                match self.admit_check(resource, token, floor, &member_of(&self.replica_id, *member)).await {
-                    Ok(Some(answer)) => Ok((answer, None)),
-                    Ok(None) => {
-                        let sent = Instant::now();
-                        let name = member_of(&self.replica_id, *member);
-                        self.admit_register(resource, token, floor, Some(&name), &[], deadline_ms)
-                            .await
-                            .map(|answer| (answer, Some(sent)))
-                    }
-                    Err(error) => Err(error),
-                }
-            }
-            Plan::Register { member, withdraw } => {
+        let member = plan.member();
+        let name = member_of(&self.replica_id, member);
+        let checked = match plan {
+            Plan::Check { .. } => self.admit_check(resource, token, floor, &name).await?,
+            Plan::Register { .. } => None,
+        };
+        let (answer, registered_at) = match checked {
+            Some(answer) => (answer, None),
+            None => {
                 let sent = Instant::now();
-                let name = member_of(&self.replica_id, *member);
-                self.admit_register(resource, token, floor, Some(&name), withdraw, deadline_ms)
-                    .await
-                    .map(|answer| (answer, Some(sent)))
+                let answer =
+                    self.admit_register(resource, token, floor, Some(&name), plan.withdraw(), deadline_ms).await?;
+                (answer, Some(sent))
             }
         };
         pending.settled = true;
-        let member = match &plan {
-            Plan::Check { member } | Plan::Register { member, .. } => *member,
-        };
-        match answer {
-            Ok((answer @ SharedAdmit::Admitted { .. }, registered_at)) => {
-                self.registrations.admitted(resource, member, registered_at);
-                Ok(answer)
-            }
-            Ok((answer, _)) => {
-                self.registrations.refused(resource, &plan, false, Instant::now());
-                Ok(answer)
-            }
-            Err(error) => {
-                // The registration may have happened; withdraw it unless other writes use it.
-                self.registrations.refused(resource, &plan, true, Instant::now());
-                self.withdraw_now.notify_one();
-                Err(error)
-            }
+        if matches!(answer, SharedAdmit::Admitted { .. }) {
+            self.registrations.admitted(resource, member, registered_at);
+        } else {
+            self.registrations.refused(resource, &plan, false, Instant::now());
         }
+        Ok(answer)
     }
 
     fn release(&self, resource: &ResourceKey, token: FenceToken) {

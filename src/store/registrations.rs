@@ -70,6 +70,23 @@ pub enum Plan {
     Register { member: Member, withdraw: Vec<Member> },
 }
 
+impl Plan {
+    /// The registration the admission uses.
+    pub fn member(&self) -> Member {
+        match self {
+            Plan::Check { member } | Plan::Register { member, .. } => *member,
+        }
+    }
+
+    /// What the admission withdraws in the same call.
+    pub fn withdraw(&self) -> &[Member] {
+        match self {
+            Plan::Check { .. } => &[],
+            Plan::Register { withdraw, .. } => withdraw,
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Registrations {
     /// Lock order: `by_resource`, then `urgent`.
@@ -130,10 +147,7 @@ impl Registrations {
     /// failed or was abandoned, so the store may hold the member anyway (withdrawn unless other
     /// writes use it) and may not have withdrawn `withdraw` (queued again).
     pub fn refused(&self, resource: &ResourceKey, plan: &Plan, failed: bool, now: Instant) {
-        let (member, withdraw) = match plan {
-            Plan::Check { member } => (member, &[][..]),
-            Plan::Register { member, withdraw } => (member, &withdraw[..]),
-        };
+        let (member, withdraw) = (plan.member(), plan.withdraw());
         if failed && !withdraw.is_empty() {
             let deadline = self.deadline_of(resource, member.token);
             let mut urgent = self.urgent.lock().expect("registrations lock");
