@@ -66,7 +66,7 @@ impl App {
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let gate = Arc::new(Gate::new(store, limits));
-        gate.listen_for_announcements();
+        gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
         let gateway = Arc::new(Gateway::new(&config, gate.clone(), Arc::new(SystemClock))?);
         let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {

@@ -90,6 +90,11 @@ pub fn lease_event(event: &'static str) {
 }
 
 /// A shared fence store answered lower than this replica had seen, and was raised back.
+/// A replica could not keep a registration of its writes in the shared store and stopped them.
+pub fn registration_revoked() {
+    counter!("fencegate_registrations_revoked_total").increment(1);
+}
+
 pub fn store_rollback_repaired() {
     counter!("fencegate_store_rollbacks_repaired_total").increment(1);
 }

@@ -2,7 +2,7 @@
 //! write with a newer one was forwarded (G2, G3). See `docs/design.md`, section 3.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, SharedAdmit,
-    SharedRegistry, StoreError, decide,
+    SharedRegistry, StoreError, StoreEvent, decide,
 };
 use crate::metrics;
 
@@ -87,6 +87,30 @@ struct Inflight {
     /// Set once the whole body was handed to the upstream: from then on the write can only be
     /// awaited, never cancelled.
     body_sent: Arc<AtomicBool>,
+    /// Why the write was cut off, once it is ([`CutOff`] as a number, 0 for none).
+    cut_off: Arc<AtomicU8>,
+}
+
+/// Why an admitted write was cut off before its whole body reached the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CutOff {
+    /// A newer token was admitted, registered or announced on the resource.
+    Superseded = 1,
+    /// The write's own deadline passed.
+    Deadline = 2,
+    /// Its registration in a shared store was lost or could not be renewed in time.
+    Revoked = 3,
+}
+
+impl CutOff {
+    fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            1 => Some(Self::Superseded),
+            2 => Some(Self::Deadline),
+            3 => Some(Self::Revoked),
+            _ => None,
+        }
+    }
 }
 
 /// What the admit loop does next, decided under the slot's lock.
@@ -103,8 +127,15 @@ impl SlotState {
 
     /// Cancels older writes whose body has not fully reached the upstream.
     fn cancel_unsent_older(&self, token: FenceToken) {
-        for w in self.inflight.iter().filter(|w| w.token < token) {
+        self.cancel_unsent(CutOff::Superseded, |t| t < token);
+    }
+
+    /// Cancels the writes with a token that `which` selects and whose body has not fully
+    /// reached the upstream; they also send nothing more.
+    fn cancel_unsent(&self, why: CutOff, which: impl Fn(FenceToken) -> bool) {
+        for w in self.inflight.iter().filter(|w| which(w.token)) {
             if !w.body_sent.load(Ordering::Acquire) && !w.cancel.is_cancelled() {
+                w.cut_off.store(why as u8, Ordering::Release);
                 w.cancel.cancel();
                 metrics::inflight_cancelled();
             }
@@ -314,20 +345,36 @@ impl Gate {
         }
     }
 
-    /// Listens for advances announced by other replicas: older uploads still streaming here on
-    /// that resource are cancelled at once, without waiting for their next store call.
-    pub fn listen_for_announcements(self: &Arc<Self>) {
-        let Some(mut announcements) = self.store.shared().and_then(|s| s.take_announcements()) else { return };
+    /// Acts on what a shared store reports by itself: an advance announced by another replica
+    /// (or seen at a renewal) cuts off older uploads still streaming here at once, without
+    /// waiting for their next store call; a registration this replica could not keep stops its
+    /// writes that have not sent their whole body (`docs/design.md`, section 6).
+    pub fn listen_for_store_events(self: &Arc<Self>) {
+        let Some(mut events) = self.store.shared().and_then(|s| s.take_events()) else { return };
         let gate = Arc::downgrade(self);
         tokio::spawn(async move {
-            while let Some((resource, token)) = announcements.recv().await {
+            while let Some(event) = events.recv().await {
                 let Some(gate) = gate.upgrade() else { return };
-                let slot = gate.slots.lock().expect("gate map lock poisoned").get(&resource).cloned();
-                if let Some(slot) = slot {
-                    slot.raise_fence(token);
-                    slot.state().cancel_unsent_older(token);
-                    slot.changed.notify_waiters();
+                let resource = match &event {
+                    StoreEvent::Advanced { resource, .. } | StoreEvent::Revoked { resource, .. } => resource,
+                };
+                let slot = gate.slots.lock().expect("gate map lock poisoned").get(resource).cloned();
+                let Some(slot) = slot else { continue };
+                match event {
+                    StoreEvent::Advanced { fence, .. } => {
+                        slot.raise_fence(fence);
+                        slot.state().cancel_unsent_older(fence);
+                    }
+                    StoreEvent::Revoked { token, .. } => {
+                        tracing::warn!(
+                            resource = resource.as_str(),
+                            token = token.0,
+                            "in-flight registration lost or not renewed in time: stopping this replica's unsent writes"
+                        );
+                        slot.state().cancel_unsent(CutOff::Revoked, |t| t <= token);
+                    }
                 }
+                slot.changed.notify_waiters();
             }
         });
     }
@@ -336,9 +383,16 @@ impl Gate {
         let id = self.next_write_id.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let body_sent = Arc::new(AtomicBool::new(false));
-        state.inflight.push(Inflight { id, token, cancel: cancel.clone(), body_sent: body_sent.clone() });
+        let cut_off = Arc::new(AtomicU8::new(0));
+        state.inflight.push(Inflight {
+            id,
+            token,
+            cancel: cancel.clone(),
+            body_sent: body_sent.clone(),
+            cut_off: cut_off.clone(),
+        });
         metrics::inflight_changed(1);
-        Permit { slot: slot.clone(), id, token, cancel, body_sent, remote: None }
+        Permit { slot: slot.clone(), id, token, cancel, body_sent, cut_off, remote: None }
     }
 
     /// Reads the fence from the store the first time the slot is used.
@@ -445,6 +499,7 @@ pub struct Permit {
     token: FenceToken,
     cancel: CancellationToken,
     body_sent: Arc<AtomicBool>,
+    cut_off: Arc<AtomicU8>,
     /// The registration in a shared store's in-flight registry, withdrawn on drop.
     remote: Option<RemoteTicket>,
 }
@@ -476,6 +531,7 @@ impl Permit {
 
     /// Records that the whole body was handed to the upstream: the write is no longer
     /// cancellable. Returns `false` if it was cancelled first (then the body must not finish).
+    /// A request whose body is in memory is marked before it is sent.
     pub fn mark_body_sent(&self) -> bool {
         let _state = self.slot.state(); // ordered against cancel_unsent_older
         if self.cancel.is_cancelled() {
@@ -483,6 +539,33 @@ impl Permit {
         }
         self.body_sent.store(true, Ordering::Release);
         true
+    }
+
+    /// Whether the whole body was handed to the upstream: from then on the upstream may
+    /// commit the write whatever fencegate does.
+    pub fn body_sent(&self) -> bool {
+        self.body_sent.load(Ordering::Acquire)
+    }
+
+    /// The write's own deadline passed: cancel it if its body has not fully been handed to
+    /// the upstream. Returns `true` if the write is cut off (the upstream never gets a
+    /// complete body), `false` if the body was already sent and the outcome is unknown.
+    pub fn cut_off_if_unsent(&self) -> bool {
+        let _state = self.slot.state(); // ordered against mark_body_sent
+        if self.body_sent.load(Ordering::Acquire) {
+            return false;
+        }
+        if !self.cancel.is_cancelled() {
+            self.cut_off.store(CutOff::Deadline as u8, Ordering::Release);
+            self.cancel.cancel();
+            metrics::inflight_cancelled();
+        }
+        true
+    }
+
+    /// Why the write was cut off, if it was.
+    pub fn cut_off(&self) -> Option<CutOff> {
+        CutOff::from_u8(self.cut_off.load(Ordering::Acquire))
     }
 }
 

@@ -5,15 +5,16 @@ mod decision;
 mod gate;
 mod idempotency;
 mod lease;
+pub mod outcome;
 mod store;
 mod token;
 
 pub use decision::{Decision, decide};
-pub use gate::{AdmitError, Gate, GateLimits, Permit};
+pub use gate::{AdmitError, CutOff, Gate, GateLimits, Permit};
 pub use idempotency::{
     AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
     fingerprint,
 };
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
-pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError};
+pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError, StoreEvent};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

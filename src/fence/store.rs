@@ -121,6 +121,19 @@ pub trait SharedRegistry: Send + Sync {
     /// the background (at once, or after a short linger for the next write with that token).
     fn release(&self, resource: &ResourceKey, token: FenceToken);
 
-    /// Advances announced by any replica, as (resource, new fence). Taken once, by the gate.
-    fn take_announcements(&self) -> Option<tokio::sync::mpsc::Receiver<(ResourceKey, FenceToken)>>;
+    /// What the store learns about this replica's writes on its own: advances announced by
+    /// any replica, and registrations it could not keep. Taken once, by the gate.
+    fn take_events(&self) -> Option<tokio::sync::mpsc::Receiver<StoreEvent>>;
+}
+
+/// News from a shared store that the gate acts on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreEvent {
+    /// The fence of `resource` is now at least `fence` (announced by a replica, or seen when a
+    /// registration was renewed): older writes still streaming here are cut off.
+    Advanced { resource: ResourceKey, fence: FenceToken },
+    /// This replica's registration of `token` on `resource` is gone or could not be renewed in
+    /// time: its writes with `token` or older that have not sent their whole body must stop
+    /// now, before another replica can admit a newer token.
+    Revoked { resource: ResourceKey, token: FenceToken },
 }

@@ -26,6 +26,9 @@ pub enum SendError {
     /// The connection broke after the request started: the API may have executed it.
     #[error("the upstream connection broke")]
     Broken(#[source] hyper_util::client::legacy::Error),
+    /// The write's body was cut off before it reached the API whole: nothing executed.
+    #[error("the request body was cut off")]
+    CutOff,
 }
 
 pub struct ApiClient {
@@ -55,17 +58,37 @@ impl ApiClient {
         Ok(Self { client })
     }
 
+    /// Sends a read (or an unfenced write), given up after `timeout`.
     pub async fn send(
         &self,
         req: http::Request<Body>,
         timeout: Duration,
     ) -> Result<http::Response<Incoming>, SendError> {
-        match tokio::time::timeout(timeout, self.client.request(req)).await {
+        match tokio::time::timeout(timeout, self.send_unbounded(req)).await {
             Err(_) => Err(SendError::Timeout { after_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }),
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(SendError::NotSent(e)),
-            Ok(Err(e)) => Err(SendError::Broken(e)),
+            Ok(result) => result,
         }
+    }
+
+    /// Sends a fenced write: never given up here, the caller bounds it (`fence::outcome`).
+    pub fn send_unbounded(
+        &self,
+        req: http::Request<Body>,
+    ) -> impl Future<Output = Result<http::Response<Incoming>, SendError>> + Send + 'static {
+        let request = self.client.request(req);
+        async move {
+            match request.await {
+                Ok(resp) => Ok(resp),
+                Err(e) if e.is_connect() => Err(SendError::NotSent(e)),
+                Err(e) => Err(SendError::Broken(e)),
+            }
+        }
+    }
+}
+
+impl crate::fence::outcome::Delivery for SendError {
+    fn maybe_delivered(&self) -> bool {
+        !matches!(self, Self::NotSent(_) | Self::CutOff)
     }
 }
 

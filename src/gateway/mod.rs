@@ -40,6 +40,8 @@ use self::etags::EtagCache;
 use self::replay::Collected;
 use self::route::Route;
 use crate::config::{Config, RouteMode, ms};
+use crate::fence::CutOff;
+use crate::fence::outcome::{Bounded, bounded_call, detached};
 use crate::fence::{
     AmbiguousCause, Decision, FenceToken, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
     IdempotencyRecord, Permit, ResourceKey, StoreError, decide, fingerprint,
@@ -135,7 +137,9 @@ impl Gateway {
             duration_ms = field::Empty,
         );
         let started = Instant::now();
-        let result = self.dispatch(ix, req).instrument(span.clone()).await;
+        // Detached: a client that disconnects does not end a write the API may still execute,
+        // nor a claimed idempotency record (`fence::outcome`).
+        let result = detached(self.clone().dispatch(ix, req).instrument(span.clone())).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -196,13 +200,7 @@ impl Gateway {
                 Ok(client_response(resp))
             }
             RouteMode::Conditional => self.conditional(route, &parts, uri, body, resource, token).await,
-            RouteMode::IdempotencyKey => {
-                // In a task of its own: once a request id is claimed, the call and its record
-                // finish even if the client goes away.
-                let this = self.clone();
-                let task = async move { this.idempotent(ix, parts, uri, body, resource, token).await };
-                tokio::spawn(task.instrument(span)).await.unwrap_or(Err(GatewayError::Internal))
-            }
+            RouteMode::IdempotencyKey => self.clone().idempotent(ix, parts, uri, body, resource, token).await,
         }
     }
 
@@ -331,17 +329,19 @@ impl Gateway {
         headers
             .insert(IDEMPOTENCY_KEY_HEADER, HeaderValue::from_str(&claim.upstream_key).expect("hex is a header value"));
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        let deadline = tokio::time::Instant::now() + route.request_timeout;
         let (forwarded, report) = ForwardBody::new(Body::from(body), Some(permit.clone()), None, 0);
         *req.body_mut() = Body::http_body(forwarded);
-        let result = self.call(route, req).await;
+        let result = self.call_write(route, &permit, deadline, req).await;
 
         let resp = match (result, report.failure()) {
-            (_, Some(failure)) => {
+            (Err(SendError::CutOff), _) | (_, Some(BodyFailure::Cancelled)) => {
                 self.finish(&key, &claim, None).await;
-                return Err(match failure {
-                    BodyFailure::Cancelled => self.stale_after_cancel(&resource, token).await,
-                    _ => GatewayError::IncompleteBody,
-                });
+                return Err(self.cut_off_error(route, &resource, &permit).await);
+            }
+            (_, Some(_)) => {
+                self.finish(&key, &claim, None).await;
+                return Err(GatewayError::IncompleteBody);
             }
             (Err(SendError::NotSent(e)), None) => {
                 self.finish(&key, &claim, None).await;
@@ -426,6 +426,7 @@ impl Gateway {
         conditional: bool,
     ) -> Result<(http::Response<Incoming>, Arc<Permit>), GatewayError> {
         let permit = Arc::new(self.gate.admit(resource, token).await?);
+        let deadline = tokio::time::Instant::now() + route.request_timeout;
         self.accepted();
         if conditional {
             let (name, value) = self.etags.precondition(resource);
@@ -436,9 +437,11 @@ impl Gateway {
         }
         let (forwarded, report) = ForwardBody::new(body, Some(permit.clone()), None, 0);
         *req.body_mut() = Body::http_body(forwarded);
-        let result = self.call(route, req).await;
+        let result = self.call_write(route, &permit, deadline, req).await;
         match (result, report.failure()) {
-            (_, Some(BodyFailure::Cancelled)) => Err(self.stale_after_cancel(resource, token).await),
+            (Err(SendError::CutOff), _) | (_, Some(BodyFailure::Cancelled)) => {
+                Err(self.cut_off_error(route, resource, &permit).await)
+            }
             (_, Some(_)) => Err(GatewayError::IncompleteBody),
             (Ok(resp), None) => Ok((resp, permit)),
             (Err(SendError::NotSent(e)), None) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
@@ -446,10 +449,45 @@ impl Gateway {
         }
     }
 
-    /// A write whose body a newer token cut off: stale, with the fence that did it.
-    async fn stale_after_cancel(&self, resource: &ResourceKey, token: FenceToken) -> GatewayError {
-        let current = self.gate.fence(resource).await.ok().flatten().unwrap_or(token);
-        GatewayError::Stale { presented: token, current }
+    /// A write cut off before its whole body reached the API: stale, with the fence that did
+    /// it, or past its deadline, or its registration lost.
+    async fn cut_off_error(&self, route: &Route, resource: &ResourceKey, permit: &Permit) -> GatewayError {
+        match permit.cut_off() {
+            Some(CutOff::Deadline) => GatewayError::UpstreamTimeout { after_ms: millis(route.request_timeout) },
+            Some(CutOff::Revoked) => {
+                GatewayError::StoreUnavailable(StoreError::Backend("the write's registration could not be kept".into()))
+            }
+            Some(CutOff::Superseded) | None => {
+                let token = permit.token();
+                let current = self.gate.fence(resource).await.ok().flatten().unwrap_or(token);
+                GatewayError::Stale { presented: token, current }
+            }
+        }
+    }
+
+    /// One call of an admitted write, bounded by the write's deadline and never abandoned once
+    /// its request may have reached the API (`fence::outcome`).
+    async fn call_write(
+        &self,
+        route: &Route,
+        permit: &Arc<Permit>,
+        deadline: tokio::time::Instant,
+        req: http::Request<Body>,
+    ) -> Result<http::Response<Incoming>, SendError> {
+        let started = Instant::now();
+        let call = route.client.send_unbounded(req);
+        let permits = std::slice::from_ref(permit);
+        let result = match bounded_call(permits, deadline, self.inflight_deadline, call).await {
+            Bounded::Done(result) => result,
+            Bounded::CutOff => Err(SendError::CutOff),
+            Bounded::Unknown => Err(SendError::Timeout { after_ms: millis(route.request_timeout) }),
+        };
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        metrics::upstream_call("api", started.elapsed(), status);
+        if let Some(status) = status {
+            tracing::Span::current().record("upstream_status", status);
+        }
+        result
     }
 
     /// Reads and unfenced writes; a write's broken call is still an unknown outcome.
@@ -465,6 +503,7 @@ impl Gateway {
             Err(e) if write => Err(unknown_outcome(e, None)),
             Err(SendError::Timeout { after_ms }) => Err(GatewayError::UpstreamTimeout { after_ms }),
             Err(SendError::Broken(e)) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
+            Err(SendError::CutOff) => Err(GatewayError::IncompleteBody),
         }
     }
 

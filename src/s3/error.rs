@@ -50,6 +50,20 @@ pub enum FrontError {
     PreconditionRace,
     #[error("upstream request failed")]
     Upstream(#[source] UpstreamError),
+    #[error(
+        "the write did not finish within upstream.request_timeout_ms ({after_ms} ms); its body was cut off and nothing was committed"
+    )]
+    WriteDeadline { after_ms: u64 },
+    #[error(
+        "the upstream has not answered within upstream.request_timeout_ms ({after_ms} ms); the write may still commit, and newer tokens wait for its outcome"
+    )]
+    OutcomeUnknown { after_ms: u64 },
+    #[error(
+        "this fencegate replica could not keep the write registered in the fence store; nothing was committed; retry"
+    )]
+    RegistrationLost,
+    #[error("method {0} is not an S3 method")]
+    MethodNotAllowed(String),
     #[error("upstream answered {status} to {step}")]
     UpstreamStatus { step: &'static str, status: StatusCode },
 }
@@ -100,7 +114,11 @@ impl FrontError {
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
-            Self::Upstream(UpstreamError::Timeout { .. }) => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
+            Self::Upstream(UpstreamError::Timeout { .. })
+            | Self::WriteDeadline { .. }
+            | Self::OutcomeUnknown { .. } => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
+            Self::RegistrationLost => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
+            Self::MethodNotAllowed(_) => (S::METHOD_NOT_ALLOWED, "MethodNotAllowed"),
             Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
         }
     }

@@ -12,7 +12,7 @@ mod wire;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
@@ -29,11 +29,12 @@ pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use self::objects::{EtagCache, ObjectState};
 use crate::config::Config;
-use crate::fence::{AdmitError, FenceToken, Gate, Permit, ResourceKey};
+use crate::fence::outcome::{Bounded, bounded_call, detached};
+use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamError};
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
 /// ones of every listener): never forwarded, the upstream request is signed anew.
@@ -59,6 +60,9 @@ const PRESIGN_PARAMS: &[&str] = &[
     "Signature",
     "Expires",
 ];
+
+/// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
+const S3_METHODS: &[Method] = &[Method::GET, Method::HEAD, Method::PUT, Method::POST, Method::DELETE, Method::OPTIONS];
 
 /// Success responses of these operations can still carry an `<Error>` body; they are read
 /// (bounded) before the write counts as committed.
@@ -164,7 +168,10 @@ impl S3Route for FencegateRoute {
         if LeaseService::handles(req.uri.path()) {
             return Ok(self.leases.handle(&req.method, req.uri.path(), req.input).await);
         }
-        self.front.handle(req).await
+        // Detached: a client that disconnects does not end a write the upstream may still
+        // commit (`fence::outcome`).
+        let front = self.front.clone();
+        detached(async move { front.handle(req).await }).await
     }
 }
 
@@ -177,6 +184,10 @@ pub struct Front {
     domain: Option<String>,
     body_bytes_max: u64,
     retry_body_bytes_max: usize,
+    /// Bounds a read, and the whole of an admitted write (`upstream.request_timeout_ms`).
+    request_timeout: Duration,
+    /// How long a write whose outcome is unknown stays in flight (`fencing.inflight_deadline_ms`).
+    unknown_outcome_hold: Duration,
     etags: EtagCache,
     request_ids: RequestIds,
 }
@@ -204,6 +215,16 @@ struct Admitted {
     token: FenceToken,
     resource: ResourceKey,
     permit: Arc<Permit>,
+    /// The whole write's deadline: every upstream call of it ends by then (`fence::outcome`).
+    deadline: tokio::time::Instant,
+}
+
+/// The body of one upstream call of an admitted write.
+enum WriteBody {
+    /// A [`ForwardBody`]: it marks the write sent when its last chunk goes.
+    Streamed(Body),
+    /// Already in memory: the write counts as sent before the call starts.
+    InMemory(Body),
 }
 
 impl Front {
@@ -221,6 +242,8 @@ impl Front {
             domain: config.server.domain.clone(),
             body_bytes_max: config.server.body_bytes_max,
             retry_body_bytes_max: config.fencing.retry_body_bytes_max,
+            request_timeout: crate::config::ms(config.upstream.request_timeout_ms),
+            unknown_outcome_hold: crate::config::ms(config.fencing.inflight_deadline_ms),
             etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
         })
@@ -267,6 +290,11 @@ impl Front {
     }
 
     async fn route(&self, req: S3Request<Body>) -> Result<S3Response<Body>, FrontError> {
+        if !S3_METHODS.contains(&req.method) {
+            // A method S3 does not know (`put`, `Put`, `PATCH`...) is refused, never forwarded
+            // unfenced: an upstream may treat `put` as PUT.
+            return Err(FrontError::MethodNotAllowed(req.method.to_string()));
+        }
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
@@ -299,18 +327,29 @@ impl Front {
         if op == Op::DeleteObjects {
             return self.delete_objects(request, token).await;
         }
-        let (bucket, key) = match (&request.target.bucket, &request.target.key) {
-            (Some(b), Some(k)) => (b.as_str(), k.as_str()),
-            _ => unreachable!("fenced writes address an object"),
+        let (Some(bucket), Some(key)) = (&request.target.bucket, &request.target.key) else {
+            return Err(FrontError::NotSupported("a write without an object key"));
         };
         let resource = self.wire.resource(&request.headers, bucket, key)?;
+        let mut request = request;
+        if op == Op::CompleteMultipartUpload {
+            // The parts list is read before admission: a client that sends it slowly must not
+            // hold a write that is past cancelling (its body is complete once read).
+            let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)
+                .collect()
+                .await
+                .map_err(|_| FrontError::IncompleteBody)?
+                .to_bytes();
+            request.body = Body::from(parts);
+        }
         let span = tracing::Span::current();
         span.record("resource", resource.as_str());
         span.record("token", token.0);
         let permit = Arc::new(self.gate.admit(&resource, token).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
-        let admitted = Admitted { token, resource, permit };
+        let deadline = tokio::time::Instant::now() + self.request_timeout;
+        let admitted = Admitted { token, resource, permit, deadline };
         match op {
             Op::PutObject => self.put_object(request, admitted).await,
             Op::CopyObject => self.copy_object(request, admitted).await,
@@ -333,6 +372,57 @@ impl Front {
         Ok(client_response(resp))
     }
 
+    /// One upstream call of an admitted write, bounded by the write's deadline and never
+    /// abandoned once its request may have reached the upstream (`fence::outcome`).
+    async fn send_write(
+        &self,
+        op: &'static str,
+        admitted: &Admitted,
+        method: Method,
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: WriteBody,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let body = match body {
+            WriteBody::Streamed(body) => body,
+            WriteBody::InMemory(body) => {
+                if !admitted.permit.mark_body_sent() {
+                    return Err(self.cut_off_error(admitted).await);
+                }
+                body
+            }
+        };
+        let req = upstream_request(method, path_and_query, headers, body)?;
+        let upstream = self.upstream.clone();
+        let started = Instant::now();
+        let call = async move { upstream.send(req).await };
+        let permits = std::slice::from_ref(&admitted.permit);
+        match bounded_call(permits, admitted.deadline, self.unknown_outcome_hold, call).await {
+            Bounded::Done(result) => {
+                let status = result.as_ref().ok().map(|r| r.status().as_u16());
+                metrics::upstream_call(op, started.elapsed(), status);
+                if let Some(status) = status {
+                    tracing::Span::current().record("upstream_status", status);
+                }
+                result.map_err(FrontError::Upstream)
+            }
+            Bounded::CutOff => Err(self.cut_off_error(admitted).await),
+            Bounded::Unknown => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
+        }
+    }
+
+    /// The answer for a write that was cut off before its whole body reached the upstream.
+    async fn cut_off_error(&self, admitted: &Admitted) -> FrontError {
+        match admitted.permit.cut_off() {
+            Some(CutOff::Deadline) => FrontError::WriteDeadline { after_ms: millis(self.request_timeout) },
+            Some(CutOff::Revoked) => FrontError::RegistrationLost,
+            Some(CutOff::Superseded) | None => {
+                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
+                FrontError::Stale { presented: admitted.token, current }
+            }
+        }
+    }
+
     /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
     /// gate orders it, and its body is cancellable like any other.
     async fn forward_admitted(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
@@ -340,7 +430,8 @@ impl Front {
         let headers = upstream_headers(&request.headers, &self.wire);
         let check = trailer_check(&request);
         let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
-        let result = self.send("fenced_write", request.method, &path, headers, Body::http_body(body)).await;
+        let body = WriteBody::Streamed(Body::http_body(body));
+        let result = self.send_write("fenced_write", &admitted, request.method, &path, headers, body).await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         Ok(client_response(resp))
     }
@@ -359,7 +450,8 @@ impl Front {
         let check = trailer_check(&request);
         let retain = if retainable { self.retry_body_bytes_max } else { 0 };
         let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, retain);
-        let result = self.send("put_object", Method::PUT, &path, headers.clone(), Body::http_body(body)).await;
+        let body = WriteBody::Streamed(Body::http_body(body));
+        let result = self.send_write("put_object", &admitted, Method::PUT, &path, headers.clone(), body).await;
         let resp = self.settle_body(result, &report, &admitted).await?;
         if resp.status().is_success() {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -377,7 +469,8 @@ impl Front {
         let body = Body::http_body(http_body_util::StreamBody::new(futures_util::stream::iter(
             chunks.into_iter().map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(c))),
         )));
-        let resp = self.send("put_object", Method::PUT, &path, headers, body).await?;
+        let resp =
+            self.send_write("put_object", &admitted, Method::PUT, &path, headers, WriteBody::InMemory(body)).await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
@@ -398,7 +491,8 @@ impl Front {
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
-        let resp = self.send("copy_object", Method::PUT, &path, headers.clone(), Body::empty()).await?;
+        let empty = || WriteBody::InMemory(Body::empty());
+        let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers.clone(), empty()).await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             self.remember_write(object, resp.headers(), admitted.token);
@@ -409,61 +503,69 @@ impl Front {
         }
         let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         set_precondition(&mut headers, &fresh);
-        let resp = self.send("copy_object", Method::PUT, &path, headers, Body::empty()).await?;
+        let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers, empty()).await?;
         let (resp, _) = read_xml_response(resp).await?;
         self.finish_retry(object, resp, admitted.token)
     }
 
-    /// DeleteObject: conditional on the ETag of the version the token may delete.
+    /// DeleteObject: conditional on the ETag of the version the token may delete. A DELETE of
+    /// an object that is not there is answered 204 (as S3 does) without forwarding it: sent
+    /// without a precondition, it could land after a newer token's write and delete it.
     async fn delete_object(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
-        let object = request.target.object_name().expect("object write");
-        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+        let versioned = classify::query_has(Some(&request.query.trim_start_matches('?')), "versionId");
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
-        if let ObjectState::Present { .. } = state {
+        // A cached `Absent` is not trusted here: another writer may have created the object.
+        let mut state = match self.etags.get(&object) {
+            Some(cached @ ObjectState::Present { .. }) => cached,
+            _ => self.head(&request.target).await?,
+        };
+        self.refuse_newer_stamp(&object, &state, admitted.token)?;
+        for attempt in 0..2 {
+            let ObjectState::Present { .. } = &state else {
+                if versioned {
+                    // A version id names its own object version; the upstream decides.
+                    headers.remove(http::header::IF_MATCH);
+                    headers.remove(http::header::IF_NONE_MATCH);
+                    let resp =
+                        self.send_write("delete_object", &admitted, Method::DELETE, &path, headers, empty()).await?;
+                    return Ok(client_response(resp));
+                }
+                self.etags.put(object, ObjectState::Absent);
+                return Ok(no_content());
+            };
             set_precondition(&mut headers, &state);
+            let resp =
+                self.send_write("delete_object", &admitted, Method::DELETE, &path, headers.clone(), empty()).await?;
+            if resp.status().is_success() {
+                if attempt > 0 {
+                    metrics::precondition_conflict("retried");
+                }
+                self.etags.put(object, ObjectState::Absent);
+                return Ok(client_response(resp));
+            }
+            if !lost_precondition(resp.status()) {
+                return Ok(client_response(resp));
+            }
+            state = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         }
-        let resp = self.send("delete_object", Method::DELETE, &path, headers.clone(), Body::empty()).await?;
-        if resp.status().is_success() {
-            self.etags.put(object, ObjectState::Absent);
-            return Ok(client_response(resp));
-        }
-        if !lost_precondition(resp.status()) {
-            return Ok(client_response(resp));
-        }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
-        headers.remove(http::header::IF_MATCH);
-        if let ObjectState::Present { .. } = fresh {
-            set_precondition(&mut headers, &fresh);
-        }
-        let resp = self.send("delete_object", Method::DELETE, &path, headers, Body::empty()).await?;
-        if resp.status().is_success() {
-            metrics::precondition_conflict("retried");
-            self.etags.put(object, ObjectState::Absent);
-            return Ok(client_response(resp));
-        }
-        if lost_precondition(resp.status()) {
-            metrics::precondition_conflict("gave_up");
-            return Err(FrontError::PreconditionRace);
-        }
-        Ok(client_response(resp))
+        metrics::precondition_conflict("gave_up");
+        Err(FrontError::PreconditionRace)
     }
 
     /// CompleteMultipartUpload, the commit point of a multipart upload: the gate checked the
-    /// token again, and the completion is conditional on the object's last known state.
+    /// token again, and the completion is conditional on the object's last known state. Its
+    /// parts list was read before admission.
     async fn complete_multipart(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
-        let object = request.target.object_name().expect("object write");
+        let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
         let state = self.object_state(&request.target, &object, true, admitted.token).await?;
         let path = request.path_and_query();
-        let parts = http_body_util::Limited::new(request.body, COMPLETE_REQUEST_BYTES_MAX)
-            .collect()
-            .await
-            .map_err(|_| FrontError::IncompleteBody)?
-            .to_bytes();
+        let parts = request.body.bytes().unwrap_or_default();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         set_precondition(&mut headers, &state);
-        let resp =
-            self.send("complete_multipart", Method::POST, &path, headers.clone(), Body::from(parts.clone())).await?;
+        let body = WriteBody::InMemory(Body::from(parts.clone()));
+        let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers.clone(), body).await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             self.remember_completion(object, &resp, admitted.token).await;
@@ -474,7 +576,8 @@ impl Front {
         }
         let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         set_precondition(&mut headers, &fresh);
-        let resp = self.send("complete_multipart", Method::POST, &path, headers, Body::from(parts)).await?;
+        let body = WriteBody::InMemory(Body::from(parts));
+        let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers, body).await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             metrics::precondition_conflict("retried");
@@ -503,7 +606,7 @@ impl Front {
 
     /// DeleteObjects: each key against its own resource; stale keys become per-key errors.
     async fn delete_objects(&self, request: Request, token: FenceToken) -> Result<S3Response<Body>, FrontError> {
-        let bucket = request.target.bucket.clone().expect("DeleteObjects addresses a bucket");
+        let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
         let path = request.path_and_query();
         let parsed = delete_objects::read(request.body).await?;
         let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<delete_objects::ObjectId>> =
@@ -521,7 +624,7 @@ impl Front {
             match self.gate.admit(&resource, token).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
-                    permits.push(permit);
+                    permits.push((resource, Arc::new(permit)));
                     admitted.extend(objects);
                 }
                 Err(AdmitError::Stale { presented, current }) => {
@@ -540,7 +643,7 @@ impl Front {
             let body = delete_objects::forwarded_body(&admitted, parsed.quiet);
             let mut headers = upstream_headers(&request.headers, &self.wire);
             delete_objects::rewrite_headers(&mut headers, &body);
-            let resp = self.send("delete_objects", Method::POST, &path, headers, Body::from(body)).await?;
+            let resp = self.send_batch(&permits, &path, headers, Body::from(body)).await?;
             for object in &admitted {
                 self.etags.forget(&format!("{bucket}/{}", object.key));
             }
@@ -562,6 +665,44 @@ impl Front {
         Ok(resp)
     }
 
+    /// The upstream call of a DeleteObjects: its keys are not conditional, so the permits of
+    /// every resource it touches are held until its outcome is known (`fence::outcome`).
+    async fn send_batch(
+        &self,
+        admitted: &[(ResourceKey, Arc<Permit>)],
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let deadline = tokio::time::Instant::now() + self.request_timeout;
+        for (resource, permit) in admitted {
+            if !permit.mark_body_sent() {
+                // Cut off by a newer token (or a lost registration) since admission.
+                let admitted =
+                    Admitted { token: permit.token(), resource: resource.clone(), permit: permit.clone(), deadline };
+                return Err(self.cut_off_error(&admitted).await);
+            }
+        }
+        let permits: Vec<Arc<Permit>> = admitted.iter().map(|(_, p)| p.clone()).collect();
+        let req = upstream_request(Method::POST, path_and_query, headers, body)?;
+        let upstream = self.upstream.clone();
+        let started = Instant::now();
+        let call = async move { upstream.send(req).await };
+        match bounded_call(&permits, deadline, self.unknown_outcome_hold, call).await {
+            Bounded::Done(result) => {
+                metrics::upstream_call(
+                    "delete_objects",
+                    started.elapsed(),
+                    result.as_ref().ok().map(|r| r.status().as_u16()),
+                );
+                result.map_err(FrontError::Upstream)
+            }
+            Bounded::CutOff | Bounded::Unknown => {
+                Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) })
+            }
+        }
+    }
+
     /// The object's state for a precondition: from the cache when allowed, else a head read.
     /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
     async fn object_state(
@@ -574,13 +715,27 @@ impl Front {
         let cached = if use_cache { self.etags.get(object) } else { None };
         let state = match cached {
             Some(state) => state,
-            None => objects::head(self.upstream.as_ref(), &target.raw_path).await?,
+            None => self.head(target).await?,
         };
+        self.refuse_newer_stamp(object, &state, token)?;
+        Ok(state)
+    }
+
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    fn refuse_newer_stamp(&self, object: &str, state: &ObjectState, token: FenceToken) -> Result<(), FrontError> {
         if let Some(newer) = state.newer_stamp(token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
             return Err(FrontError::Stale { presented: token, current: newer });
         }
-        Ok(state)
+        Ok(())
+    }
+
+    /// The object's head at the upstream, bounded like any read.
+    async fn head(&self, target: &Target) -> Result<ObjectState, FrontError> {
+        let read = objects::head(self.upstream.as_ref(), &target.raw_path);
+        tokio::time::timeout(self.request_timeout, read)
+            .await
+            .map_err(|_| FrontError::Upstream(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }))?
     }
 
     /// After the upstream refused a precondition: re-read the object; a newer stamp means the
@@ -592,7 +747,7 @@ impl Front {
         token: FenceToken,
     ) -> Result<ObjectState, FrontError> {
         self.etags.forget(object);
-        let fresh = objects::head(self.upstream.as_ref(), &target.raw_path).await?;
+        let fresh = self.head(target).await?;
         if let Some(newer) = fresh.newer_stamp(token) {
             metrics::precondition_conflict("stale");
             return Err(FrontError::Stale { presented: token, current: newer });
@@ -644,7 +799,10 @@ impl Front {
             .uri(uri)
             .body(Body::empty())
             .map_err(|_| FrontError::UnsafeKey)?;
-        let resp = self.upstream.send(req).await.map_err(FrontError::Upstream)?;
+        let resp = tokio::time::timeout(self.request_timeout, self.upstream.send(req))
+            .await
+            .map_err(|_| FrontError::Upstream(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }))?
+            .map_err(FrontError::Upstream)?;
         if !resp.status().is_success() {
             return Ok(()); // the copy itself will fail with the upstream's own error
         }
@@ -674,21 +832,10 @@ impl Front {
         admitted: &Admitted,
     ) -> Result<http::Response<Body>, FrontError> {
         match report.failure() {
-            Some(BodyFailure::Cancelled) => {
-                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
-                Err(FrontError::Stale { presented: admitted.token, current })
-            }
+            Some(BodyFailure::Cancelled) => Err(self.cut_off_error(admitted).await),
             Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
             Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
-            None => {
-                if let Err(FrontError::Upstream(_)) = &result
-                    && admitted.permit.cancellation().is_cancelled().not()
-                {
-                    // The body may have reached the upstream: the outcome is unknown.
-                    metrics::ambiguous_outcome("write");
-                }
-                result
-            }
+            None => result,
         }
     }
 
@@ -700,14 +847,12 @@ impl Front {
         headers: HeaderMap,
         body: Body,
     ) -> Result<http::Response<Body>, FrontError> {
-        let mut req = http::Request::builder()
-            .method(method)
-            .uri(path_and_query)
-            .body(body)
-            .map_err(|_| FrontError::UnsafeKey)?;
-        *req.headers_mut() = headers;
+        let req = upstream_request(method, path_and_query, headers, body)?;
         let started = Instant::now();
-        let result = self.upstream.send(req).await;
+        let result = match tokio::time::timeout(self.request_timeout, self.upstream.send(req)).await {
+            Ok(result) => result,
+            Err(_) => Err(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }),
+        };
         let status = result.as_ref().ok().map(|r| r.status().as_u16());
         metrics::upstream_call(op, started.elapsed(), status);
         if let Some(status) = status {
@@ -717,7 +862,32 @@ impl Front {
     }
 }
 
-use std::ops::Not;
+fn upstream_request(
+    method: Method,
+    path_and_query: &str,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<http::Request<Body>, FrontError> {
+    let mut req =
+        http::Request::builder().method(method).uri(path_and_query).body(body).map_err(|_| FrontError::UnsafeKey)?;
+    *req.headers_mut() = headers;
+    Ok(req)
+}
+
+fn empty() -> WriteBody {
+    WriteBody::InMemory(Body::empty())
+}
+
+/// What S3 answers to a DELETE: 204 with no body.
+fn no_content() -> S3Response<Body> {
+    let mut resp = S3Response::new(Body::empty());
+    resp.status = Some(StatusCode::NO_CONTENT);
+    resp
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     let decoded = headers.get("x-amz-decoded-content-length");
@@ -742,9 +912,11 @@ fn set_precondition(headers: &mut HeaderMap, state: &ObjectState) {
     headers.insert(name, value);
 }
 
-/// 412, or 409 (S3's `ConditionalRequestConflict` for a concurrent conditional write).
+/// 412, or 409 (S3's `ConditionalRequestConflict` for a concurrent conditional write), or 404
+/// (S3's answer to `If-Match` on an object that is gone): the object is not as fencegate last
+/// saw it, so it is read again.
 fn lost_precondition(status: StatusCode) -> bool {
-    status == StatusCode::PRECONDITION_FAILED || status == StatusCode::CONFLICT
+    matches!(status, StatusCode::PRECONDITION_FAILED | StatusCode::CONFLICT | StatusCode::NOT_FOUND)
 }
 
 /// The client's headers minus everything about the hop to fencegate.

@@ -25,12 +25,13 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
 use tokio::sync::{Notify, mpsc};
 
-use super::registrations::{Member, Plan, Registrations, Withdrawal};
+use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
 
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
+    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent,
 };
+use crate::metrics;
 
 /// The channel advances are announced on.
 pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
@@ -90,6 +91,18 @@ if ARGV[3] ~= '' then
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
 end
 return {'ok', advanced, had, repaired}
+";
+
+/// KEYS: fence, inflight. ARGV: member, deadline_ms. Pushes a registration in use to a full
+/// deadline from now, if it is still there. Returns {renewed 0|1, fence or ''}.
+const LUA_RENEW: &str = r"
+local now = now_ms()
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+local cur = redis.call('GET', KEYS[1]) or ''
+if not score or tonumber(score) <= now then return {0, cur} end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) * 2)
+return {1, cur}
 ";
 
 /// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
@@ -198,7 +211,7 @@ pub struct RedisStore {
     idempotency_begin: Script,
     idempotency_finish: Script,
     replica_id: String,
-    announcements: Mutex<Option<mpsc::Receiver<(ResourceKey, FenceToken)>>>,
+    events: Mutex<Option<mpsc::Receiver<StoreEvent>>>,
     registrations: Arc<Registrations>,
     /// Wakes the withdrawer when a registration is due at once.
     withdraw_now: Arc<Notify>,
@@ -228,9 +241,16 @@ impl RedisStore {
         let (tx, rx) = mpsc::channel(ANNOUNCEMENTS_QUEUED_MAX);
         tokio::spawn(listen_for_announcements(
             urls[0].clone(),
-            tx,
+            tx.clone(),
             Arc::downgrade(&registrations),
             withdraw_now.clone(),
+        ));
+        tokio::spawn(renew_registrations(
+            connection.clone(),
+            script(LUA_RENEW),
+            replica_id.clone(),
+            Arc::downgrade(&registrations),
+            tx,
         ));
         tokio::spawn(withdraw_registrations(
             connection.clone(),
@@ -246,7 +266,7 @@ impl RedisStore {
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
             replica_id,
-            announcements: Mutex::new(Some(rx)),
+            events: Mutex::new(Some(rx)),
             registrations,
             withdraw_now,
         })
@@ -392,6 +412,77 @@ async fn withdraw_registrations(
             registrations.retry(failed, Instant::now());
         }
     }
+}
+
+/// How often registrations in use are looked at for renewal and revocation.
+const RENEW_TICK: Duration = Duration::from_millis(50);
+
+/// Keeps this replica's registrations in use alive in the store, and stops the writes of any
+/// it cannot keep (`docs/design.md`, section 6): every registration a write uses is renewed
+/// well before its deadline; one that could not be renewed in time, or that the store lost, is
+/// revoked (the gate cuts off its writes that have not sent their whole body) before another
+/// replica can admit a newer token. A renewal also reads the fence, so a newer token is noticed
+/// even if its announcement was lost.
+async fn renew_registrations(
+    connection: Connection,
+    renew: Script,
+    replica_id: String,
+    registrations: Weak<Registrations>,
+    events: mpsc::Sender<StoreEvent>,
+) {
+    let mut tick = tokio::time::interval(RENEW_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(due) = registrations.upgrade().map(|r| r.renewals_due(Instant::now())) else { return };
+        let calls = due.into_iter().map(|renewal| {
+            let (connection, renew, replica_id) = (&connection, &renew, &replica_id);
+            async move {
+                let mut inv = renew.key(key(&renewal.resource, "fence"));
+                inv.key(key(&renewal.resource, "inflight"));
+                inv.arg(member_of(replica_id, renewal.member)).arg(millis(renewal.deadline));
+                let sent = Instant::now();
+                let result: redis::RedisResult<(i64, String)> = connection.invoke(&inv).await;
+                (renewal, sent, result)
+            }
+        });
+        let results = futures_util::future::join_all(calls).await;
+        let Some(regs) = registrations.upgrade() else { return };
+        let mut revoked: Vec<(ResourceKey, FenceToken)> = Vec::new();
+        for (Renewal { resource, member, .. }, sent, result) in results {
+            match result {
+                Ok((renewed, fence)) => {
+                    if renewed == 1 {
+                        regs.renewed(&resource, member, sent);
+                    } else if regs.lost(&resource, member) {
+                        revoked.push((resource.clone(), member.token));
+                    }
+                    if let Ok(Some(fence)) = parse_token(&fence)
+                        && fence > member.token
+                    {
+                        regs.superseded(&resource, fence, Instant::now());
+                        let _ = events.try_send(StoreEvent::Advanced { resource, fence });
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, resource = resource.as_str(), "could not renew an in-flight registration");
+                }
+            }
+        }
+        revoked.extend(regs.expiring(Instant::now()));
+        drop(regs);
+        for (resource, token) in revoked {
+            metrics::registration_revoked();
+            // Awaited, never dropped: the writes must stop whatever the queue holds.
+            if events.send(StoreEvent::Revoked { resource, token }).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn script(body: &str) -> Script {
@@ -611,8 +702,8 @@ impl SharedRegistry for RedisStore {
         }
     }
 
-    fn take_announcements(&self) -> Option<mpsc::Receiver<(ResourceKey, FenceToken)>> {
-        self.announcements.lock().expect("announcements lock").take()
+    fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
+        self.events.lock().expect("events lock").take()
     }
 }
 
@@ -620,7 +711,7 @@ impl SharedRegistry for RedisStore {
 /// listening.
 async fn listen_for_announcements(
     url: String,
-    tx: mpsc::Sender<(ResourceKey, FenceToken)>,
+    tx: mpsc::Sender<StoreEvent>,
     registrations: Weak<Registrations>,
     withdraw_now: Arc<Notify>,
 ) {
@@ -649,7 +740,9 @@ async fn listen_for_announcements(
                     {
                         withdraw_now.notify_one();
                     }
-                    if tx.try_send((resource, token)).is_err() && tx.is_closed() {
+                    // Dropped when the queue is full: announcements only speed up cancellation,
+                    // renewals find a moved fence too.
+                    if tx.try_send(StoreEvent::Advanced { resource, fence: token }).is_err() && tx.is_closed() {
                         return;
                     }
                 }

@@ -23,6 +23,19 @@ use crate::fence::{FenceToken, ResourceKey};
 /// The longest an idle registration is kept for the next write with its token.
 pub const LINGER_MAX: Duration = Duration::from_secs(1);
 
+/// The longest a registration in use goes without renewal (a renewal also tells whether the
+/// fence moved past its token, so this bounds how long a lost announcement delays a newer token).
+pub const RENEW_EVERY_MAX: Duration = Duration::from_secs(1);
+
+/// A registration in use is renewed once it is this share of its deadline old (capped by
+/// [`RENEW_EVERY_MAX`]).
+const RENEW_AT: u32 = 8;
+
+/// A registration in use that could not be renewed is revoked (its unsent writes stopped) once
+/// it is `deadline - deadline / REVOKE_MARGIN` old, before the store can drop it: the margin
+/// covers clock drift between this host and the store, and the time the cut-off takes.
+const REVOKE_MARGIN: u32 = 4;
+
 /// One registration of this replica in the store: its member is `replica:id:token`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Member {
@@ -51,12 +64,32 @@ struct Registration {
     idle_since: Option<Instant>,
     /// A newer token was announced: withdraw as soon as no write uses it.
     superseded: bool,
+    /// Not renewed in time, or found gone from the store: its writes were told to stop, and the
+    /// next admission registers it again.
+    revoked: bool,
 }
 
 impl Registration {
     fn linger(&self) -> Duration {
         LINGER_MAX.min(self.deadline / 4)
     }
+
+    fn renew_after(&self) -> Duration {
+        RENEW_EVERY_MAX.min(self.deadline / RENEW_AT)
+    }
+
+    fn revoke_after(&self) -> Duration {
+        self.deadline - self.deadline / REVOKE_MARGIN
+    }
+}
+
+/// A registration in use to renew in the store: its deadline is pushed to a full deadline from
+/// when the call is sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Renewal {
+    pub resource: ResourceKey,
+    pub member: Member,
+    pub deadline: Duration,
 }
 
 /// What an admission has to ask the store.
@@ -115,7 +148,7 @@ impl Registrations {
             reg.idle_since = None;
             reg.deadline = deadline;
             let fresh = reg.registered_at.is_some_and(|at| now.saturating_duration_since(at) < deadline / 2);
-            if fresh && !reg.superseded && withdraw.is_empty() {
+            if fresh && !reg.superseded && !reg.revoked && withdraw.is_empty() {
                 return Plan::Check { member: reg.member };
             }
             return Plan::Register { member: reg.member, withdraw };
@@ -128,6 +161,7 @@ impl Registrations {
             deadline,
             idle_since: None,
             superseded: false,
+            revoked: false,
         });
         Plan::Register { member, withdraw }
     }
@@ -140,7 +174,63 @@ impl Registrations {
             && let Some(at) = registered_at
         {
             reg.registered_at = Some(reg.registered_at.map_or(at, |prev| prev.max(at)));
+            reg.revoked = false;
         }
+    }
+
+    /// Registrations in use that are due for renewal.
+    pub fn renewals_due(&self, now: Instant) -> Vec<Renewal> {
+        let map = self.by_resource.lock().expect("registrations lock");
+        let mut out = Vec::new();
+        for (resource, regs) in map.iter() {
+            for r in regs {
+                let due = r.registered_at.is_some_and(|at| now.saturating_duration_since(at) >= r.renew_after());
+                if r.active > 0 && !r.revoked && due {
+                    out.push(Renewal { resource: resource.clone(), member: r.member, deadline: r.deadline });
+                }
+            }
+        }
+        out
+    }
+
+    /// The store set `member`'s deadline anew by a call sent at `sent`.
+    pub fn renewed(&self, resource: &ResourceKey, member: Member, sent: Instant) {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        if let Some(reg) = map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member))
+            && !reg.revoked
+        {
+            reg.registered_at = Some(reg.registered_at.map_or(sent, |prev| prev.max(sent)));
+        }
+    }
+
+    /// The store no longer holds `member` (expired, withdrawn, or lost with the store's data):
+    /// its writes are unprotected. Returns whether it was in use (then they must stop).
+    pub fn lost(&self, resource: &ResourceKey, member: Member) -> bool {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        match map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member)) {
+            Some(reg) if !reg.revoked => {
+                reg.revoked = true;
+                reg.active > 0
+            }
+            _ => false,
+        }
+    }
+
+    /// Registrations in use that were not renewed in time: marked revoked and returned once, so
+    /// that their writes that have not sent their whole body stop before the store drops them.
+    pub fn expiring(&self, now: Instant) -> Vec<(ResourceKey, FenceToken)> {
+        let mut map = self.by_resource.lock().expect("registrations lock");
+        let mut out = Vec::new();
+        for (resource, regs) in map.iter_mut() {
+            for r in regs.iter_mut() {
+                let late = r.registered_at.is_some_and(|at| now.saturating_duration_since(at) >= r.revoke_after());
+                if r.active > 0 && !r.revoked && late {
+                    r.revoked = true;
+                    out.push((resource.clone(), r.member.token));
+                }
+            }
+        }
+        out
     }
 
     /// The admission ended without a write: stale, told to wait, or failed. `failed`: the call
@@ -426,5 +516,61 @@ mod tests {
         assert_eq!(regs.due(t0 + Duration::from_secs(1), false), due);
         regs.retry(due, t0 + DEADLINE);
         assert!(!regs.has_urgent());
+    }
+
+    /// A registration in use is renewed while writes use it, never an idle one.
+    #[test]
+    fn a_registration_in_use_is_renewed_an_idle_one_is_not() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        assert!(regs.renewals_due(t0 + Duration::from_millis(10)).is_empty(), "fresh: not yet");
+        let later = t0 + RENEW_EVERY_MAX;
+        assert_eq!(regs.renewals_due(later), vec![Renewal { resource: res.clone(), member, deadline: DEADLINE }]);
+        regs.renewed(&res, member, later);
+        assert!(regs.renewals_due(later + Duration::from_millis(10)).is_empty());
+        // Renewed in time, it is never revoked, however long the write takes.
+        for step in 1..100 {
+            let now = later + RENEW_EVERY_MAX * step;
+            assert!(regs.expiring(now).is_empty());
+            regs.renewed(&res, member, now);
+        }
+        regs.release(&res, FenceToken(5), t0);
+        assert!(regs.renewals_due(later + DEADLINE).is_empty(), "idle: left to its linger");
+    }
+
+    /// A registration in use that could not be renewed is revoked once, before its deadline,
+    /// and the next admission registers it again instead of only checking it.
+    #[test]
+    fn a_registration_not_renewed_in_time_is_revoked_before_its_deadline() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        assert!(regs.expiring(t0 + DEADLINE / 2).is_empty());
+        let revoke_at = t0 + DEADLINE - DEADLINE / REVOKE_MARGIN;
+        assert!(revoke_at < t0 + DEADLINE);
+        assert_eq!(regs.expiring(revoke_at), vec![(res.clone(), FenceToken(5))]);
+        assert!(regs.expiring(revoke_at + Duration::from_millis(1)).is_empty(), "revoked once");
+        assert!(regs.renewals_due(revoke_at).is_empty(), "a revoked registration is not renewed");
+        assert_eq!(
+            regs.begin(&res, FenceToken(5), DEADLINE, revoke_at),
+            Plan::Register { member, withdraw: vec![] },
+            "registered again, not only checked"
+        );
+        regs.admitted(&res, member, Some(revoke_at));
+        assert!(regs.expiring(revoke_at + DEADLINE / 2).is_empty());
+    }
+
+    /// A registration the store lost (a restart without persistence, an expiry) is revoked at
+    /// once if writes use it.
+    #[test]
+    fn a_registration_the_store_lost_is_revoked() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        assert!(regs.lost(&res, member));
+        assert!(!regs.lost(&res, member), "reported once");
+        assert!(regs.expiring(t0 + DEADLINE).is_empty(), "already revoked");
+        assert!(matches!(regs.begin(&res, FenceToken(5), DEADLINE, t0), Plan::Register { .. }));
     }
 }

@@ -26,6 +26,8 @@ use crate::config::{Config, UpstreamKind};
 pub enum UpstreamError {
     #[error("upstream did not answer within {after_ms} ms")]
     Timeout { after_ms: u64 },
+    #[error("cannot connect to the upstream")]
+    Connect(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("upstream connection failed")]
     Transport(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("cannot sign the upstream request")]
@@ -34,6 +36,19 @@ pub enum UpstreamError {
     Local(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
+impl crate::fence::outcome::Delivery for UpstreamError {
+    fn maybe_delivered(&self) -> bool {
+        match self {
+            Self::Timeout { .. } | Self::Transport(_) => true,
+            // Never sent; the local upstream commits nothing once it answered.
+            Self::Connect(_) | Self::Sign(_) | Self::Local(_) => false,
+        }
+    }
+}
+
+/// An upstream: where writes land. Adapters do not time calls out: the caller bounds each one
+/// (a read by `upstream.request_timeout_ms`, a write by its own deadline, see
+/// `fence::outcome`), since abandoning a write whose request was sent would end it early.
 #[async_trait]
 pub trait Upstream: Send + Sync + 'static {
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError>;

@@ -14,13 +14,15 @@ use super::sigv4::Signer;
 use super::{Upstream, UpstreamError};
 use crate::config::{UpstreamConfig, ms};
 
+/// Idle time before TCP keepalive probes on upstream connections.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
 pub struct S3Upstream {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     /// `scheme://authority` of the endpoint, without a trailing slash.
     base: String,
     host: http::HeaderValue,
     signer: Signer,
-    request_timeout: Duration,
 }
 
 impl S3Upstream {
@@ -33,6 +35,9 @@ impl S3Upstream {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
+        // A write waits for the upstream's answer as long as its connection lives (its outcome
+        // is unknown until then); keepalive probes find a dead peer.
+        http.set_keepalive(Some(TCP_KEEPALIVE));
         http.set_connect_timeout(Some(ms(config.connect_timeout_ms)));
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_webpki_roots()
@@ -48,13 +53,7 @@ impl S3Upstream {
             config.region.clone(),
         );
 
-        Ok(Self {
-            client,
-            base,
-            host: http::HeaderValue::from_str(authority.as_str())?,
-            signer,
-            request_timeout: ms(config.request_timeout_ms),
-        })
+        Ok(Self { client, base, host: http::HeaderValue::from_str(authority.as_str())?, signer })
     }
 }
 
@@ -66,10 +65,9 @@ impl Upstream for S3Upstream {
             format!("{}{}", self.base, path_and_query).parse().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         req.headers_mut().insert(http::header::HOST, self.host.clone());
         self.signer.sign(&mut req, SystemTime::now()).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-        let response = tokio::time::timeout(self.request_timeout, self.client.request(req))
-            .await
-            .map_err(|_| UpstreamError::Timeout { after_ms: self.request_timeout.as_millis() as u64 })?
-            .map_err(|e| UpstreamError::Transport(Box::new(e)))?;
+        let response = self.client.request(req).await.map_err(|e| {
+            if e.is_connect() { UpstreamError::Connect(Box::new(e)) } else { UpstreamError::Transport(Box::new(e)) }
+        })?;
         Ok(response.map(Body::from))
     }
 

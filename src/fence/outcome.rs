@@ -1,0 +1,272 @@
+//! A write is in flight until its upstream outcome is known (G3). The gate's [`Permit`] says
+//! "this write may still commit at the upstream"; this module keeps it alive exactly that long,
+//! whatever happens to the client or to the call, for both fronts (S3 and the API gateway):
+//!
+//! - [`detached`] runs a request's handling in a task of its own, so a client that disconnects
+//!   (hyper drops the service future) does not drop the permit while the upstream may still
+//!   commit the write;
+//! - [`bounded_call`] bounds the whole write by one deadline, not each upstream call: at the
+//!   deadline a body not yet fully sent is cut off (the upstream never sees it complete and
+//!   commits nothing), while a call whose body was fully sent is never abandoned: it goes on in
+//!   the background holding the permit until the upstream answers;
+//! - a call that fails after its whole request may have reached the upstream (a connection
+//!   reset, a timeout) has an unknown outcome: its permit is held for the in-flight deadline,
+//!   the time fencegate assumes an upstream takes at most to commit a request it received
+//!   (`docs/design.md`, section 8), counted and logged as ambiguous.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::Permit;
+use crate::metrics;
+
+/// Whether a failed upstream call may still have reached the upstream whole.
+pub trait Delivery {
+    /// `false` only when the request certainly never left fencegate (the connection could not
+    /// be opened); any other failure after sending started may have been committed.
+    fn maybe_delivered(&self) -> bool;
+}
+
+/// What became of one upstream call of an admitted write.
+#[derive(Debug)]
+pub enum Bounded<T, E> {
+    /// The call ended before the write's deadline.
+    Done(Result<T, E>),
+    /// The deadline passed before the whole body was sent: the body was cut off, the upstream
+    /// commits nothing.
+    CutOff,
+    /// The deadline passed after the whole body was sent: the outcome is unknown. The call goes
+    /// on in the background, holding the permit, until the upstream answers.
+    Unknown,
+}
+
+/// Runs `future` in a task of its own and waits for it. If the caller is dropped (the client
+/// went away), the task still runs to its end, so the permits it holds are released only when
+/// the write's outcome is known.
+pub async fn detached<T: Send + 'static>(future: impl Future<Output = T> + Send + 'static) -> T {
+    match tokio::spawn(future).await {
+        Ok(value) => value,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => panic!("a detached request task was cancelled: {error}"),
+    }
+}
+
+/// One upstream call of the write that `permits` admitted (one permit per resource the call
+/// writes; several only for a request whose body is in memory and marked sent), bounded by the
+/// write's `deadline`. `hold` is how long the permits are kept after a call that may have
+/// delivered its request failed (the in-flight deadline). The call must not be started before
+/// this: a cancelled permit answers [`Bounded::CutOff`] without sending anything.
+pub async fn bounded_call<T, E, F>(permits: &[Arc<Permit>], deadline: Instant, hold: Duration, call: F) -> Bounded<T, E>
+where
+    F: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: Delivery + std::fmt::Display + Send + 'static,
+{
+    let Some(permit) = permits.first() else { return Bounded::Done(call.await) };
+    let permits: Vec<Arc<Permit>> = permits.to_vec();
+    if permit.cancellation().is_cancelled() || Instant::now() >= deadline && permit.cut_off_if_unsent() {
+        return Bounded::CutOff;
+    }
+    let mut call = Box::pin(call);
+    let result = tokio::select! {
+        result = &mut call => Some(result),
+        () = tokio::time::sleep_until(deadline) => None,
+    };
+    match result {
+        Some(result) => {
+            if let Err(error) = &result {
+                hold_if_maybe_delivered(permits, error, hold);
+            }
+            Bounded::Done(result)
+        }
+        None if permit.cut_off_if_unsent() => {
+            // The body errors at its next poll; the call ends without a commit. It is awaited
+            // (in the background if it takes long) so the permits go only after it ended.
+            let finish = async move {
+                if let Err(error) = call.await {
+                    hold_if_maybe_delivered(permits, &error, hold);
+                }
+            };
+            let _ = tokio::time::timeout(CUT_OFF_GRACE, tokio::spawn(finish)).await;
+            Bounded::CutOff
+        }
+        None => {
+            metrics::ambiguous_outcome("deadline");
+            tracing::warn!(
+                token = permit.token().0,
+                "the upstream has not answered by the write's deadline; its outcome is unknown and the write stays \
+                 in flight until it answers"
+            );
+            tokio::spawn(async move {
+                match call.await {
+                    Ok(_) => tracing::info!(token = permits[0].token().0, "late upstream answer to an unknown outcome"),
+                    Err(error) => hold_if_maybe_delivered(permits, &error, hold),
+                }
+            });
+            Bounded::Unknown
+        }
+    }
+}
+
+/// How long a cut-off call may take to end before the client is answered anyway.
+const CUT_OFF_GRACE: Duration = Duration::from_secs(1);
+
+/// Keeps `permits` for `hold` after a failed call that may have reached the upstream whole.
+fn hold_if_maybe_delivered<E: Delivery + std::fmt::Display>(permits: Vec<Arc<Permit>>, error: &E, hold: Duration) {
+    let Some(permit) = permits.first() else { return };
+    if !error.maybe_delivered() || !permit.body_sent() {
+        return;
+    }
+    metrics::ambiguous_outcome("failed_after_send");
+    tracing::warn!(
+        %error,
+        token = permit.token().0,
+        hold_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
+        "upstream call failed after the whole request was sent: outcome unknown, the write stays in flight"
+    );
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        drop(permits);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fence::{AdmitError, FenceToken, Gate, GateLimits, ResourceKey};
+    use crate::store::MemoryStore;
+
+    #[derive(Debug)]
+    struct Failed {
+        delivered: bool,
+    }
+
+    impl std::fmt::Display for Failed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "failed (delivered: {})", self.delivered)
+        }
+    }
+
+    impl Delivery for Failed {
+        fn maybe_delivered(&self) -> bool {
+            self.delivered
+        }
+    }
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    fn gate() -> Arc<Gate> {
+        let limits = GateLimits { inflight_deadline: DEADLINE, ..GateLimits::default() };
+        Arc::new(Gate::new(Arc::new(MemoryStore::default()), limits))
+    }
+
+    fn key() -> ResourceKey {
+        ResourceKey::new("job:outcome").unwrap()
+    }
+
+    /// Whether a write with `token` is admitted within `within`.
+    async fn admitted_within(gate: &Arc<Gate>, token: u64, within: Duration) -> bool {
+        match tokio::time::timeout(within, gate.admit(&key(), FenceToken(token))).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(AdmitError::DrainTimeout { .. })) | Err(_) => false,
+            Ok(Err(other)) => panic!("unexpected refusal: {other}"),
+        }
+    }
+
+    /// The client disconnects while the upstream holds a write whose body it received: the
+    /// write stays in flight, and a newer token waits until the upstream answered.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_leaves_does_not_end_the_write() {
+        let gate = gate();
+        let (answer_tx, answer_rx) = tokio::sync::oneshot::channel::<()>();
+        let handler = {
+            let gate = gate.clone();
+            async move {
+                let permit = Arc::new(gate.admit(&key(), FenceToken(5)).await.unwrap());
+                assert!(permit.mark_body_sent());
+                let call = async move {
+                    let _ = answer_rx.await; // the upstream commits when told
+                    Ok::<_, Failed>(())
+                };
+                bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(60), DEADLINE, call)
+                    .await
+            }
+        };
+        let client = tokio::spawn(detached(handler));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        client.abort(); // hyper drops the service future when the client disconnects
+        let _ = client.await;
+        assert!(!admitted_within(&gate, 6, Duration::from_secs(1)).await, "token 6 admitted while 5 may commit");
+        answer_tx.send(()).unwrap();
+        assert!(admitted_within(&gate, 6, Duration::from_secs(1)).await);
+    }
+
+    /// At the deadline, a write whose body was fully sent is not abandoned: the call goes on in
+    /// the background and the write stays in flight until the upstream answers.
+    #[tokio::test(start_paused = true)]
+    async fn a_sent_write_outlives_its_deadline_until_the_upstream_answers() {
+        let gate = gate();
+        let permit = Arc::new(gate.admit(&key(), FenceToken(5)).await.unwrap());
+        assert!(permit.mark_body_sent());
+        let (answer_tx, answer_rx) = tokio::sync::oneshot::channel::<()>();
+        let call = async move {
+            let _ = answer_rx.await;
+            Ok::<_, Failed>(())
+        };
+        let outcome =
+            bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(1), DEADLINE, call).await;
+        assert!(matches!(outcome, Bounded::Unknown));
+        drop(permit);
+        assert!(!admitted_within(&gate, 6, Duration::from_secs(3)).await);
+        answer_tx.send(()).unwrap();
+        assert!(admitted_within(&gate, 6, Duration::from_secs(1)).await);
+    }
+
+    /// At the deadline, a write whose body is still streaming is cut off: nothing commits, and
+    /// the write ends with its call.
+    #[tokio::test(start_paused = true)]
+    async fn an_unsent_write_is_cut_off_at_its_deadline() {
+        let gate = gate();
+        let permit = Arc::new(gate.admit(&key(), FenceToken(5)).await.unwrap());
+        let cancelled = permit.cancellation().clone();
+        let call = async move {
+            cancelled.cancelled().await; // the body stream errors when cancelled
+            Err::<(), _>(Failed { delivered: true })
+        };
+        let outcome =
+            bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(1), DEADLINE, call).await;
+        assert!(matches!(outcome, Bounded::CutOff));
+        assert!(!permit.mark_body_sent(), "a cut-off write must not finish its body");
+        drop(permit);
+        assert!(admitted_within(&gate, 6, Duration::from_millis(10)).await);
+    }
+
+    /// A call that failed after its whole request was sent (a reset, a timeout) may still
+    /// commit: the write stays in flight for the in-flight deadline. One that never connected
+    /// ends at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_after_sending_keeps_the_write_in_flight() {
+        let gate = gate();
+        let permit = Arc::new(gate.admit(&key(), FenceToken(5)).await.unwrap());
+        assert!(permit.mark_body_sent());
+        let call = async { Err::<(), _>(Failed { delivered: true }) };
+        let outcome =
+            bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(60), DEADLINE, call).await;
+        assert!(matches!(outcome, Bounded::Done(Err(_))));
+        drop(permit);
+        assert!(!admitted_within(&gate, 6, DEADLINE / 2).await);
+        assert!(admitted_within(&gate, 6, DEADLINE).await);
+
+        let permit = Arc::new(gate.admit(&key(), FenceToken(6)).await.unwrap());
+        assert!(permit.mark_body_sent());
+        let call = async { Err::<(), _>(Failed { delivered: false }) };
+        let outcome =
+            bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(60), DEADLINE, call).await;
+        assert!(matches!(outcome, Bounded::Done(Err(_))));
+        drop(permit);
+        assert!(admitted_within(&gate, 7, Duration::from_millis(10)).await);
+    }
+}

@@ -1,0 +1,414 @@
+"""The history checker for G3: a pure function over plain data, no I/O.
+
+Inputs (lists of plain dicts, as the harness records them; times are `time.monotonic()` of one
+process, so the wrapper's and the writers' times compare directly):
+
+`events`: every write request that reached the upstream wrapper (see `upstream.py`), in any order:
+    seq            int | None  position in the commit order (set when the wrapper started to
+                               forward it to moto under its one global lock), None if never forwarded
+    method, bucket, key, query
+    op             "put" | "delete" | "delete_objects" | "other"
+    chaos_id       the writer's unique id of the request (x-chaos-id), or None
+    stamp          the `x-amz-meta-fencing-token` fencegate stamped on it, or None (DELETEs)
+    keys           the keys it would change (DeleteObjects: the keys fencegate forwarded)
+    committed_keys the keys moto changed (2xx answer; DeleteObjects: its <Deleted> entries)
+    outcome        "committed" (moto answered 2xx) | "refused" (moto answered non-2xx) |
+                   "truncated" (the body never arrived whole: not forwarded) |
+                   "unknown" (forwarding to moto failed after sending: may have committed)
+    t_arrival      when its request head reached the wrapper (= fencegate had forwarded it)
+    t_fwd, t_done  when the wrapper started forwarding it to moto, and when moto answered
+    hold, client_gone  diagnostics (the slow commit it got; whether fencegate had hung up)
+
+`writes`: one record per write a writer attempted:
+    id, writer, replica, resource, op, bucket, keys, token, mode
+                   mode: "normal" | "slow" (body in pieces) | "timeout" (client gave up waiting
+                   after sending the whole body) | "cut" (client hung up mid-body)
+    body_complete  the client sent the whole body
+    t_start, t_end, status (int | None: no answer), error
+    acked_keys     keys the answer said were written/deleted (2xx; DeleteObjects: <Deleted>)
+    refused_keys   {key: code} of DeleteObjects' per-key <Error> entries
+
+`samples`: fence reads over time: resource, t_send, t_recv, token (None: 404), replica.
+`final_fences`: {resource: token | None} read after the run went quiet.
+`rules`: [{"bucket", "prefix", "resource"}], the `[[fencing.rules]]` of the run.
+
+The rules (each violation names one):
+
+- `commit-order` (G3, as the commit log shows it): per resource, in commit order, a commit with
+  token t' after a commit with token t > t'. Equal tokens may interleave in any order.
+- `forwarded-before-commit` (G3, literally: "no write with a token < t commits at the upstream
+  after a write with token t was forwarded"): a commit with token t' whose forwarding to moto
+  started after a write with token t > t' on the same resource had already arrived at the
+  wrapper, whatever became of that newer write (it may be held, fail, or be cut). The older
+  write's commit lies in [t_fwd, t_done], so t_arrival(newer) < t_fwd(older) proves the order
+  without any clock uncertainty. (An older write whose body was still streaming when the newer
+  one was forwarded is fine if it is cut off: then it never commits and is not in the log.)
+- `fence-decreased` (G1): a fence read lower than one read before it (the admin API reads the
+  shared store on every replica, so reads from different replicas compare).
+- `fence-below-commit` (G1/G2): a fence read, sent after moto had answered a commit with token
+  t, that is below t (the advance had to be durable before that write was forwarded).
+- `acked-not-committed`: a write answered 2xx that is not in the commit log. The log is
+  append-only and records every commit, so being overwritten later ("superseded") does not
+  excuse a missing PUT: it would be a lost acknowledged write. One absence is allowed: a DELETE
+  (or a DeleteObjects key) answered 2xx may never reach the upstream if the key was already
+  absent at some instant between the request's start and its answer (fencegate may answer a
+  DELETE of an absent object itself). "Possibly absent" is judged generously: the state after
+  the last commit that finished before the request started, or after any commit that overlaps
+  the request's window.
+- `committed-after-refusal`: a write answered 409 (or a DeleteObjects key answered
+  `FencingTokenStale`) is in the commit log: fencegate said it was refused.
+- `truncated-committed`: a write whose client hung up mid-body is in the commit log.
+- `stamp-mismatch`: a PUT committed with a stamp other than the token its writer sent.
+- `unattributed-commit`: a commit in the chaos bucket without a known chaos id (the checker
+  cannot judge it; it means fencegate dropped the writer's header or wrote on its own).
+
+A write with no 2xx answer MAY be in the commit log (timeouts, disconnects, 503/504: the
+outcome was unknown to the client), and nothing requires it to be absent.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+Event = dict
+Write = dict
+
+MAX_EVIDENCE_LINES = 8
+
+
+def resource_of(bucket: str, key: str, rules: list) -> str:
+    """fencegate's mapping: the longest matching rule prefix, else the object itself."""
+    best = None
+    for rule in rules:
+        if rule["bucket"] == bucket and key.startswith(rule["prefix"]):
+            if best is None or len(rule["prefix"]) > len(best["prefix"]):
+                best = rule
+    return best["resource"] if best else f"{bucket}/{key}"
+
+
+@dataclass
+class Violation:
+    kind: str
+    resource: str
+    message: str
+    evidence: list = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [f"[{self.kind}] {self.resource}: {self.message}"]
+        lines += [f"      {line}" for line in self.evidence[:MAX_EVIDENCE_LINES]]
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    violations: list
+    stats: dict
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def by_kind(self) -> Counter:
+        return Counter(v.kind for v in self.violations)
+
+
+@dataclass
+class _Op:
+    """One event's effect on one key (DeleteObjects has one per key)."""
+
+    event: Event
+    resource: str
+    key: str
+    kind: str  # "put" | "delete"
+    token: int | None
+
+
+class _Fmt:
+    """Renders log lines with times relative to the start of the history."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+
+    def t(self, x) -> str:
+        return "-" if x is None else f"{x - self.t0:8.3f}"
+
+    def event(self, ev: Event, token=None) -> str:
+        path = f"/{ev['bucket']}/{ev['key']}" + (f"?{ev['query']}" if ev.get("query") else "")
+        keys = ",".join(ev.get("committed_keys") or ev.get("keys") or [])
+        seq = "-" if ev.get("seq") is None else f"#{ev['seq']}"
+        return (
+            f"upstream {seq:>6} {ev['method']:<6} {path} keys={keys} token={token} "
+            f"stamp={ev.get('stamp')} id={ev.get('chaos_id')} moto={ev.get('status')} "
+            f"{ev.get('outcome')} arrival={self.t(ev.get('t_arrival'))} "
+            f"fwd={self.t(ev.get('t_fwd'))} done={self.t(ev.get('t_done'))} "
+            f"hold={ev.get('hold', 0):.2f} fencegate_gone={ev.get('client_gone')}"
+        )
+
+    def write(self, w: Write | None) -> str:
+        if w is None:
+            return "writer: (no record)"
+        return (
+            f"writer {w['id']} via {w.get('replica')} {w['op']} {','.join(w['keys'])} "
+            f"token={w['token']} mode={w.get('mode')} status={w.get('status')} "
+            f"error={w.get('error')} start={self.t(w.get('t_start'))} end={self.t(w.get('t_end'))}"
+        )
+
+
+def _is_2xx(status) -> bool:
+    return status is not None and 200 <= status < 300
+
+
+def check(
+    events: list,
+    writes: list,
+    samples: list,
+    final_fences: dict,
+    rules: list,
+    bucket: str,
+) -> Report:
+    """Judges one run's history (see the module doc for the data and the rules)."""
+    by_id = {w["id"]: w for w in writes}
+    times = [e["t_arrival"] for e in events if e.get("t_arrival") is not None]
+    times += [w["t_start"] for w in writes if w.get("t_start") is not None]
+    fmt = _Fmt(min(times) if times else 0.0)
+    violations: list[Violation] = []
+
+    ours = [e for e in events if e["bucket"] == bucket and e["op"] != "other"]
+
+    # Every event's token: the stamp fencegate put on it, else its writer's token.
+    def token_of(ev: Event):
+        if ev.get("stamp") is not None:
+            return ev["stamp"]
+        w = by_id.get(ev.get("chaos_id"))
+        return w["token"] if w else None
+
+    # ---- attribution and stamps --------------------------------------------------------
+    for ev in ours:
+        if ev["outcome"] != "committed":
+            continue
+        w = by_id.get(ev.get("chaos_id"))
+        if w is None:
+            res = resource_of(bucket, (ev.get("committed_keys") or [ev["key"]])[0], rules)
+            violations.append(Violation("unattributed-commit", res,
+                                        "a commit no writer made (or whose chaos id was lost)",
+                                        [fmt.event(ev)]))
+        elif ev["op"] == "put" and ev.get("stamp") != w["token"]:
+            violations.append(Violation("stamp-mismatch", w["resource"],
+                                        f"stamped {ev.get('stamp')}, the writer sent {w['token']}",
+                                        [fmt.event(ev, ev.get("stamp")), fmt.write(w)]))
+
+    # ---- the ops per resource: arrivals (forwarded) and commits -------------------------
+    arrivals: dict = defaultdict(list)  # resource -> [(t_arrival, token, event)]
+    commits: list[_Op] = []
+    def keys_of(ev: Event) -> list:
+        # A DeleteObjects whose body never arrived has no parsed keys: its writer knows them.
+        w = by_id.get(ev.get("chaos_id"))
+        return ev.get("keys") or (w["keys"] if w else []) or [ev["key"]]
+
+    for ev in ours:
+        token = token_of(ev)
+        kind = "put" if ev["op"] == "put" else "delete"
+        for res in sorted({resource_of(bucket, k, rules) for k in keys_of(ev)}):
+            if token is not None and ev.get("t_arrival") is not None:
+                arrivals[res].append((ev["t_arrival"], token, ev))
+        if ev["outcome"] == "committed":
+            for k in ev.get("committed_keys") or []:
+                commits.append(_Op(ev, resource_of(bucket, k, rules), k, kind, token))
+    commits.sort(key=lambda op: (op.event["seq"], op.key))
+
+    # ---- G3: commit order ---------------------------------------------------------------
+    flagged: set = set()
+    highest: dict = {}  # resource -> the _Op with the highest token committed so far
+    for op in commits:
+        if op.token is None:
+            continue
+        top = highest.get(op.resource)
+        if top is not None and op.token < top.token:
+            flagged.add(id(op.event))
+            violations.append(Violation(
+                "commit-order", op.resource,
+                f"token {op.token} committed on {op.key} after token {top.token} committed on {top.key}",
+                [fmt.event(top.event, top.token), fmt.write(by_id.get(top.event.get("chaos_id"))),
+                 fmt.event(op.event, op.token), fmt.write(by_id.get(op.event.get("chaos_id")))],
+            ))
+        if top is None or op.token > top.token:
+            highest[op.resource] = op
+
+    # ---- G3: no older commit after a newer write was forwarded --------------------------
+    prefix: dict = {}  # resource -> (arrival times sorted, running max (token, event))
+    for res, items in arrivals.items():
+        items.sort(key=lambda x: x[0])
+        running, best = [], None
+        for _, token, ev in items:
+            if best is None or token > best[0]:
+                best = (token, ev)
+            running.append(best)
+        prefix[res] = ([x[0] for x in items], running)
+    seen_pairs: set = set()
+    for op in commits:
+        if op.token is None or id(op.event) in flagged or op.resource not in prefix:
+            continue
+        times_sorted, running = prefix[op.resource]
+        i = bisect.bisect_left(times_sorted, op.event["t_fwd"])
+        if i == 0:
+            continue
+        newer_token, newer = running[i - 1]
+        if newer_token > op.token and (id(op.event), op.resource) not in seen_pairs:
+            seen_pairs.add((id(op.event), op.resource))
+            violations.append(Violation(
+                "forwarded-before-commit", op.resource,
+                f"token {op.token} committed on {op.key} after a token {newer_token} write had been "
+                f"forwarded ({op.event['t_fwd'] - newer['t_arrival']:.3f}s before)",
+                [fmt.event(newer, newer_token), fmt.write(by_id.get(newer.get("chaos_id"))),
+                 fmt.event(op.event, op.token), fmt.write(by_id.get(op.event.get("chaos_id")))],
+            ))
+
+    # ---- fences: never decrease, never below a committed token --------------------------
+    commits_by_res: dict = defaultdict(list)  # resource -> [(t_done, token, op)] sorted
+    for op in commits:
+        if op.token is not None:
+            commits_by_res[op.resource].append((op.event["t_done"], op.token, op))
+    done_prefix: dict = {}
+    for res, items in commits_by_res.items():
+        items.sort(key=lambda x: x[0])
+        running, best = [], None
+        for _, token, op in items:
+            if best is None or token > best[0]:
+                best = (token, op)
+            running.append(best)
+        done_prefix[res] = ([x[0] for x in items], running)
+    by_res_samples: dict = defaultdict(list)
+    for s in samples:
+        by_res_samples[s["resource"]].append(s)
+    for res, items in by_res_samples.items():
+        items.sort(key=lambda s: s["t_send"])
+        done_reads: list = []  # reads answered before this one was sent: (t_recv, token)
+        reported_decrease = reported_below = False
+        for s in items:
+            value = s["token"] or 0
+            earlier = [d for d in done_reads if d[0] < s["t_send"]]
+            if earlier and not reported_decrease:
+                prev = max(earlier, key=lambda d: d[1])
+                if value < prev[1]:
+                    reported_decrease = True
+                    violations.append(Violation(
+                        "fence-decreased", res,
+                        f"read {s['token']} via {s.get('replica')} at {fmt.t(s['t_send'])}, "
+                        f"after {prev[1]} was read at {fmt.t(prev[0])}"))
+            done_reads.append((s["t_recv"], value))
+            if res in done_prefix and not reported_below:
+                done_times, running = done_prefix[res]
+                i = bisect.bisect_left(done_times, s["t_send"])
+                if i > 0 and running[i - 1][0] > value:
+                    reported_below = True
+                    token, op = running[i - 1]
+                    violations.append(Violation(
+                        "fence-below-commit", res,
+                        f"fence read {s['token']} via {s.get('replica')} at {fmt.t(s['t_send'])}, "
+                        f"after token {token} had committed",
+                        [fmt.event(op.event, token)]))
+    for res, items in done_prefix.items():
+        top = items[1][-1][0]
+        final = final_fences.get(res)
+        if res in final_fences and (final or 0) < top:
+            violations.append(Violation("fence-below-commit", res,
+                                        f"final fence {final} is below the committed token {top}"))
+    for res, items in by_res_samples.items():
+        top = max((s["token"] or 0) for s in items)
+        final = final_fences.get(res)
+        if res in final_fences and (final or 0) < top:
+            violations.append(Violation("fence-decreased", res,
+                                        f"final fence {final} is below a fence read earlier ({top})"))
+
+    # ---- acknowledged writes are in the log; refused and cut ones are not ---------------
+    committed_by_id: dict = defaultdict(set)  # chaos id -> keys committed under it
+    events_by_id: dict = defaultdict(list)
+    for ev in ours:
+        events_by_id[ev.get("chaos_id")].append(ev)
+        if ev["outcome"] == "committed":
+            committed_by_id[ev.get("chaos_id")].update(ev.get("committed_keys") or [])
+    key_history: dict = defaultdict(list)  # key -> [(seq, t_fwd, t_done, kind)]
+    for op in commits:
+        key_history[op.key].append((op.event["seq"], op.event["t_fwd"], op.event["t_done"], op.kind))
+
+    def possibly_absent(key: str, start: float, end: float) -> bool:
+        before, during = "delete", []  # a fresh bucket: every key starts absent
+        for _, t_fwd, t_done, kind in key_history.get(key, []):
+            if t_done <= start:
+                before = kind
+            elif t_fwd < end:
+                during.append(kind)
+        return before == "delete" or "delete" in during
+
+    for w in writes:
+        if w["bucket"] != bucket:
+            continue
+        done = committed_by_id.get(w["id"], set())
+        evidence = [fmt.write(w)] + [fmt.event(e, w["token"]) for e in events_by_id.get(w["id"], [])]
+        if _is_2xx(w.get("status")):
+            for key in w.get("acked_keys") or []:
+                if key in done:
+                    continue
+                if w["op"] in ("delete", "delete_objects") and possibly_absent(key, w["t_start"], w["t_end"]):
+                    continue
+                violations.append(Violation(
+                    "acked-not-committed", w["resource"],
+                    f"{w['op']} of {key} answered {w['status']} but never committed upstream", evidence))
+        refused = set()
+        if w.get("status") == 409:
+            refused = set(w["keys"])
+        refused |= {k for k, code in (w.get("refused_keys") or {}).items() if code == "FencingTokenStale"}
+        for key in sorted(refused & done):
+            violations.append(Violation("committed-after-refusal", w["resource"],
+                                        f"{w['op']} of {key} was answered as refused but committed",
+                                        evidence))
+        if not w.get("body_complete", True) and done:
+            violations.append(Violation("truncated-committed", w["resource"],
+                                        "the client hung up mid-body, yet the write committed", evidence))
+
+    # ---- figures ------------------------------------------------------------------------
+    statuses = Counter()
+    for w in writes:
+        s = w.get("status")
+        statuses["2xx" if _is_2xx(s) else ("409" if s == 409 else "other")] += 1
+    other = Counter(str(w.get("status") or w.get("error") or "none") for w in writes
+                    if not _is_2xx(w.get("status")) and w.get("status") != 409)
+    stats = {
+        "writes": len(writes),
+        "answered": dict(statuses),
+        "other_answers": dict(other.most_common(8)),
+        "ops": dict(Counter(w["op"] for w in writes)),
+        "modes": dict(Counter(w.get("mode") for w in writes)),
+        "upstream_writes": len(ours),
+        "upstream_outcomes": dict(Counter(e["outcome"] for e in ours)),
+        "commits": len(commits),
+        "held": sum(1 for e in ours if e.get("hold")),
+        "forwarded_after_fencegate_hung_up": sum(1 for e in ours if e.get("client_gone")),
+        "resources": len({op.resource for op in commits}),
+        "fence_samples": len(samples),
+    }
+    return Report(violations=violations, stats=stats)
+
+
+def render(report: Report, title: str, faults: dict | None = None, limit: int = 12) -> str:
+    """The human-readable summary the test prints."""
+    s = report.stats
+    lines = [f"== chaos run: {title}"]
+    lines.append(f"   writes attempted {s['writes']}: answered 2xx {s['answered'].get('2xx', 0)}, "
+                 f"409 {s['answered'].get('409', 0)}, other {s['answered'].get('other', 0)} "
+                 f"{s['other_answers']}")
+    lines.append(f"   ops {s['ops']}, client modes {s['modes']}")
+    lines.append(f"   upstream: {s['upstream_writes']} write requests {s['upstream_outcomes']}, "
+                 f"{s['commits']} key commits on {s['resources']} resources, {s['held']} held, "
+                 f"{s['forwarded_after_fencegate_hung_up']} forwarded after fencegate hung up; "
+                 f"{s['fence_samples']} fence reads")
+    if faults is not None:
+        lines.append(f"   faults injected {dict(faults)}")
+    lines.append(f"   violations {len(report.violations)} {dict(report.by_kind())}")
+    for v in report.violations[:limit]:
+        lines.append("   " + v.render())
+    if len(report.violations) > limit:
+        lines.append(f"   ... and {len(report.violations) - limit} more")
+    return "\n".join(lines)

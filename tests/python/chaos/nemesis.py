@@ -1,0 +1,146 @@
+"""The nemesis (process faults, one at a time, bounded) and the fence sampler.
+
+Faults (each chosen at random among those the topology allows):
+- `kill9`: kill -9 a fencegate replica, restart it on the same data after a moment;
+- `stop_short` / `stop_long`: SIGSTOP a replica, SIGCONT it after 0.3-1.5 s, or after longer
+  than the in-flight deadline (a GC pause or VM suspend);
+- `redis_restart`: kill -9 redis-server and start it again (appendfsync always: no
+  acknowledged write is lost);
+- `pubsub_kill`: `CLIENT KILL TYPE pubsub` (every replica loses its advance subscription, and
+  any announcement published before it resubscribes).
+Client-side faults (timeouts, hang-ups, slow bodies, stalls) are the writers' (writers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import requests
+
+from fencegate_testlib import quote_resource
+
+
+class Nemesis(threading.Thread):
+    def __init__(self, replicas: list, redis, weights: dict, deadline: float,
+                 inflight_deadline_s: float, seed: int, faults_max: int = 60):
+        super().__init__(name="nemesis", daemon=True)
+        self.replicas = replicas
+        self.redis = redis
+        self.weights = {k: w for k, w in weights.items() if w > 0}
+        self.deadline = deadline
+        self.long_stop = inflight_deadline_s
+        self.rng = random.Random(seed)
+        self.faults_max = faults_max
+        self.log: list = []  # {kind, target, t_start, t_end, detail}
+        self.failure: BaseException | None = None
+
+    def run(self):
+        try:
+            # Leave the last seconds fault-free, so every fault has ended before the writers do.
+            while len(self.log) < self.faults_max:
+                time.sleep(self.rng.uniform(1.0, 3.5))
+                if time.monotonic() > self.deadline - 8 or not self.weights:
+                    return
+                kinds = sorted(self.weights)
+                kind = self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
+                entry = {"kind": kind, "target": "", "t_start": time.monotonic(), "detail": ""}
+                getattr(self, kind)(entry)
+                entry["t_end"] = time.monotonic()
+                self.log.append(entry)
+        except BaseException as exc:  # noqa: BLE001 - reported by the harness
+            self.failure = exc
+        finally:
+            self.heal()
+
+    def heal(self):
+        """Every replica running and continued, Redis up: called at the end, whatever happened."""
+        for r in self.replicas:
+            if r.fg.alive():
+                os.kill(r.fg.proc.pid, signal.SIGCONT)
+                r.state = "up"
+        if self.redis is not None and (self.redis.proc is None or self.redis.proc.poll() is not None):
+            self.redis.start()
+        for r in self.replicas:
+            if not r.fg.alive():
+                r.fg.start()
+                r.state = "up"
+
+    # faults -------------------------------------------------------------------------------
+    def kill9(self, entry):
+        r = self.rng.choice(self.replicas)
+        entry["target"] = r.name
+        r.state = "down"
+        r.fg.kill9()
+        time.sleep(self.rng.uniform(0.1, 1.0))
+        r.fg.start()
+        r.state = "up"
+
+    def _stop(self, entry, seconds: float):
+        r = self.rng.choice(self.replicas)
+        entry["target"], entry["detail"] = r.name, f"{seconds:.2f}s"
+        r.state = "stopped"
+        os.kill(r.fg.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(r.fg.proc.pid, signal.SIGCONT)
+            r.state = "up"
+
+    def stop_short(self, entry):
+        self._stop(entry, self.rng.uniform(0.3, 1.5))
+
+    def stop_long(self, entry):
+        self._stop(entry, self.long_stop + self.rng.uniform(0.5, 2.0))
+
+    def redis_restart(self, entry):
+        entry["target"] = "redis"
+        self.redis.kill9()
+        time.sleep(self.rng.uniform(0.1, 1.0))
+        self.redis.start()
+
+    def pubsub_kill(self, entry):
+        entry["target"] = "redis"
+        entry["detail"] = self.redis.command(b"CLIENT KILL TYPE pubsub").decode("latin-1").strip()
+
+
+class FenceSampler(threading.Thread):
+    """Reads every resource's fence through a random running replica, a few times a second."""
+
+    def __init__(self, replicas: list, resources: list, deadline: float, seed: int,
+                 interval: float = 0.25):
+        super().__init__(name="fence-sampler", daemon=True)
+        self.replicas = replicas
+        self.resources = resources
+        self.deadline = deadline
+        self.rng = random.Random(seed)
+        self.interval = interval
+        self.samples: list = []
+        self.session = requests.Session()
+
+    def read(self, replica, resource: str):
+        """One read: a sample dict, or None if the replica did not answer 200/404."""
+        t_send = time.monotonic()
+        try:
+            resp = self.session.get(f"{replica.admin_url}/v1/fences/{quote_resource(resource)}",
+                                    timeout=1.0)
+        except requests.RequestException:
+            return None
+        if resp.status_code not in (200, 404):
+            return None
+        token = resp.json()["token"] if resp.status_code == 200 else None
+        return {"resource": resource, "t_send": t_send, "t_recv": time.monotonic(),
+                "token": token, "replica": replica.name}
+
+    def run(self):
+        while time.monotonic() < self.deadline:
+            for resource in self.resources:
+                up = [r for r in self.replicas if r.state == "up"]
+                if up:
+                    sample = self.read(self.rng.choice(up), resource)
+                    if sample is not None:
+                        self.samples.append(sample)
+            time.sleep(self.interval)
