@@ -65,7 +65,16 @@ impl App {
             inflight_per_resource_max: config.fencing.inflight_per_resource_max,
             cached_resources_max: config.fencing.cached_resources_max,
         };
+        let opened_clean = store.opened_clean();
         let gate = Arc::new(Gate::new(store, limits));
+        if !opened_clean {
+            tracing::warn!(
+                hold_ms = config.fencing.inflight_deadline_ms,
+                "the last fencegate process did not shut down cleanly: writes it sent may still commit at the \
+                 upstream, so no fence advances for fencing.inflight_deadline_ms"
+            );
+            gate.hold_advances_after_unclean_start();
+        }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
         let gateway = Arc::new(Gateway::new(&config, gate.clone(), Arc::new(SystemClock))?);
@@ -213,6 +222,18 @@ impl App {
         tracing::info!("shutting down: finishing open requests");
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
+        // Writes whose client left may still wait for their upstream outcome.
+        let settle_by = tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms);
+        while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < settle_by {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if self.gate.inflight_writes() == 0 {
+            if let Err(error) = self.gate.store().mark_clean_shutdown() {
+                tracing::warn!(%error, "could not record a clean shutdown");
+            }
+        } else {
+            tracing::warn!("stopping with writes still in flight: the next start holds advances");
+        }
         Ok(())
     }
 }

@@ -33,6 +33,7 @@ impl Process {
                 "[server]\nlisten = \"{s3_listen}\"\nadmin_listen = \"127.0.0.1:0\"\n\
                  [store]\nkind = \"embedded\"\npath = \"{}\"\n\
                  [upstream]\nkind = \"local\"\npath = \"{}\"\n\
+                 [fencing]\ninflight_deadline_ms = 1000\n\
                  [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n\
                  [log]\nlevel = \"warn\"\n",
                 dir.join("fences").display(),

@@ -61,6 +61,9 @@ pub struct Gate {
     limits: GateLimits,
     slots: Mutex<HashMap<ResourceKey, Arc<Slot>>>,
     next_write_id: AtomicU64,
+    /// No advance before this instant: set after an unclean start, while writes the previous
+    /// process sent may still commit at the upstream.
+    advances_from: Mutex<Option<Instant>>,
 }
 
 /// The in-memory state of one resource in use.
@@ -145,7 +148,41 @@ impl SlotState {
 
 impl Gate {
     pub fn new(store: Arc<dyn FenceStore>, limits: GateLimits) -> Self {
-        Self { store, limits, slots: Mutex::new(HashMap::new()), next_write_id: AtomicU64::new(1) }
+        Self {
+            store,
+            limits,
+            slots: Mutex::new(HashMap::new()),
+            next_write_id: AtomicU64::new(1),
+            advances_from: Mutex::new(None),
+        }
+    }
+
+    /// After an unclean start, admits no advance (by a write, a registration or a lease grant)
+    /// for the in-flight deadline: writes the previous process had sent may still commit at the
+    /// upstream until then (`docs/design.md`, section 8). Writes with the current token go on.
+    pub fn hold_advances_after_unclean_start(&self) {
+        let until = Instant::now() + self.limits.inflight_deadline;
+        *self.advances_from.lock().expect("gate lock poisoned") = Some(until);
+    }
+
+    /// Waits until advances are allowed, or fails at `deadline`.
+    async fn wait_for_advances(&self, started: Instant, deadline: Instant) -> Result<(), AdmitError> {
+        let Some(from) = *self.advances_from.lock().expect("gate lock poisoned") else { return Ok(()) };
+        if from <= Instant::now() {
+            return Ok(());
+        }
+        if from > deadline {
+            tokio::time::sleep_until(deadline).await;
+            return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
+        }
+        tokio::time::sleep_until(from).await;
+        Ok(())
+    }
+
+    /// Writes admitted and not yet known to be finished, on every resource.
+    pub fn inflight_writes(&self) -> usize {
+        let slots: Vec<Arc<Slot>> = self.slots.lock().expect("gate map lock poisoned").values().cloned().collect();
+        slots.iter().map(|slot| slot.state().inflight.len()).sum()
     }
 
     pub fn store(&self) -> &Arc<dyn FenceStore> {
@@ -179,6 +216,10 @@ impl Gate {
         now_ms: u64,
     ) -> Result<LeaseOutcome, AdmitError> {
         let slot = self.slot(resource);
+        if let LeaseCommand::Acquire { .. } = command {
+            let started = Instant::now();
+            self.wait_for_advances(started, started + self.limits.inflight_deadline).await?;
+        }
         let outcome = {
             let _io = slot.io.lock().await;
             let outcome = self.store_call(self.store.lease(resource, command, now_ms)).await?;
@@ -254,7 +295,10 @@ impl Gate {
             };
             match step {
                 Step::Load => self.load(slot, resource).await?,
-                Step::Advance => self.advance_store(slot, resource, token).await?,
+                Step::Advance => {
+                    self.wait_for_advances(started, deadline).await?;
+                    self.advance_store(slot, resource, token).await?;
+                }
                 Step::WaitForOlder => {
                     let wait_started = Instant::now();
                     let woken = slot.wait_until(deadline, |state| !state.has_older(token)).await;
@@ -699,5 +743,25 @@ mod tests {
         }
         assert!(gate.slots.lock().unwrap().len() <= 5);
         assert!(matches!(gate.admit(&key("r0"), FenceToken(4)).await, Err(AdmitError::Stale { .. })));
+    }
+
+    /// After an unclean start, no advance (write, registration or grant) for the in-flight
+    /// deadline: the dead process's sent writes may still commit. Current tokens go on.
+    #[tokio::test(start_paused = true)]
+    async fn no_advance_for_the_deadline_after_an_unclean_start() {
+        let deadline = Duration::from_secs(5);
+        let store = Arc::new(MemoryStore::default());
+        let before = Gate::new(store.clone(), GateLimits::default());
+        drop(before.admit(&key("job:q"), FenceToken(5)).await.unwrap());
+        let gate = Gate::new(store, GateLimits { inflight_deadline: deadline, ..GateLimits::default() });
+        gate.hold_advances_after_unclean_start();
+        let started = Instant::now();
+        drop(gate.admit(&key("job:q"), FenceToken(5)).await.unwrap());
+        assert!(started.elapsed() < Duration::from_millis(10), "the current token is not held");
+        drop(gate.admit(&key("job:q"), FenceToken(6)).await.unwrap());
+        assert!(started.elapsed() >= deadline, "advanced after {:?}", started.elapsed());
+        let grant = LeaseCommand::Acquire { holder: "h".into(), ttl_ms: 1000, lease_id: "l".into() };
+        assert!(matches!(gate.lease(&key("job:q"), grant, 0).await, Ok(LeaseOutcome::Granted(_))));
+        assert!(started.elapsed() < deadline * 2, "the hold ends once");
     }
 }

@@ -85,6 +85,19 @@ pub trait FenceStore: Send + Sync + 'static {
     fn shared(&self) -> Option<&dyn SharedRegistry> {
         None
     }
+
+    /// Whether the last process that used this store shut down with no write in flight. When
+    /// it did not (a crash, a kill), writes it had sent may still commit at the upstream, so
+    /// the gate admits no advance for a while (`docs/design.md`, section 8). A shared store
+    /// keeps a dead replica's registrations itself, so it answers `true`.
+    fn opened_clean(&self) -> bool {
+        true
+    }
+
+    /// Records that this process stops with no write in flight.
+    fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The answer of a shared store to "may this write go ahead?".

@@ -457,7 +457,7 @@ impl Front {
             self.remember_write(object, resp.headers(), admitted.token);
             return Ok(client_response(resp));
         }
-        if !lost_precondition(resp.status()) {
+        if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
@@ -471,7 +471,7 @@ impl Front {
         )));
         let resp =
             self.send_write("put_object", &admitted, Method::PUT, &path, headers, WriteBody::InMemory(body)).await?;
-        self.finish_retry(object, resp, admitted.token)
+        self.finish_retry(object, resp, admitted.token, &fresh)
     }
 
     /// CopyObject: the destination is stamped and conditional. With the `COPY` metadata
@@ -498,14 +498,14 @@ impl Front {
             self.remember_write(object, resp.headers(), admitted.token);
             return Ok(client_response(resp));
         }
-        if !lost_precondition(resp.status()) {
+        if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
         set_precondition(&mut headers, &fresh);
         let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers, empty()).await?;
         let (resp, _) = read_xml_response(resp).await?;
-        self.finish_retry(object, resp, admitted.token)
+        self.finish_retry(object, resp, admitted.token, &fresh)
     }
 
     /// DeleteObject: conditional on the ETag of the version the token may delete. A DELETE of
@@ -545,7 +545,7 @@ impl Front {
                 self.etags.put(object, ObjectState::Absent);
                 return Ok(client_response(resp));
             }
-            if !lost_precondition(resp.status()) {
+            if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }
             state = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
@@ -571,7 +571,7 @@ impl Front {
             self.remember_completion(object, &resp, admitted.token).await;
             return Ok(client_response(resp));
         }
-        if !lost_precondition(resp.status()) {
+        if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
@@ -584,7 +584,7 @@ impl Front {
             self.remember_completion(object, &resp, admitted.token).await;
             return Ok(client_response(resp));
         }
-        if lost_precondition(resp.status()) {
+        if lost_precondition(resp.status(), &fresh) {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
         }
@@ -760,13 +760,14 @@ impl Front {
         object: String,
         resp: http::Response<Body>,
         token: FenceToken,
+        sent: &ObjectState,
     ) -> Result<S3Response<Body>, FrontError> {
         if resp.status().is_success() {
             metrics::precondition_conflict("retried");
             self.remember_write(object, resp.headers(), token);
             return Ok(client_response(resp));
         }
-        if lost_precondition(resp.status()) {
+        if lost_precondition(resp.status(), sent) {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
         }
@@ -913,10 +914,15 @@ fn set_precondition(headers: &mut HeaderMap, state: &ObjectState) {
 }
 
 /// 412, or 409 (S3's `ConditionalRequestConflict` for a concurrent conditional write), or 404
-/// (S3's answer to `If-Match` on an object that is gone): the object is not as fencegate last
-/// saw it, so it is read again.
-fn lost_precondition(status: StatusCode) -> bool {
-    matches!(status, StatusCode::PRECONDITION_FAILED | StatusCode::CONFLICT | StatusCode::NOT_FOUND)
+/// to an `If-Match` (S3's answer when the object is gone): the object is not as fencegate last
+/// saw it (`sent` is the state the precondition named), so it is read again. A 404 to a write
+/// on an object believed absent is the upstream's own answer (no such bucket).
+fn lost_precondition(status: StatusCode, sent: &ObjectState) -> bool {
+    match status {
+        StatusCode::PRECONDITION_FAILED | StatusCode::CONFLICT => true,
+        StatusCode::NOT_FOUND => matches!(sent, ObjectState::Present { .. }),
+        _ => false,
+    }
 }
 
 /// The client's headers minus everything about the hop to fencegate.

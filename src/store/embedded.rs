@@ -32,6 +32,12 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// The database file inside `store.path`.
 pub const FILE_NAME: &str = "fences.redb";
 
+/// Facts about the file itself. `clean_shutdown` is written by a shutdown that left no write in
+/// flight and removed at every start, so its absence at a start means the last process may have
+/// died with writes in flight at the upstream.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const CLEAN_SHUTDOWN: &str = "clean_shutdown";
+
 /// Changes waiting for the writer thread; a full queue makes callers wait (backpressure).
 const WRITE_QUEUE_MAX: usize = 4096;
 /// Changes applied in one transaction (one fsync) at most.
@@ -112,6 +118,8 @@ pub struct EmbeddedStore {
     /// Set after any failed commit: from then on every call fails until a restart reopens
     /// (and so recovers) the file. A commit that failed half-way is never trusted.
     poisoned: Arc<AtomicBool>,
+    /// Whether the last process that used the file shut down with no write in flight.
+    opened_clean: bool,
 }
 
 impl EmbeddedStore {
@@ -125,20 +133,23 @@ impl EmbeddedStore {
     pub fn open_with_cache(dir: &Path, cache_bytes: usize) -> Result<Self, OpenError> {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir { path: dir.into(), source })?;
         let path = dir.join(FILE_NAME);
+        let created = !path.exists();
         let db = Database::builder()
             .set_cache_size(cache_bytes)
             .create(&path)
             .map_err(|source| OpenError::Open { path: path.clone(), source })?;
-        let init = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let init = || -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
             txn.open_table(LEASES)?;
             txn.open_table(IDEMPOTENCY)?;
             txn.open_table(IDEMPOTENCY_EXPIRY)?;
+            let opened_clean = txn.open_table(META)?.remove(CLEAN_SHUTDOWN)?.is_some();
             txn.commit()?;
-            Ok(())
+            Ok(opened_clean)
         };
-        init().map_err(|source| OpenError::Init { path, source })?;
+        // A new file had no process before this one.
+        let opened_clean = init().map_err(|source| OpenError::Init { path, source })? || created;
 
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -148,7 +159,7 @@ impl EmbeddedStore {
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, writes, poisoned })
+        Ok(Self { db, writes, poisoned, opened_clean })
     }
 
     async fn submit<T>(
@@ -266,6 +277,21 @@ impl FenceStore for EmbeddedStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.check_poisoned()
+    }
+
+    fn opened_clean(&self) -> bool {
+        self.opened_clean
+    }
+
+    fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
+        self.check_poisoned()?;
+        let mark = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            let txn = self.db.begin_write()?;
+            txn.open_table(META)?.insert(CLEAN_SHUTDOWN, 1)?;
+            txn.commit()?;
+            Ok(())
+        };
+        mark().map_err(StoreError::Backend)
     }
 }
 
@@ -511,5 +537,33 @@ mod tests {
         assert_eq!(count(&store), (1, 1));
         store.idempotency_finish(&k, "b", None).await.unwrap();
         assert_eq!(count(&store), (0, 0));
+    }
+
+    /// A new file and a clean shutdown open clean; a process that stopped without recording a
+    /// clean shutdown (killed, crashed) leaves the next start unclean, once.
+    #[test]
+    fn an_unclean_stop_is_seen_at_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        // The writer thread lets go of the file shortly after the store is dropped.
+        let reopen = || {
+            for _ in 0..200 {
+                if let Ok(store) = EmbeddedStore::open(dir.path()) {
+                    return store;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            panic!("the store file stayed locked");
+        };
+        let store = reopen();
+        assert!(store.opened_clean(), "a new file");
+        drop(store); // as if killed: no mark
+        let store = reopen();
+        assert!(!store.opened_clean());
+        store.mark_clean_shutdown().unwrap();
+        drop(store);
+        let store = reopen();
+        assert!(store.opened_clean());
+        drop(store);
+        assert!(!reopen().opened_clean(), "the mark is used up");
     }
 }
