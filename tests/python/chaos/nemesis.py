@@ -79,7 +79,7 @@ class Nemesis(threading.Thread):
         r.fg.start()
         r.state = "up"
 
-    def _stop(self, entry, seconds: float):
+    def _pause(self, entry, seconds: float):
         r = self.rng.choice(self.replicas)
         entry["target"], entry["detail"] = r.name, f"{seconds:.2f}s"
         r.state = "stopped"
@@ -91,10 +91,10 @@ class Nemesis(threading.Thread):
             r.state = "up"
 
     def stop_short(self, entry):
-        self._stop(entry, self.rng.uniform(0.3, 1.5))
+        self._pause(entry, self.rng.uniform(0.3, 1.5))
 
     def stop_long(self, entry):
-        self._stop(entry, self.long_stop + self.rng.uniform(0.5, 2.0))
+        self._pause(entry, self.long_stop + self.rng.uniform(0.5, 2.0))
 
     def redis_restart(self, entry):
         entry["target"] = "redis"
