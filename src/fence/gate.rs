@@ -555,6 +555,12 @@ struct RemoteTicket {
     token: FenceToken,
 }
 
+impl RemoteTicket {
+    fn still_registered(&self) -> bool {
+        self.store.shared().is_none_or(|shared| shared.still_registered(&self.resource, self.token))
+    }
+}
+
 impl Drop for RemoteTicket {
     fn drop(&mut self) {
         if let Some(shared) = self.store.shared() {
@@ -577,7 +583,15 @@ impl Permit {
     /// cancellable. Returns `false` if it was cancelled first (then the body must not finish).
     /// A request whose body is in memory is marked before it is sent.
     pub fn mark_body_sent(&self) -> bool {
+        let registered = self.remote.as_ref().is_none_or(RemoteTicket::still_registered);
         let _state = self.slot.state(); // ordered against cancel_unsent_older
+        if !registered && !self.cancel.is_cancelled() {
+            // A replica that stalled past its registration's safe age hands nothing over,
+            // even before its renewer had the chance to revoke it.
+            self.cut_off.store(CutOff::Revoked as u8, Ordering::Release);
+            self.cancel.cancel();
+            metrics::inflight_cancelled();
+        }
         if self.cancel.is_cancelled() {
             return false;
         }

@@ -134,6 +134,11 @@ pub trait SharedRegistry: Send + Sync {
     /// the background (at once, or after a short linger for the next write with that token).
     fn release(&self, resource: &ResourceKey, token: FenceToken);
 
+    /// Whether this replica's registration of `token` on `resource` is certainly still in the
+    /// store: renewed recently enough, and not revoked. Checked before a write hands over its
+    /// whole body.
+    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool;
+
     /// What the store learns about this replica's writes on its own: advances announced by
     /// any replica, and registrations it could not keep. Taken once, by the gate.
     fn take_events(&self) -> Option<tokio::sync::mpsc::Receiver<StoreEvent>>;

@@ -702,6 +702,10 @@ impl SharedRegistry for RedisStore {
         }
     }
 
+    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
+        self.registrations.still_registered(resource, token, Instant::now())
+    }
+
     fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
         self.events.lock().expect("events lock").take()
     }

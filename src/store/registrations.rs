@@ -216,6 +216,15 @@ impl Registrations {
         }
     }
 
+    /// Whether the registration of `token` is safely in the store at `now`: registered, not
+    /// revoked, and not older than the age at which it would be revoked.
+    pub fn still_registered(&self, resource: &ResourceKey, token: FenceToken, now: Instant) -> bool {
+        let map = self.by_resource.lock().expect("registrations lock");
+        map.get(resource).and_then(|regs| regs.iter().find(|r| r.member.token == token)).is_some_and(|r| {
+            !r.revoked && r.registered_at.is_some_and(|at| now.saturating_duration_since(at) < r.revoke_after())
+        })
+    }
+
     /// Registrations in use that were not renewed in time: marked revoked and returned once, so
     /// that their writes that have not sent their whole body stop before the store drops them.
     pub fn expiring(&self, now: Instant) -> Vec<(ResourceKey, FenceToken)> {
@@ -552,6 +561,8 @@ mod tests {
         assert_eq!(regs.expiring(revoke_at), vec![(res.clone(), FenceToken(5))]);
         assert!(regs.expiring(revoke_at + Duration::from_millis(1)).is_empty(), "revoked once");
         assert!(regs.renewals_due(revoke_at).is_empty(), "a revoked registration is not renewed");
+        assert!(regs.still_registered(&res, FenceToken(5), t0 + DEADLINE / 2));
+        assert!(!regs.still_registered(&res, FenceToken(5), revoke_at), "no body is handed over past it");
         assert_eq!(
             regs.begin(&res, FenceToken(5), DEADLINE, revoke_at),
             Plan::Register { member, withdraw: vec![] },
