@@ -14,10 +14,14 @@ process, so the wrapper's and the writers' times compare directly):
     committed_keys the keys moto changed (2xx answer; DeleteObjects: its <Deleted> entries)
     outcome        "committed" (moto answered 2xx) | "refused" (moto answered non-2xx) |
                    "truncated" (the body never arrived whole: not forwarded) |
+                   "expired" (its commit budget was spent while held: not forwarded) |
                    "unknown" (forwarding to moto failed after sending: may have committed)
+    t_body         when its body had arrived whole
     t_arrival      when its request head reached the wrapper (= fencegate had forwarded it)
     t_fwd, t_done  when the wrapper started forwarding it to moto, and when moto answered
-    hold, client_gone  diagnostics (the slow commit it got; whether fencegate had hung up)
+    hold, client_gone, late  diagnostics (the slow commit it got; whether fencegate had hung up
+                   before it was forwarded; whether it committed later after its body arrived
+                   than fencegate assumes an upstream takes)
 
 `writes`: one record per write a writer attempted:
     id, writer, replica, resource, op, bucket, keys, token, mode
@@ -138,12 +142,15 @@ class _Fmt:
         path = f"/{ev['bucket']}/{ev['key']}" + (f"?{ev['query']}" if ev.get("query") else "")
         keys = ",".join(ev.get("committed_keys") or ev.get("keys") or [])
         seq = "-" if ev.get("seq") is None else f"#{ev['seq']}"
+        latency = ""
+        if ev.get("t_done") is not None and ev.get("t_body") is not None:
+            latency = f" commit_latency={ev['t_done'] - ev['t_body']:.3f}{' LATE' if ev.get('late') else ''}"
         return (
             f"upstream {seq:>6} {ev['method']:<6} {path} keys={keys} token={token} "
             f"stamp={ev.get('stamp')} id={ev.get('chaos_id')} moto={ev.get('status')} "
             f"{ev.get('outcome')} arrival={self.t(ev.get('t_arrival'))} "
             f"fwd={self.t(ev.get('t_fwd'))} done={self.t(ev.get('t_done'))} "
-            f"hold={ev.get('hold', 0):.2f} fencegate_gone={ev.get('client_gone')}"
+            f"hold={ev.get('hold', 0):.2f}{latency} fencegate_gone={ev.get('client_gone')}"
         )
 
     def write(self, w: Write | None) -> str:
@@ -385,6 +392,10 @@ def check(
         "upstream_outcomes": dict(Counter(e["outcome"] for e in ours)),
         "commits": len(commits),
         "held": sum(1 for e in ours if e.get("hold")),
+        "late_commits": sum(1 for e in ours if e["outcome"] == "committed" and e.get("late")),
+        "max_commit_latency": max((e["t_done"] - e["t_body"] for e in ours
+                                   if e["outcome"] == "committed" and e.get("t_body") is not None),
+                                  default=0.0),
         "forwarded_after_fencegate_hung_up": sum(1 for e in ours if e.get("client_gone")),
         "resources": len({op.resource for op in commits}),
         "fence_samples": len(samples),
@@ -404,6 +415,8 @@ def render(report: Report, title: str, faults: dict | None = None, limit: int = 
                  f"{s['commits']} key commits on {s['resources']} resources, {s['held']} held, "
                  f"{s['forwarded_after_fencegate_hung_up']} forwarded after fencegate hung up; "
                  f"{s['fence_samples']} fence reads")
+    lines.append(f"   slowest commit {s['max_commit_latency']:.2f}s after its body arrived, "
+                 f"{s['late_commits']} beyond the upstream's commit bound")
     if faults is not None:
         lines.append(f"   faults injected {dict(faults)}")
     lines.append(f"   violations {len(report.violations)} {dict(report.by_kind())}")

@@ -12,6 +12,13 @@ The fault it models: a held write is forwarded even if fencegate (its client her
 meanwhile, exactly like S3 committing a request whose client went away. A write whose body
 never arrived whole is not forwarded (S3 commits nothing for a truncated body).
 
+fencegate assumes that an upstream commits a request it received whole within
+`fencing.inflight_deadline_ms`, or never (README, "Guarantees and limits"). The wrapper keeps to
+that when given `commit_within`: a write whose turn at moto comes too late after its body
+arrived is answered 503 `SlowDown` and never forwarded (outcome "expired"), and a commit that
+still ended late (moto itself slow) is marked `late`. So every violation the checker finds is
+one under fencegate's own assumptions.
+
 Reads (GET, HEAD, listings) pass through at once, without the lock. Requests are forwarded
 unchanged (the Host header too: fencegate signed for this wrapper's address, and moto does not
 verify signatures) except for connection management and the body framing (a chunked body is
@@ -37,6 +44,9 @@ HEAD_BYTES_MAX = 64 * 1024
 BODY_READ_TIMEOUT_S = 60.0  # a client streaming a body this slowly is treated as gone
 IDLE_TIMEOUT_S = 120.0  # a pooled connection with no request for this long is closed
 MOTO_TIMEOUT_S = 30.0
+MOTO_MARGIN_S = 0.25  # time left for moto's own work when a write is forwarded near its budget
+EXPIRED_BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                b"<Message>chaos upstream: commit budget spent, not committed</Message></Error>")
 
 
 class _Incomplete(Exception):
@@ -73,12 +83,13 @@ class ChaosUpstream:
     """The wrapper. `start()` listens on 127.0.0.1 (a free port); `url` is its endpoint."""
 
     def __init__(self, moto_url: str, bucket: str, hold_fraction: float, hold_range: tuple,
-                 seed: int = 0):
+                 commit_within: float | None = None, seed: int = 0):
         parsed = urllib.parse.urlsplit(moto_url)
         self.moto = (parsed.hostname, parsed.port)
         self.bucket = bucket  # only writes into this bucket are held
         self.hold_fraction = hold_fraction
         self.hold_range = hold_range
+        self.commit_within = commit_within  # seconds after the body arrived; None: no bound
         self.rng = random.Random(seed)
         self.rng_lock = threading.Lock()
         self.commit_lock = threading.Lock()  # the ONE lock: forwarding writes to moto
@@ -258,7 +269,7 @@ class ChaosUpstream:
                 "stamp": int(stamp) if stamp and stamp.isdigit() else None,
                 "keys": [key] if op in ("put", "delete") else [], "committed_keys": [],
                 "status": None, "outcome": "truncated", "t_arrival": t_arrival, "t_body": None,
-                "t_fwd": None, "t_done": None, "hold": 0.0, "client_gone": False,
+                "t_fwd": None, "t_done": None, "hold": 0.0, "client_gone": False, "late": False,
                 "headers": {k: v for k, v in h.items() if k != "authorization"},
             }
             with self.log_lock:
@@ -287,12 +298,18 @@ class ChaosUpstream:
             time.sleep(hold)  # whether or not fencegate is still there
         with self.commit_lock:
             event["client_gone"] = _peer_closed(conn)
+            budget = self.commit_within
+            if budget is not None and time.monotonic() - event["t_body"] > budget - MOTO_MARGIN_S:
+                event["outcome"], event["status"] = "expired", 503
+                resp_headers = [("Content-Type", "application/xml")]
+                return self._respond(conn, method, 503, "Slow Down", resp_headers, EXPIRED_BODY, h, rest)
             with self.log_lock:
                 self.seq += 1
                 event["seq"] = self.seq
             event["t_fwd"] = time.monotonic()
             status, reason, resp_headers, data = self._forward(method, target, headers, body)
             event["t_done"] = time.monotonic()
+        event["late"] = budget is not None and event["t_done"] - event["t_body"] > budget
         event["status"] = status
         if status is None:
             event["outcome"] = "unknown"
