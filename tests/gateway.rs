@@ -537,10 +537,13 @@ async fn read_head(stream: &mut tokio::net::TcpStream) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
-/// In `conditional` mode even an upstream that stalls past fencegate's deadline cannot commit
-/// an older write after a newer one: both carry `If-Match` with the ETag before either, so when
-/// the stalled older write finally executes the API refuses it (412). Also: fencegate's
-/// `If-Match`/`If-None-Match` replace the client's, and a 412 goes back to the client.
+/// A write whose call stalls at the API past fencegate's deadline is answered 504 "outcome
+/// unknown" but stays in flight: a newer token is forwarded only after the stalled write
+/// executed (G3: nothing older commits after a newer write was forwarded). In `conditional`
+/// mode the newer write then carries the ETag fencegate last saw, which the late write changed,
+/// so the API refuses it (412) and nothing is lost; a read teaches fencegate the ETag. Also:
+/// fencegate's `If-Match`/`If-None-Match` replace the client's, and a 412 goes back to the
+/// client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_past_the_deadline_cannot_commit_an_older_conditional_write() {
     let api = FakeApi::start(None).await;
@@ -558,16 +561,19 @@ async fn a_stall_past_the_deadline_cannot_commit_an_older_conditional_write() {
     let old = c.write("PUT", "/doc/d1", 1, None, "old").await;
     assert_eq!((old.status, old.code().as_str()), (504, "UpstreamOutcomeUnknown"));
     let new = c.write("PUT", "/doc/d1", 2, None, "new").await;
-    assert_eq!(new.status, 200, "{:?}", new.body);
+    assert_eq!(new.status, 412, "{:?}", new.body);
 
-    api.wait_for(path, 3).await;
     let received = api.received(path);
+    assert_eq!(received.len(), 3);
     let late = received.iter().find(|r| r.body.as_ref() == b"old").unwrap();
     let newer = received.iter().find(|r| r.body.as_ref() == b"new").unwrap();
     assert_eq!((late.if_match.as_deref(), newer.if_match.as_deref()), (Some(e1.as_str()), Some(e1.as_str())));
-    assert_eq!(late.execution, None, "the stalled older write was refused by its precondition");
-    assert!(newer.execution.is_some());
-    assert_eq!(api.current_body(path), Some(Bytes::from("new")));
+    assert!(late.execution.is_some(), "the stalled older write executed before the newer one was sent");
+    assert_eq!(newer.execution, None, "the newer write was refused by its precondition, not lost");
+    assert_eq!(api.current_body(path), Some(Bytes::from("old")));
+    // A read teaches fencegate the ETag; the newer holder writes on top.
+    assert_eq!(c.send("GET", "/doc/d1", &[], "").await.status, 200);
+    assert_eq!(c.write("PUT", "/doc/d1", 2, None, "new").await.status, 200);
 
     // The ETag of the newer write is known now; a client's own precondition is replaced.
     let next = c.send("PUT", "/doc/d1", &[("fencing-token", "2"), ("if-match", "\"bogus\"")], "next").await;
@@ -577,7 +583,7 @@ async fn a_stall_past_the_deadline_cannot_commit_an_older_conditional_write() {
     api.state.lock().unwrap().current.insert(path.into(), ("\"elsewhere\"".into(), Bytes::from("x")));
     let refused = c.write("PUT", "/doc/d1", 2, None, "lost").await;
     assert_eq!(refused.status, 412);
-    assert_eq!(api.received(path).len(), 5, "one attempt, no retry");
+    assert_eq!(api.received(path).len(), 6, "one attempt, no retry");
     // A read through fencegate teaches it the current ETag.
     assert_eq!(c.send("GET", "/doc/d1", &[], "").await.status, 200);
     assert_eq!(c.write("PUT", "/doc/d1", 2, None, "after-read").await.status, 200);
@@ -586,7 +592,8 @@ async fn a_stall_past_the_deadline_cannot_commit_an_older_conditional_write() {
 
 /// The ETag the API gave the write with `body`.
 fn newer_etag(api: &FakeApi, body: &str) -> Option<String> {
-    let execution = api.ledger().into_iter().find(|r| r.body.as_ref() == body.as_bytes())?.execution?;
+    let execution =
+        api.ledger().into_iter().filter(|r| r.body.as_ref() == body.as_bytes()).find_map(|r| r.execution)?;
     Some(format!("\"e{execution}\""))
 }
 

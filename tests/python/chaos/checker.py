@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 Event = dict
 Write = dict
 
-MAX_EVIDENCE_LINES = 8
+MAX_EVIDENCE_LINES = 12
 
 
 def resource_of(bucket: str, key: str, rules: list) -> str:
@@ -98,6 +98,7 @@ class Violation:
     resource: str
     message: str
     evidence: list = field(default_factory=list)
+    window: tuple | None = None  # (from, to): the times of the events involved, for triage
 
     def render(self) -> str:
         lines = [f"[{self.kind}] {self.resource}: {self.message}"]
@@ -239,6 +240,7 @@ def check(
                 f"token {op.token} committed on {op.key} after token {top.token} committed on {top.key}",
                 [fmt.event(top.event, top.token), fmt.write(by_id.get(top.event.get("chaos_id"))),
                  fmt.event(op.event, op.token), fmt.write(by_id.get(op.event.get("chaos_id")))],
+                window=(min(top.event["t_arrival"], op.event["t_arrival"]), op.event["t_done"]),
             ))
         if top is None or op.token > top.token:
             highest[op.resource] = op
@@ -270,6 +272,7 @@ def check(
                 f"forwarded ({op.event['t_fwd'] - newer['t_arrival']:.3f}s before)",
                 [fmt.event(newer, newer_token), fmt.write(by_id.get(newer.get("chaos_id"))),
                  fmt.event(op.event, op.token), fmt.write(by_id.get(op.event.get("chaos_id")))],
+                window=(op.event["t_arrival"], op.event["t_done"]),
             ))
 
     # ---- fences: never decrease, never below a committed token --------------------------
@@ -398,9 +401,24 @@ def check(
                                   default=0.0),
         "forwarded_after_fencegate_hung_up": sum(1 for e in ours if e.get("client_gone")),
         "resources": len({op.resource for op in commits}),
+        # How often, per resource in commit order, the committed token changed: lease handovers
+        # that reached the upstream (the situations G3 is about).
+        "handovers": _handovers(commits),
         "fence_samples": len(samples),
     }
     return Report(violations=violations, stats=stats)
+
+
+def _handovers(commits: list) -> int:
+    last: dict = {}
+    changes = 0
+    for op in commits:
+        if op.token is None:
+            continue
+        if op.resource in last and last[op.resource] != op.token:
+            changes += 1
+        last[op.resource] = op.token
+    return changes
 
 
 def render(report: Report, title: str, faults: dict | None = None, limit: int = 12) -> str:
@@ -412,7 +430,8 @@ def render(report: Report, title: str, faults: dict | None = None, limit: int = 
                  f"{s['other_answers']}")
     lines.append(f"   ops {s['ops']}, client modes {s['modes']}")
     lines.append(f"   upstream: {s['upstream_writes']} write requests {s['upstream_outcomes']}, "
-                 f"{s['commits']} key commits on {s['resources']} resources, {s['held']} held, "
+                 f"{s['commits']} key commits on {s['resources']} resources with {s['handovers']} token "
+                 f"handovers, {s['held']} held, "
                  f"{s['forwarded_after_fencegate_hung_up']} forwarded after fencegate hung up; "
                  f"{s['fence_samples']} fence reads")
     lines.append(f"   slowest commit {s['max_commit_latency']:.2f}s after its body arrived, "

@@ -175,6 +175,9 @@ class ChaosRun:
         records = [r for w in writers for r in w.records]
         report = check(events, records, sampler.samples, finals, spec.rules(), spec.bucket)
         report.violations += self._sanity(events)
+        t0 = min([e["t_arrival"] for e in events] + [r["t_start"] for r in records] or [t_start])
+        for v in report.violations:
+            v.evidence += self._faults_around(v.window, t0)
 
         faults = Counter(e["kind"] for e in self.nemesis.log)
         faults.update({
@@ -204,6 +207,18 @@ class ChaosRun:
         if problems:
             report.violations.append(Violation("harness", "-", "; ".join(problems)))
         return report, text, history
+
+    def _faults_around(self, window, t0: float) -> list:
+        """The nemesis faults that overlap a violation's events (1 s either side), as lines
+        with times on the checker's clock (relative to the first event)."""
+        if window is None:
+            return []
+        lines = []
+        for f in self.nemesis.log:
+            if f["t_start"] - 1 <= window[1] and f.get("t_end", f["t_start"]) + 1 >= window[0]:
+                lines.append(f"nemesis: {f['kind']} {f['target']} {f['detail']} from "
+                             f"{f['t_start'] - t0:8.3f} to {f.get('t_end', f['t_start']) - t0:8.3f}")
+        return lines or ["nemesis: no process fault near these events"]
 
     def _final_fences(self, resources: list) -> dict:
         """Each resource's fence once the run is quiet (through the first replica)."""
