@@ -69,6 +69,8 @@ pub enum Op {
     AbortMultipartUpload,
     /// Tagging, ACL, retention, legal hold.
     ObjectSubresourceWrite,
+    /// A browser form upload (`POST /bucket`): an object write fencegate cannot stamp; refused.
+    PostObject,
     /// Reads, listings, bucket operations.
     PassThrough,
 }
@@ -86,6 +88,7 @@ impl Op {
             Self::CompleteMultipartUpload => "CompleteMultipartUpload",
             Self::AbortMultipartUpload => "AbortMultipartUpload",
             Self::ObjectSubresourceWrite => "ObjectSubresourceWrite",
+            Self::PostObject => "PostObject",
             Self::PassThrough => "PassThrough",
         }
     }
@@ -102,7 +105,12 @@ pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: 
     let has = |name: &str| query_has(query, name);
     let copy = headers.contains_key("x-amz-copy-source");
     if target.key.is_none() {
-        return if *method == Method::POST && has("delete") { Op::DeleteObjects } else { Op::PassThrough };
+        return match *method {
+            Method::POST if has("delete") => Op::DeleteObjects,
+            // The only other POST on a bucket is a browser form upload: an object write.
+            Method::POST if target.bucket.is_some() => Op::PostObject,
+            _ => Op::PassThrough,
+        };
     }
     match *method {
         Method::PUT if has("uploadId") && has("partNumber") => {
@@ -157,6 +165,7 @@ mod tests {
         assert_eq!(op(Method::PUT, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
         assert_eq!(op(Method::PUT, "/b/k?legal-hold", false), Op::ObjectSubresourceWrite);
         assert_eq!(op(Method::DELETE, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
+        assert_eq!(op(Method::POST, "/b", false), Op::PostObject);
     }
 
     #[test]

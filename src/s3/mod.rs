@@ -327,12 +327,21 @@ impl Front {
         if op == Op::DeleteObjects {
             return self.delete_objects(request, token).await;
         }
+        if op == Op::PostObject {
+            return Err(FrontError::NotSupported("POST Object (a browser form upload)"));
+        }
         let (Some(bucket), Some(key)) = (&request.target.bucket, &request.target.key) else {
             return Err(FrontError::NotSupported("a write without an object key"));
         };
         let resource = self.wire.resource(&request.headers, bucket, key)?;
         let mut request = request;
         if op == Op::CompleteMultipartUpload {
+            // A stale completion is refused before its body is read.
+            if let Some(current) = self.gate.fence(&resource).await.map_err(FrontError::StoreUnavailable)?
+                && token < current
+            {
+                return Err(FrontError::Stale { presented: token, current });
+            }
             // The parts list is read before admission: a client that sends it slowly must not
             // hold a write that is past cancelling (its body is complete once read).
             let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)
