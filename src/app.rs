@@ -16,7 +16,7 @@ use crate::gateway::Gateway;
 use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
 use crate::store::{EmbeddedStore, RedisStore};
-use crate::upstream::{self, Upstream, probe_preconditions};
+use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
 
 /// How long open requests may finish after shutdown was asked for.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
@@ -30,6 +30,8 @@ pub struct App {
     gateway: Arc<Gateway>,
     /// Set when the main listener speaks HTTPS.
     tls: Option<tokio_rustls::TlsAcceptor>,
+    /// What the start-up probe found the upstream enforces, once it ran.
+    enforcement: Option<Enforcement>,
 }
 
 /// The listeners' bound addresses.
@@ -82,14 +84,16 @@ impl App {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, upstream, gateway, tls })
+        Ok(Self { config, gate, upstream, gateway, tls, enforcement: None })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
     /// gate orders every commit, so a failed probe is a loud warning unless
     /// `upstream.probe = "require"`. With a shared store (several replicas) a failed or
     /// skipped probe refuses to start, unless `upstream.accept_no_preconditions = true`.
-    pub async fn probe(&self) -> anyhow::Result<()> {
+    /// Operations whose preconditions the upstream ignores are named in the log: across
+    /// replicas they rely on the gate's ordering alone (README, "Several replicas").
+    pub async fn probe(&mut self) -> anyhow::Result<()> {
         let shared = self.gate.store().shared().is_some();
         let accepted = self.config.upstream.accept_no_preconditions;
         let mode = match self.config.upstream.probe {
@@ -105,15 +109,36 @@ impl App {
             }
             return Ok(());
         }
-        match probe_preconditions(self.upstream.as_ref(), self.config.upstream.probe_bucket.as_deref()).await {
-            Ok(bucket) => {
-                tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
+        let bucket = self.config.upstream.probe_bucket.as_deref();
+        let timeout = ms(self.config.upstream.request_timeout_ms);
+        let probed = match tokio::time::timeout(timeout, probe_preconditions(self.upstream.as_ref(), bucket)).await {
+            Ok(probed) => probed,
+            Err(_) => Err(ProbeError::Upstream(crate::upstream::UpstreamError::Timeout {
+                after_ms: self.config.upstream.request_timeout_ms,
+            })),
+        };
+        match probed {
+            Ok(Probed { bucket, enforcement }) => {
+                self.enforcement = Some(enforcement);
+                let ignored = enforcement.ignored();
+                if ignored.is_empty() {
+                    tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
+                } else {
+                    tracing::warn!(
+                        bucket,
+                        upstream = self.upstream.kind(),
+                        ignored = ignored.join(", "),
+                        "upstream enforces preconditions on PutObject but ignores them on the operations named; \
+                         fencegate still orders them through the gate, but across replicas a stalled replica's \
+                         late one is not refused per object"
+                    );
+                }
                 Ok(())
             }
-            Err(crate::upstream::ProbeError::NoBucket) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
+            Err(ProbeError::NoBucket) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
                 "upstream precondition probe: no bucket to probe; set upstream.probe_bucket (required with a shared store)"
             )),
-            Err(crate::upstream::ProbeError::NoBucket) => {
+            Err(ProbeError::NoBucket) => {
                 tracing::warn!(
                     "upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)"
                 );
@@ -131,6 +156,11 @@ impl App {
                 Ok(())
             }
         }
+    }
+
+    /// What the probe found the upstream enforces; `None` if it did not run.
+    pub fn enforcement(&self) -> Option<Enforcement> {
+        self.enforcement
     }
 
     /// Binds both listeners (port 0 picks a free port).

@@ -51,8 +51,19 @@ fn main() -> ExitCode {
         Command::CheckConfig { config } => load(&config).map(|c| println!("{c:#?}")),
         Command::Probe { config } => load(&config).and_then(|c| {
             runtime()?.block_on(async {
-                let app = App::build(c).await?;
-                app.probe().await
+                let mut app = App::build(c).await?;
+                app.probe().await?;
+                match app.enforcement().map(|e| e.ignored()) {
+                    None => println!("upstream probe did not run (see the log)"),
+                    Some(ignored) if ignored.is_empty() => println!(
+                        "upstream enforces preconditions on PutObject, CopyObject, CompleteMultipartUpload, DeleteObject"
+                    ),
+                    Some(ignored) => println!(
+                        "upstream enforces preconditions on PutObject; ignores them on: {}",
+                        ignored.join(", ")
+                    ),
+                }
+                Ok(())
             })
         }),
     };
@@ -76,7 +87,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
-    let app = App::build(config).await?;
+    let mut app = App::build(config).await?;
     app.probe().await?;
     let (s3, admin) = app.bind().await?;
     let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };

@@ -3,7 +3,10 @@
 //!
 //! Conditional writes are made atomic here: s3s-fs checks `If-Match`/`If-None-Match` and then
 //! writes, so two writers could both pass the check; every object write takes a per-object
-//! lock (striped) around the call, which closes that gap.
+//! lock (striped) around the call, which closes that gap. s3s-fs checks them on PutObject and
+//! CompleteMultipartUpload only; for CopyObject and DeleteObject the check is made here, under
+//! the same lock, so every conditional write fencegate relies on is enforced (the start-up
+//! probe shows it).
 
 use std::hash::{BuildHasher, RandomState};
 use std::path::Path;
@@ -48,6 +51,45 @@ impl LocalUpstream {
             && tokio::fs::metadata(self.root.join(bucket)).await.is_ok_and(|m| m.is_dir())
     }
 
+    /// For a CopyObject or DeleteObject carrying `If-Match` / `If-None-Match`: the 412 answer if
+    /// the object (read under the caller's object lock) does not meet it.
+    async fn unmet_precondition(
+        &self,
+        req: &http::Request<Body>,
+    ) -> Result<Option<http::Response<Body>>, UpstreamError> {
+        let query = req.uri().query().unwrap_or("");
+        let copy = *req.method() == Method::PUT && req.headers().contains_key("x-amz-copy-source");
+        let delete = *req.method() == Method::DELETE;
+        let conditional = req.headers().contains_key(http::header::IF_MATCH)
+            || req.headers().contains_key(http::header::IF_NONE_MATCH);
+        if !(copy || delete) || !conditional || !query.is_empty() {
+            return Ok(None); // part copies, version or upload ids, sub-resources: as s3s-fs does
+        }
+        let head = http::Request::builder()
+            .method(Method::HEAD)
+            .uri(req.uri().path())
+            .body(Body::empty())
+            .map_err(|e| UpstreamError::Local(Box::new(e)))?;
+        let head = self.service.call(head).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
+        let etag = head.status().is_success().then(|| head.headers().get(http::header::ETAG).cloned()).flatten();
+        let met = match (req.headers().get(http::header::IF_MATCH), req.headers().get(http::header::IF_NONE_MATCH)) {
+            (Some(wanted), _) => etag.as_ref().is_some_and(|e| wanted == "*" || wanted == e),
+            (None, Some(not_wanted)) => match &etag {
+                None => true,
+                Some(e) => not_wanted != "*" && not_wanted != e,
+            },
+            (None, None) => true,
+        };
+        if met {
+            return Ok(None);
+        }
+        let error = s3s::S3Error::with_message(
+            s3s::S3ErrorCode::PreconditionFailed,
+            "At least one of the pre-conditions you specified did not hold",
+        );
+        error.to_http_response().map(Some).map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
+    }
+
     fn is_object_write(req: &http::Request<Body>) -> bool {
         let writes = matches!(*req.method(), Method::PUT | Method::POST | Method::DELETE);
         // `/bucket/key...`: something after the bucket's slash means an object path.
@@ -75,6 +117,9 @@ impl Upstream for LocalUpstream {
         } else {
             None
         };
+        if is_object_write && let Some(refusal) = self.unmet_precondition(&req).await? {
+            return Ok(refusal);
+        }
         self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
     }
 
