@@ -126,8 +126,10 @@ pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: 
         Method::DELETE if has("uploadId") => Op::AbortMultipartUpload,
         Method::DELETE if has("tagging") => Op::ObjectSubresourceWrite,
         Method::DELETE => Op::DeleteObject,
-        Method::POST if has("uploads") => Op::CreateMultipartUpload,
+        // `?uploads&uploadId=U` is a completion to an upstream that reads `uploadId` first:
+        // classified as the commit point, so it is checked and conditional either way.
         Method::POST if has("uploadId") => Op::CompleteMultipartUpload,
+        Method::POST if has("uploads") => Op::CreateMultipartUpload,
         _ => Op::PassThrough,
     }
 }
@@ -166,6 +168,7 @@ mod tests {
         assert_eq!(op(Method::PUT, "/b/k?legal-hold", false), Op::ObjectSubresourceWrite);
         assert_eq!(op(Method::DELETE, "/b/k?tagging", false), Op::ObjectSubresourceWrite);
         assert_eq!(op(Method::POST, "/b", false), Op::PostObject);
+        assert_eq!(op(Method::POST, "/b/k?uploads&uploadId=x", false), Op::CompleteMultipartUpload);
     }
 
     #[test]

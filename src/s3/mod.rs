@@ -577,7 +577,7 @@ impl Front {
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers.clone(), body).await?;
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
-            self.remember_completion(object, &resp, admitted.token).await;
+            self.remember_completion(object, &resp).await;
             return Ok(client_response(resp));
         }
         if !lost_precondition(resp.status(), &state) {
@@ -590,7 +590,7 @@ impl Front {
         let (resp, committed) = read_xml_response(resp).await?;
         if committed {
             metrics::precondition_conflict("retried");
-            self.remember_completion(object, &resp, admitted.token).await;
+            self.remember_completion(object, &resp).await;
             return Ok(client_response(resp));
         }
         if lost_precondition(resp.status(), &fresh) {
@@ -600,15 +600,17 @@ impl Front {
         Ok(client_response(resp))
     }
 
-    /// The ETag of a completed upload is in its XML body, not in a header.
-    async fn remember_completion(&self, object: String, resp: &http::Response<Body>, token: FenceToken) {
+    /// The ETag of a completed upload is in its XML body, not in a header. Its stamp is the one
+    /// CreateMultipartUpload set (the creator's token), which the completion does not name, so
+    /// the cache records none rather than the completer's.
+    async fn remember_completion(&self, object: String, resp: &http::Response<Body>) {
         let etag = resp
             .body()
             .bytes()
             .and_then(|xml| xml_element(&xml, "ETag"))
             .and_then(|e| HeaderValue::from_str(&e.replace("&quot;", "\"")).ok());
         match etag {
-            Some(etag) => self.etags.put(object, ObjectState::Present { etag, stamp: Some(token) }),
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag, stamp: None }),
             None => self.etags.forget(&object),
         }
     }
