@@ -19,9 +19,24 @@ pub fn decode(raw: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// Encodes an object key for a path: every byte but unreserved characters and `/` escaped.
+pub fn encode_key(key: &str) -> String {
+    const KEY: &percent_encoding::AsciiSet =
+        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~').remove(b'/');
+    percent_encoding::utf8_percent_encode(key, KEY).to_string()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::decode;
+    use super::{decode, encode_key};
+
+    #[test]
+    fn keys_round_trip() {
+        for key in ["a b/c+d", "€/x", "100%/y?z#w", "plain/key.txt"] {
+            assert_eq!(decode(&encode_key(key)).as_deref(), Some(key));
+        }
+        assert_eq!(encode_key("a b/c"), "a%20b/c");
+    }
 
     #[test]
     fn decodes_escapes_and_refuses_broken_ones() {

@@ -276,3 +276,98 @@ async fn wait_for_cluster(node: &RedisServer) {
     }
     panic!("the cluster did not become ready");
 }
+
+/// Redis comes back empty (a failover to a replica that had not received the last advances, a
+/// restart without persistence): a replica's mark still keeps a lease grant above every token
+/// it has seen (never the same token twice, never a lower one), and a replica that refuses a
+/// token from its mark raises Redis back, so that a replica that never saw the resource refuses
+/// it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_mark_outlives_a_redis_that_lost_its_data() {
+    use aws_sdk_s3::config::Credentials;
+    use fencegate_client::LeaseClient;
+
+    let mut redis = RedisServer::start().await;
+    let moto = Moto::start().await;
+    s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
+    let dir_a = tempfile::tempdir().unwrap();
+    let a = Fencegate::start_configured(
+        dir_a.path(),
+        &redis_store_toml(&redis.url(), "a"),
+        &moto.upstream_toml(BUCKET),
+        "",
+    )
+    .await;
+    let credentials = Credentials::new(common::ACCESS_KEY, common::SECRET_KEY, None, None, "test");
+    let leases = LeaseClient::new(&a.endpoint(), credentials, "us-east-1").unwrap();
+    let resource = "job:failover";
+
+    let first = leases.acquire(resource, "holder-1", Duration::from_secs(30)).await.unwrap().token().0;
+    put_on(&client(&a), "jobs/x", first, resource).await.unwrap();
+
+    redis.restart_empty().await; // the grant and the fence are gone from Redis
+    let second = acquire_eventually(&leases, resource, "holder-2").await;
+    assert!(second > first, "a grant after the rollback must be above {first}, got {second}");
+
+    redis.restart_empty().await; // again: Redis has nothing, replica a's mark is `second`
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = Fencegate::start_configured(
+        dir_b.path(),
+        &redis_store_toml(&redis.url(), "b"),
+        &moto.upstream_toml(BUCKET),
+        "",
+    )
+    .await;
+    // The stale holder writes through a: refused from a's mark, which raises Redis back (a
+    // refusal asks at most once a second, again at once if asking failed: Redis just restarted).
+    let fence_key = format!("fg:{{{resource}}}:fence");
+    let mut conn = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut stored = None;
+    for _ in 0..50 {
+        let (code, status, current) = put_on(&client(&a), "jobs/x", first, resource).await.unwrap_err();
+        assert_eq!((code.as_deref(), status, current), (Some("FencingTokenStale"), 409, Some(second.to_string())));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stored = redis::cmd("GET").arg(&fence_key).query_async::<Option<String>>(&mut conn).await.unwrap();
+        if stored.is_some() {
+            break;
+        }
+    }
+    assert_eq!(stored, Some(second.to_string()), "the refusal raised Redis back to the mark");
+    // b never saw the resource, and still refuses the stale token: Redis knows again.
+    let (code, status, _) = put_on(&client(&b), "jobs/y", first, resource).await.unwrap_err();
+    assert_eq!((code.as_deref(), status), (Some("FencingTokenStale"), 409));
+    a.stop().await;
+    b.stop().await;
+}
+
+async fn put_on(
+    c: &Client,
+    key: &str,
+    token: u64,
+    resource: &'static str,
+) -> Result<(), (Option<String>, u16, Option<String>)> {
+    c.put_object()
+        .bucket(BUCKET)
+        .key(key)
+        .body(ByteStream::from_static(b"x"))
+        .customize()
+        .mutate_request(move |req| {
+            req.headers_mut().insert("fencing-token", token.to_string());
+            req.headers_mut().insert("fencing-resource", resource);
+        })
+        .send()
+        .await
+        .map(|_| ())
+        .map_err(|e| error_of(&e))
+}
+
+/// Acquires `name` once Redis answers again (it was just restarted); the granted token.
+async fn acquire_eventually(leases: &fencegate_client::LeaseClient, name: &str, holder: &str) -> u64 {
+    for _ in 0..100 {
+        if let Ok(lease) = leases.acquire(name, holder, Duration::from_secs(30)).await {
+            return lease.token().0;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no grant after Redis came back");
+}

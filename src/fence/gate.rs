@@ -81,7 +81,15 @@ struct SlotState {
     /// `None` until loaded from the store.
     fence: Option<Option<FenceToken>>,
     inflight: Vec<Inflight>,
+    /// When this replica last asked a shared store to come back up to its mark without an
+    /// admission (a refusal from the mark, an announcement below it): at most once per
+    /// [`REPAIR_EVERY`].
+    repair_asked: Option<Instant>,
 }
+
+/// How often one resource's store is asked to come back up to a replica's mark outside an
+/// admission.
+const REPAIR_EVERY: Duration = Duration::from_secs(1);
 
 struct Inflight {
     id: u64,
@@ -216,9 +224,12 @@ impl Gate {
         now_ms: u64,
     ) -> Result<LeaseOutcome, AdmitError> {
         let slot = self.slot(resource);
-        if let LeaseCommand::Acquire { .. } = command {
+        let mut command = command;
+        if let LeaseCommand::Acquire { floor, .. } = &mut command {
             let started = Instant::now();
             self.wait_for_advances(started, started + self.limits.inflight_deadline).await?;
+            // A grant is above every token this replica has seen, whatever the store says.
+            *floor = (*floor).max(slot.state().fence.flatten());
         }
         let outcome = {
             let _io = slot.io.lock().await;
@@ -327,9 +338,13 @@ impl Gate {
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
         let deadline_ms = millis(self.limits.inflight_deadline);
-        if let Some(floor) = slot.state().fence.flatten()
+        let mark = slot.state().fence.flatten(); // the guard must not outlive this line
+        if let Some(floor) = mark
             && token < floor
         {
+            // Refused from this replica's mark; the store may have rolled back below it (and
+            // other replicas would accept the token): raise it back.
+            self.repair_in_background(slot, resource, floor);
             return Err(AdmitError::Stale { presented: token, current: floor });
         }
         // Registered locally first, so that an announced advance can cancel it while the
@@ -353,7 +368,10 @@ impl Gate {
                     slot.raise_fence(current);
                     return Err(AdmitError::Stale { presented: token, current });
                 }
-                SharedAdmit::OlderInflight { advanced } => {
+                SharedAdmit::OlderInflight { advanced, repaired_from } => {
+                    if let Some(had) = repaired_from {
+                        rollback_repaired(resource, had, floor);
+                    }
                     if advanced {
                         metrics::advanced();
                         slot.raise_fence(token);
@@ -368,13 +386,7 @@ impl Gate {
                 }
                 SharedAdmit::Admitted { advanced, repaired_from } => {
                     if let Some(had) = repaired_from {
-                        metrics::store_rollback_repaired();
-                        tracing::error!(
-                            resource = resource.as_str(),
-                            store_had = had.map(|t| t.0),
-                            floor = floor.map(|t| t.0),
-                            "FENCE STORE ROLLBACK: the store answered lower than this replica has seen; raised it back"
-                        );
+                        rollback_repaired(resource, had, floor);
                     }
                     if advanced {
                         metrics::advanced();
@@ -406,6 +418,13 @@ impl Gate {
                 let Some(slot) = slot else { continue };
                 match event {
                     StoreEvent::Advanced { fence, .. } => {
+                        let mark = slot.state().fence.flatten(); // not held into the repair
+                        if let Some(mark) = mark
+                            && fence < mark
+                        {
+                            // Some replica set the store below what this one has seen.
+                            gate.repair_in_background(&slot, resource, mark);
+                        }
                         slot.raise_fence(fence);
                         slot.state().cancel_unsent_older(fence);
                     }
@@ -419,6 +438,51 @@ impl Gate {
                     }
                 }
                 slot.changed.notify_waiters();
+            }
+        });
+    }
+
+    /// A token seen on an object (its stamp) above this replica's mark raises the mark, so the
+    /// next admission raises a shared store that lost it back. Only for a shared store: the
+    /// embedded store's cached fence must stay what is durable.
+    pub fn raise_mark(&self, resource: &ResourceKey, seen: FenceToken) {
+        if self.store.shared().is_some() {
+            self.slot(resource).raise_fence(seen);
+        }
+    }
+
+    /// Asks a shared store, without waiting, to come back up to `mark` (at most once per
+    /// [`REPAIR_EVERY`] per resource); a store found below it is counted and logged.
+    fn repair_in_background(&self, slot: &Arc<Slot>, resource: &ResourceKey, mark: FenceToken) {
+        if self.store.shared().is_none() {
+            return;
+        }
+        {
+            let mut state = slot.state();
+            let now = Instant::now();
+            if state.repair_asked.is_some_and(|at| now.duration_since(at) < REPAIR_EVERY) {
+                return;
+            }
+            state.repair_asked = Some(now);
+        }
+        let (store, resource, timeout) = (self.store.clone(), resource.clone(), self.limits.store_timeout);
+        let slot = slot.clone();
+        tokio::spawn(async move {
+            let outcome = tokio::time::timeout(timeout, store.advance(&resource, mark)).await;
+            match outcome {
+                Ok(Ok(AdvanceOutcome::Advanced { previous })) => rollback_repaired(&resource, previous, Some(mark)),
+                Ok(Ok(AdvanceOutcome::Unchanged { .. })) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, resource = resource.as_str(), "could not check the store against this replica's mark");
+                    slot.state().repair_asked = None; // the next refusal asks again
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        resource = resource.as_str(),
+                        "could not check the store against this replica's mark in time"
+                    );
+                    slot.state().repair_asked = None;
+                }
             }
         });
     }
@@ -638,6 +702,18 @@ impl Drop for Permit {
     }
 }
 
+/// The store was below this replica's mark and was raised back: counted and logged, whatever
+/// else the call that found it did.
+fn rollback_repaired(resource: &ResourceKey, had: Option<FenceToken>, mark: Option<FenceToken>) {
+    metrics::store_rollback_repaired();
+    tracing::error!(
+        resource = resource.as_str(),
+        store_had = had.map(|t| t.0),
+        floor = mark.map(|t| t.0),
+        "FENCE STORE ROLLBACK: the store answered lower than this replica has seen; raised it back"
+    );
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -774,7 +850,7 @@ mod tests {
         assert!(started.elapsed() < Duration::from_millis(10), "the current token is not held");
         drop(gate.admit(&key("job:q"), FenceToken(6)).await.unwrap());
         assert!(started.elapsed() >= deadline, "advanced after {:?}", started.elapsed());
-        let grant = LeaseCommand::Acquire { holder: "h".into(), ttl_ms: 1000, lease_id: "l".into() };
+        let grant = LeaseCommand::Acquire { holder: "h".into(), ttl_ms: 1000, lease_id: "l".into(), floor: None };
         assert!(matches!(gate.lease(&key("job:q"), grant, 0).await, Ok(LeaseOutcome::Granted(_))));
         assert!(started.elapsed() < deadline * 2, "the hold ends once");
     }

@@ -25,11 +25,14 @@ impl LeaseRecord {
 /// What a lease client asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseCommand {
-    /// `lease_id` is chosen by the caller (random), so the store stays deterministic.
+    /// `lease_id` is chosen by the caller (random), so the store stays deterministic. `floor`
+    /// is the highest token the asking replica has seen on the resource (the gate fills it in):
+    /// the grant is above it even if the store lost what it knew (a Redis failover).
     Acquire {
         holder: String,
         ttl_ms: u64,
         lease_id: String,
+        floor: Option<FenceToken>,
     },
     Renew {
         lease_id: String,
@@ -83,12 +86,13 @@ pub fn apply_lease(
     let live = current.filter(|l| l.is_live(now_ms));
     let keep = |outcome| LeaseTransition { outcome, fence: None, lease: LeaseWrite::Keep };
     match command {
-        LeaseCommand::Acquire { holder, ttl_ms, lease_id } => {
+        LeaseCommand::Acquire { holder, ttl_ms, lease_id, floor } => {
             if let Some(l) = live {
                 return keep(LeaseOutcome::Held { holder: l.holder.clone(), remaining_ms: l.expires_at_ms - now_ms });
             }
-            // Above the fence, which is at least every token ever granted or seen.
-            let next = match fence {
+            // Above the fence, which is at least every token ever granted or seen, and above
+            // the asking replica's floor.
+            let next = match fence.max(floor) {
                 None => Some(1),
                 Some(f) => f.0.checked_add(1),
             };
@@ -135,7 +139,7 @@ mod tests {
     use super::*;
 
     fn acquire(holder: &str, id: &str) -> LeaseCommand {
-        LeaseCommand::Acquire { holder: holder.into(), ttl_ms: 1000, lease_id: id.into() }
+        LeaseCommand::Acquire { holder: holder.into(), ttl_ms: 1000, lease_id: id.into(), floor: None }
     }
 
     fn granted(t: &LeaseTransition) -> LeaseRecord {

@@ -111,7 +111,7 @@ pub enum SharedAdmit {
     /// Older than the fence.
     Stale { current: FenceToken },
     /// Older writes are still in flight somewhere (and within their deadline): ask again.
-    OlderInflight { advanced: bool },
+    OlderInflight { advanced: bool, repaired_from: Option<Option<FenceToken>> },
 }
 
 /// The in-flight registry and advance announcements of a store shared by several replicas.

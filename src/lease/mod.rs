@@ -123,8 +123,12 @@ impl LeaseService {
                         self.ttl_ms_max
                     )));
                 }
-                let command =
-                    LeaseCommand::Acquire { holder: req.holder, ttl_ms: req.ttl_ms, lease_id: self.ids.next() };
+                let command = LeaseCommand::Acquire {
+                    holder: req.holder,
+                    ttl_ms: req.ttl_ms,
+                    lease_id: self.ids.next(),
+                    floor: None,
+                };
                 match self.apply(&name, command, now_ms).await? {
                     LeaseOutcome::Granted(lease) => {
                         metrics::lease_event("granted");

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use s3s::route::S3Route;
@@ -67,6 +68,9 @@ const S3_METHODS: &[Method] = &[Method::GET, Method::HEAD, Method::PUT, Method::
 /// Success responses of these operations can still carry an `<Error>` body; they are read
 /// (bounded) before the write counts as committed.
 const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
+
+/// Object heads read at once for the stamp checks of one DeleteObjects.
+const STAMP_CHECKS_CONCURRENT: usize = 16;
 
 /// A CompleteMultipartUpload body lists at most 10,000 parts.
 const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
@@ -211,6 +215,7 @@ impl Request {
 }
 
 /// A write that the gate admitted.
+#[derive(Clone)]
 struct Admitted {
     token: FenceToken,
     resource: ResourceKey,
@@ -369,6 +374,14 @@ impl Front {
                 stamp(&mut request.headers, token);
                 self.forward_admitted(request, admitted).await
             }
+            Op::ObjectSubresourceWrite => {
+                // Tagging, ACL, retention, legal hold change the object: refused by a newer
+                // stamp like any other write (G4).
+                let object =
+                    request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+                self.object_state(&request.target, &object, true, &admitted).await?;
+                self.forward_admitted(request, admitted).await
+            }
             _ => self.forward_admitted(request, admitted).await,
         }
     }
@@ -450,7 +463,7 @@ impl Front {
     async fn put_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
         let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
-        let state = self.object_state(&request.target, &object, retainable, admitted.token).await?;
+        let state = self.object_state(&request.target, &object, retainable, &admitted).await?;
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
         let mut headers = upstream_headers(&request.headers, &self.wire);
@@ -469,7 +482,7 @@ impl Front {
         if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         let Some(chunks) = report.retained() else {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
@@ -488,7 +501,7 @@ impl Front {
     /// added without losing the rest.
     async fn copy_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
-        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let state = self.object_state(&request.target, &object, true, &admitted).await?;
         let replaces = request
             .headers
             .get("x-amz-metadata-directive")
@@ -510,7 +523,7 @@ impl Front {
         if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         set_precondition(&mut headers, &fresh);
         let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers, empty()).await?;
         let (resp, _) = read_xml_response(resp).await?;
@@ -530,7 +543,7 @@ impl Front {
             Some(cached @ ObjectState::Present { .. }) => cached,
             _ => self.head(&request.target).await?,
         };
-        self.refuse_newer_stamp(&object, &state, admitted.token)?;
+        self.refuse_newer_stamp(&object, &state, &admitted)?;
         for attempt in 0..2 {
             let ObjectState::Present { .. } = &state else {
                 if versioned {
@@ -557,7 +570,7 @@ impl Front {
             if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }
-            state = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+            state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)
@@ -568,7 +581,7 @@ impl Front {
     /// parts list was read before admission.
     async fn complete_multipart(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-        let state = self.object_state(&request.target, &object, true, admitted.token).await?;
+        let state = self.object_state(&request.target, &object, true, &admitted).await?;
         let path = request.path_and_query();
         let parts = request.body.bytes().unwrap_or_default();
         let mut headers = upstream_headers(&request.headers, &self.wire);
@@ -583,7 +596,7 @@ impl Front {
         if !lost_precondition(resp.status(), &state) {
             return Ok(client_response(resp));
         }
-        let fresh = self.reread_after_conflict(&request.target, &object, admitted.token).await?;
+        let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         set_precondition(&mut headers, &fresh);
         let body = WriteBody::InMemory(Body::from(parts));
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers, body).await?;
@@ -630,13 +643,16 @@ impl Front {
             }
         }
         let mut permits = Vec::with_capacity(by_resource.len());
-        let mut admitted = Vec::new();
+        let mut checked = Vec::new();
         for (resource, objects) in by_resource {
             match self.gate.admit(&resource, token).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
-                    permits.push((resource, Arc::new(permit)));
-                    admitted.extend(objects);
+                    let permit = Arc::new(permit);
+                    let deadline = tokio::time::Instant::now() + self.request_timeout;
+                    let admitted = Admitted { token, resource: resource.clone(), permit: permit.clone(), deadline };
+                    checked.extend(objects.into_iter().map(|object| (admitted.clone(), object)));
+                    permits.push((resource, permit));
                 }
                 Err(AdmitError::Stale { presented, current }) => {
                     metrics::decision("stale");
@@ -646,6 +662,35 @@ impl Front {
                     }
                 }
                 Err(other) => return Err(other.into()),
+            }
+        }
+        // Each key against its stamp, as any other object write (G4): a key stamped with a newer
+        // token is refused on its own.
+        let mut admitted = Vec::with_capacity(checked.len());
+        let stamps = futures_util::stream::iter(checked.into_iter().map(|(write, object)| {
+            let bucket = &bucket;
+            async move {
+                let target = Target {
+                    raw_path: format!("/{bucket}/{}", crate::percent::encode_key(&object.key)),
+                    bucket: Some(bucket.clone()),
+                    key: Some(object.key.clone()),
+                };
+                let name = format!("{bucket}/{}", object.key);
+                let checked = self.object_state(&target, &name, true, &write).await;
+                (object, checked)
+            }
+        }))
+        .buffer_unordered(STAMP_CHECKS_CONCURRENT)
+        .collect::<Vec<_>>()
+        .await;
+        for (object, checked) in stamps {
+            match checked {
+                Ok(_) => admitted.push(object),
+                Err(error @ FrontError::Stale { .. }) => {
+                    metrics::decision("stale");
+                    refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
+                }
+                Err(other) => return Err(other),
             }
         }
         let (status, mut headers, result) = if admitted.is_empty() {
@@ -721,22 +766,24 @@ impl Front {
         target: &Target,
         object: &str,
         use_cache: bool,
-        token: FenceToken,
+        admitted: &Admitted,
     ) -> Result<ObjectState, FrontError> {
         let cached = if use_cache { self.etags.get(object) } else { None };
         let state = match cached {
             Some(state) => state,
             None => self.head(target).await?,
         };
-        self.refuse_newer_stamp(object, &state, token)?;
+        self.refuse_newer_stamp(object, &state, admitted)?;
         Ok(state)
     }
 
-    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
-    fn refuse_newer_stamp(&self, object: &str, state: &ObjectState, token: FenceToken) -> Result<(), FrontError> {
-        if let Some(newer) = state.newer_stamp(token) {
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says;
+    /// the stamp also raises this replica's mark, so a shared store that lost it is raised back.
+    fn refuse_newer_stamp(&self, object: &str, state: &ObjectState, admitted: &Admitted) -> Result<(), FrontError> {
+        if let Some(newer) = state.newer_stamp(admitted.token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
-            return Err(FrontError::Stale { presented: token, current: newer });
+            self.gate.raise_mark(&admitted.resource, newer);
+            return Err(FrontError::Stale { presented: admitted.token, current: newer });
         }
         Ok(())
     }
@@ -755,14 +802,14 @@ impl Front {
         &self,
         target: &Target,
         object: &str,
-        token: FenceToken,
+        admitted: &Admitted,
     ) -> Result<ObjectState, FrontError> {
         self.etags.forget(object);
         let fresh = self.head(target).await?;
-        if let Some(newer) = fresh.newer_stamp(token) {
+        if fresh.newer_stamp(admitted.token).is_some() {
             metrics::precondition_conflict("stale");
-            return Err(FrontError::Stale { presented: token, current: newer });
         }
+        self.refuse_newer_stamp(object, &fresh, admitted)?;
         Ok(fresh)
     }
 

@@ -106,8 +106,10 @@ return {1, cur}
 ";
 
 /// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
-/// channel, resource. Implements `fence::apply_lease` with Redis's clock. Returns
-/// {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}.
+/// channel, resource, floor or ''. Implements `fence::apply_lease` with Redis's clock; a grant
+/// is above the stored fence and the floor. Returns {outcome, holder, lease_id, token, ttl_ms,
+/// expires_at_ms or remaining_ms}, and for a grant {..., fence the store had or '', repaired
+/// 0|1}.
 const LUA_LEASE: &str = r"
 local function incr(s)
   if s == '18446744073709551615' then return nil end
@@ -128,6 +130,8 @@ local op = ARGV[1]
 if op == 'acquire' then
   if live then return {'held', l[1], '', '', '', tostring(tonumber(l[5]) - now)} end
   local cur = redis.call('GET', KEYS[1])
+  local had, repaired = cur or '', '0'
+  if ARGV[7] ~= '' and (not cur or lt(cur, ARGV[7])) then cur, repaired = ARGV[7], '1' end
   local token = '1'
   if cur then token = incr(cur) end
   if not token then return {'exhausted', '', '', '', '', ''} end
@@ -136,7 +140,7 @@ if op == 'acquire' then
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 'holder', ARGV[3], 'lease_id', ARGV[2], 'token', token, 'ttl_ms', ARGV[4], 'expires_at_ms', expires)
   redis.call('PUBLISH', ARGV[5], token .. ' ' .. ARGV[6])
-  return {'granted', ARGV[3], ARGV[2], token, ARGV[4], expires}
+  return {'granted', ARGV[3], ARGV[2], token, ARGV[4], expires, had, repaired}
 end
 if not live or l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
 if op == 'renew' then
@@ -300,7 +304,7 @@ impl RedisStore {
         let repaired_from = if repaired == 1 { Some(parse_token(&value)?) } else { None };
         Ok(match outcome.as_str() {
             "ok" => SharedAdmit::Admitted { advanced, repaired_from },
-            "wait" => SharedAdmit::OlderInflight { advanced },
+            "wait" => SharedAdmit::OlderInflight { advanced, repaired_from },
             "stale" => SharedAdmit::Stale {
                 current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
             },
@@ -569,16 +573,28 @@ impl FenceStore for RedisStore {
         _now_ms: u64,
     ) -> Result<LeaseOutcome, StoreError> {
         // Redis's clock decides expiry, so replicas with skewed clocks agree.
-        let (op, lease_id, holder, ttl_ms) = match command {
-            LeaseCommand::Acquire { holder, ttl_ms, lease_id } => ("acquire", lease_id, holder, ttl_ms.to_string()),
-            LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new()),
-            LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new()),
+        let (op, lease_id, holder, ttl_ms, floor) = match command {
+            LeaseCommand::Acquire { holder, ttl_ms, lease_id, floor } => {
+                ("acquire", lease_id, holder, ttl_ms.to_string(), floor)
+            }
+            LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new(), None),
+            LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new(), None),
         };
         let mut inv = self.lease.key(key(resource, "fence"));
         inv.key(key(resource, "lease"));
         inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+        inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
         let reply: Vec<Value> = self.connection.invoke(&inv).await.map_err(backend)?;
         let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
+        if let Some(had) = reply.get(6).map(as_string).filter(|_| field(0) == "granted" && field(7) == "1") {
+            metrics::store_rollback_repaired();
+            tracing::error!(
+                resource = resource.as_str(),
+                store_had = had,
+                floor = floor.map(|t| t.0),
+                "FENCE STORE ROLLBACK: the store's fence was below this replica's mark at a lease grant; granted above the mark"
+            );
+        }
         let number = |i: usize| field(i).parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
         let record = || -> Result<LeaseRecord, StoreError> {
             Ok(LeaseRecord {

@@ -198,7 +198,7 @@ def seed() -> int:
 
 def judge(run: ChaosRun):
     report, text, _history = run.run()
-    print(text)
+    print("\n" + text)
     assert report.ok, "G3 chaos run found violations:\n" + text
 
 

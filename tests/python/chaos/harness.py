@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fencegate_testlib import FenceGate, base_config, merge, s3_client
 
-from .checker import Report, Violation, check, render
+from .checker import Violation, check, render
 from .nemesis import FenceSampler, Nemesis
 from .processes import MOTO_ACCESS_KEY, MOTO_SECRET_KEY, Moto, Redis
 from .upstream import ChaosUpstream
