@@ -215,7 +215,11 @@ impl App {
                 Ok(resp)
             }
         });
-        let admin = Arc::new(Admin::new(self.gate.clone(), metrics, self.config.server.admin_token.clone()));
+        let admin = Arc::new(Admin::new(
+            self.gate.clone(),
+            metrics,
+            self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
+        ));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 
         let server = &self.config.server;

@@ -58,7 +58,7 @@ pub struct ServerConfig {
     pub admin_listen: SocketAddr,
     /// When set, the admin API wants `Authorization: Bearer <admin_token>`.
     #[serde(default)]
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// PEM certificate chain: when set (with `tls_key_path`), the main listener speaks HTTPS
     /// (HTTP/1.1 and HTTP/2 through ALPN).
     #[serde(default)]
@@ -152,7 +152,7 @@ pub struct UpstreamConfig {
     #[serde(default)]
     pub access_key_id: Option<String>,
     #[serde(default)]
-    pub secret_access_key: Option<String>,
+    pub secret_access_key: Option<Secret>,
     #[serde(default = "defaults::upstream_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Time from sending a request to the upstream until its response head arrives.
@@ -178,7 +178,34 @@ pub struct UpstreamConfig {
 #[serde(deny_unknown_fields)]
 pub struct CredentialConfig {
     pub access_key_id: String,
-    pub secret_access_key: String,
+    pub secret_access_key: Secret,
+}
+
+/// A secret from the config (a secret key, the admin token): never printed, not even by
+/// `{:?}` (`fencegate check-config` prints the config with it).
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that uses it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"(secret, not shown)\"")
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -84,7 +84,7 @@ pub fn service(
     leases: Arc<LeaseService>,
 ) -> anyhow::Result<S3Service> {
     let auth = Credentials(
-        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.clone())).collect(),
+        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect(),
     );
     let front = Front::new(config, gate, upstream)?;
     let mut builder = S3ServiceBuilder::new(NoOperations);

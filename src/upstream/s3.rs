@@ -49,7 +49,7 @@ impl S3Upstream {
 
         let signer = Signer::new(
             config.access_key_id.clone().expect("validated: upstream.access_key_id"),
-            config.secret_access_key.clone().expect("validated: upstream.secret_access_key"),
+            config.secret_access_key.as_ref().expect("validated: upstream.secret_access_key").expose().to_owned(),
             config.region.clone(),
         );
 
