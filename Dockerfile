@@ -15,6 +15,8 @@ COPY --from=build /src/target/release/fencegate /usr/local/bin/fencegate
 COPY config/fencegate.toml /etc/fencegate/fencegate.toml
 USER fencegate
 WORKDIR /var/lib/fencegate
+# The admin API listens on all interfaces here, so fencegate refuses to start until it is given
+# a token: docker run -e FENCEGATE_SERVER__ADMIN_TOKEN=... (health checks need none).
 ENV FENCEGATE_SERVER__LISTEN=0.0.0.0:9000 \
     FENCEGATE_SERVER__ADMIN_LISTEN=0.0.0.0:9001
 VOLUME /var/lib/fencegate

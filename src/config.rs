@@ -451,6 +451,17 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
+        if !self.server.admin_listen.ip().is_loopback() && self.server.admin_token.is_none() {
+            // Whoever reaches the admin API can raise any fence to 2^64-1 and lock it for good.
+            return Err((
+                "server.admin_token",
+                format!(
+                    "required when server.admin_listen ({}) is not a loopback address: the admin API can raise \
+                     every fence (set FENCEGATE_SERVER__ADMIN_TOKEN, or listen on 127.0.0.1)",
+                    self.server.admin_listen
+                ),
+            ));
+        }
         match self.store.kind {
             StoreKind::Embedded if self.store.path.is_none() => {
                 return Err(("store.path", "required when store.kind = \"embedded\"".into()));

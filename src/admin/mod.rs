@@ -34,14 +34,24 @@ struct Registration {
 
 type AdminResponse = Response<Full<Bytes>>;
 
+/// The token of an `Authorization: Bearer <token>` value (the scheme is case-insensitive).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then_some(token)
+}
+
 impl Admin {
     pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>) -> Self {
-        Self { gate, metrics, bearer: admin_token.map(|t| format!("Bearer {t}")) }
+        Self { gate, metrics, bearer: admin_token }
     }
 
     pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
-        if let Some(expected) = &self.bearer {
-            let presented = req.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        // Probes of liveness and readiness need no token; everything else does, when one is set.
+        let probe = req.method() == Method::GET && matches!(req.uri().path(), "/healthz" | "/readyz");
+        if let Some(expected) = &self.bearer
+            && !probe
+        {
+            let presented = req.headers().get(header::AUTHORIZATION).and_then(|v| bearer_token(v.as_bytes()));
             if !presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
                 return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", "a valid admin bearer token is required"));
             }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from fencegate_testlib import bin_path
+from fencegate_testlib import base_config, bin_path, to_toml
 
 
 def test_help_lists_serve():
@@ -31,6 +31,19 @@ def test_environment_sets_admin_token(fencegate):
     fg = fencegate(env={"FENCEGATE_SERVER__ADMIN_TOKEN": "from-env"})
     assert fg.get_fence("job:e").status_code == 401
     assert fg.get_fence("job:e", token="from-env").status_code == 404
+
+
+def test_an_open_admin_listener_needs_a_token(tmp_path):
+    """Whoever reaches the admin API can raise any fence for good: not on a non-loopback address
+    without `server.admin_token`."""
+    cfg = tmp_path / "open.toml"
+    cfg.write_text(to_toml(dict(base_config(tmp_path), server={"listen": "127.0.0.1:0",
+                                                                "admin_listen": "0.0.0.0:0"})))
+    p = subprocess.run([str(bin_path()), "serve", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=30, stdin=subprocess.DEVNULL)
+    assert p.returncode != 0
+    assert "fencegate ready" not in p.stdout
+    assert "server.admin_token" in p.stderr and "loopback" in p.stderr, p.stderr
 
 
 def test_bad_config_fails_fast(tmp_path):
