@@ -75,7 +75,7 @@ impl App {
                 "the last fencegate process did not shut down cleanly: writes it sent may still commit at the \
                  upstream, so no fence advances for fencing.inflight_deadline_ms"
             );
-            gate.hold_advances_after_unclean_start();
+            gate.hold_writes_after_unclean_start();
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
@@ -158,6 +158,16 @@ impl App {
         }
     }
 
+    /// Ends a run that served nothing (`fencegate probe`): a store that opened clean is left
+    /// clean, so that the next `serve` does not hold writes as after a crash.
+    pub fn close_unused(&self) {
+        if self.gate.store().opened_clean()
+            && let Err(error) = self.gate.store().mark_clean_shutdown()
+        {
+            tracing::warn!(%error, "could not record a clean shutdown");
+        }
+    }
+
     /// What the probe found the upstream enforces; `None` if it did not run.
     pub fn enforcement(&self) -> Option<Enforcement> {
         self.enforcement
@@ -188,7 +198,8 @@ impl App {
             Arc::new(RandomLeaseIds),
             self.config.leases.ttl_ms_max,
         ));
-        let s3_service = crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone(), leases)?;
+        let s3_service =
+            crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone(), leases, self.enforcement)?;
         let gateway = self.gateway.clone();
         let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let svc = s3_service.clone();
@@ -256,7 +267,9 @@ impl App {
         tracing::info!("shutting down: finishing open requests");
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
-        // Writes whose client left may still wait for their upstream outcome.
+        // No more admissions (a detached request could still be waiting for one); writes whose
+        // client left may still wait for their upstream outcome.
+        self.gate.close();
         let settle_by = tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms);
         while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < settle_by {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;

@@ -52,7 +52,9 @@ fn main() -> ExitCode {
         Command::Probe { config } => load(&config).and_then(|c| {
             runtime()?.block_on(async {
                 let mut app = App::build(c).await?;
-                app.probe().await?;
+                let probed = app.probe().await;
+                app.close_unused();
+                probed?;
                 match app.enforcement().map(|e| e.ignored()) {
                     None => println!("upstream probe did not run (see the log)"),
                     Some(ignored) if ignored.is_empty() => println!(

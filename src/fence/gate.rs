@@ -61,9 +61,11 @@ pub struct Gate {
     limits: GateLimits,
     slots: Mutex<HashMap<ResourceKey, Arc<Slot>>>,
     next_write_id: AtomicU64,
-    /// No advance before this instant: set after an unclean start, while writes the previous
-    /// process sent may still commit at the upstream.
-    advances_from: Mutex<Option<Instant>>,
+    /// No write admitted before this instant: set after an unclean start, while writes the
+    /// previous process sent may still commit at the upstream.
+    writes_from: Mutex<Option<Instant>>,
+    /// Set at shutdown: no more admissions, so that "no write in flight" stays true.
+    closed: AtomicBool,
 }
 
 /// The in-memory state of one resource in use.
@@ -161,21 +163,23 @@ impl Gate {
             limits,
             slots: Mutex::new(HashMap::new()),
             next_write_id: AtomicU64::new(1),
-            advances_from: Mutex::new(None),
+            writes_from: Mutex::new(None),
+            closed: AtomicBool::new(false),
         }
     }
 
-    /// After an unclean start, admits no advance (by a write, a registration or a lease grant)
-    /// for the in-flight deadline: writes the previous process had sent may still commit at the
-    /// upstream until then (`docs/design.md`, section 8). Writes with the current token go on.
-    pub fn hold_advances_after_unclean_start(&self) {
+    /// After an unclean start, admits no write, registration or lease grant for the in-flight
+    /// deadline: writes the previous process had sent may still commit at the upstream until
+    /// then (`docs/design.md`, section 8). Current tokens wait too: the dead process may have
+    /// made a newer token durable while older writes of it were still in flight.
+    pub fn hold_writes_after_unclean_start(&self) {
         let until = Instant::now() + self.limits.inflight_deadline;
-        *self.advances_from.lock().expect("gate lock poisoned") = Some(until);
+        *self.writes_from.lock().expect("gate lock poisoned") = Some(until);
     }
 
     /// Waits until advances are allowed, or fails at `deadline`.
-    async fn wait_for_advances(&self, started: Instant, deadline: Instant) -> Result<(), AdmitError> {
-        let Some(from) = *self.advances_from.lock().expect("gate lock poisoned") else { return Ok(()) };
+    async fn wait_after_unclean_start(&self, started: Instant, deadline: Instant) -> Result<(), AdmitError> {
+        let Some(from) = *self.writes_from.lock().expect("gate lock poisoned") else { return Ok(()) };
         if from <= Instant::now() {
             return Ok(());
         }
@@ -185,6 +189,11 @@ impl Gate {
         }
         tokio::time::sleep_until(from).await;
         Ok(())
+    }
+
+    /// Stops admitting (at shutdown): every later admission fails as if the store were gone.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
     }
 
     /// Writes admitted and not yet known to be finished, on every resource.
@@ -227,7 +236,7 @@ impl Gate {
         let mut command = command;
         if let LeaseCommand::Acquire { floor, .. } = &mut command {
             let started = Instant::now();
-            self.wait_for_advances(started, started + self.limits.inflight_deadline).await?;
+            self.wait_after_unclean_start(started, started + self.limits.inflight_deadline).await?;
             // A grant is above every token this replica has seen, whatever the store says.
             *floor = (*floor).max(slot.state().fence.flatten());
         }
@@ -275,11 +284,15 @@ impl Gate {
         token: FenceToken,
         register: bool,
     ) -> Result<Option<Permit>, AdmitError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(AdmitError::StoreUnavailable(StoreError::Closed));
+        }
         if let Some(shared) = self.store.shared() {
             return self.settle_shared(shared, slot, resource, token, register).await;
         }
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
+        self.wait_after_unclean_start(started, deadline).await?;
         loop {
             let step = {
                 let mut state = slot.state();
@@ -306,10 +319,7 @@ impl Gate {
             };
             match step {
                 Step::Load => self.load(slot, resource).await?,
-                Step::Advance => {
-                    self.wait_for_advances(started, deadline).await?;
-                    self.advance_store(slot, resource, token).await?;
-                }
+                Step::Advance => self.advance_store(slot, resource, token).await?,
                 Step::WaitForOlder => {
                     let wait_started = Instant::now();
                     let woken = slot.wait_until(deadline, |state| !state.has_older(token)).await;
@@ -440,15 +450,6 @@ impl Gate {
                 slot.changed.notify_waiters();
             }
         });
-    }
-
-    /// A token seen on an object (its stamp) above this replica's mark raises the mark, so the
-    /// next admission raises a shared store that lost it back. Only for a shared store: the
-    /// embedded store's cached fence must stay what is durable.
-    pub fn raise_mark(&self, resource: &ResourceKey, seen: FenceToken) {
-        if self.store.shared().is_some() {
-            self.slot(resource).raise_fence(seen);
-        }
     }
 
     /// Asks a shared store, without waiting, to come back up to `mark` (at most once per
@@ -835,21 +836,20 @@ mod tests {
         assert!(matches!(gate.admit(&key("r0"), FenceToken(4)).await, Err(AdmitError::Stale { .. })));
     }
 
-    /// After an unclean start, no advance (write, registration or grant) for the in-flight
-    /// deadline: the dead process's sent writes may still commit. Current tokens go on.
+    /// After an unclean start, no admission (write, registration or grant) for the in-flight
+    /// deadline: the dead process's sent writes may still commit.
     #[tokio::test(start_paused = true)]
-    async fn no_advance_for_the_deadline_after_an_unclean_start() {
+    async fn no_admission_for_the_deadline_after_an_unclean_start() {
         let deadline = Duration::from_secs(5);
         let store = Arc::new(MemoryStore::default());
         let before = Gate::new(store.clone(), GateLimits::default());
         drop(before.admit(&key("job:q"), FenceToken(5)).await.unwrap());
         let gate = Gate::new(store, GateLimits { inflight_deadline: deadline, ..GateLimits::default() });
-        gate.hold_advances_after_unclean_start();
+        gate.hold_writes_after_unclean_start();
         let started = Instant::now();
         drop(gate.admit(&key("job:q"), FenceToken(5)).await.unwrap());
-        assert!(started.elapsed() < Duration::from_millis(10), "the current token is not held");
+        assert!(started.elapsed() >= deadline, "the current token waits too: {:?}", started.elapsed());
         drop(gate.admit(&key("job:q"), FenceToken(6)).await.unwrap());
-        assert!(started.elapsed() >= deadline, "advanced after {:?}", started.elapsed());
         let grant = LeaseCommand::Acquire { holder: "h".into(), ttl_ms: 1000, lease_id: "l".into(), floor: None };
         assert!(matches!(gate.lease(&key("job:q"), grant, 0).await, Ok(LeaseOutcome::Granted(_))));
         assert!(started.elapsed() < deadline * 2, "the hold ends once");

@@ -67,7 +67,12 @@ where
 {
     let Some(permit) = permits.first() else { return Bounded::Done(call.await) };
     let permits: Vec<Arc<Permit>> = permits.to_vec();
-    if permit.cancellation().is_cancelled() || Instant::now() >= deadline && permit.cut_off_if_unsent() {
+    if Instant::now() >= deadline {
+        // No call of a write starts past its deadline (a retry, say): nothing is sent.
+        permit.cut_off_if_unsent();
+        return Bounded::CutOff;
+    }
+    if permit.cancellation().is_cancelled() {
         return Bounded::CutOff;
     }
     let mut call = Box::pin(call);
@@ -83,14 +88,11 @@ where
             Bounded::Done(result)
         }
         None if permit.cut_off_if_unsent() => {
-            // The body errors at its next poll; the call ends without a commit. It is awaited
-            // (in the background if it takes long) so the permits go only after it ended.
-            let finish = async move {
-                if let Err(error) = call.await {
-                    hold_if_maybe_delivered(permits, &error, hold);
-                }
-            };
-            let _ = tokio::time::timeout(CUT_OFF_GRACE, tokio::spawn(finish)).await;
+            // The body errors at its next poll and can never be completed (a cancelled permit
+            // refuses the last chunk, and a released one cannot be upgraded by the body), so
+            // the permits go now; the call ends on its own, in the background if it is slow.
+            drop(permits);
+            let _ = tokio::time::timeout(CUT_OFF_GRACE, tokio::spawn(call)).await;
             Bounded::CutOff
         }
         None => {
@@ -101,9 +103,21 @@ where
                  in flight until it answers"
             );
             tokio::spawn(async move {
-                match call.await {
-                    Ok(_) => tracing::info!(token = permits[0].token().0, "late upstream answer to an unknown outcome"),
-                    Err(error) => hold_if_maybe_delivered(permits, &error, hold),
+                // An upstream commits a request it received within `hold` or never (the design's
+                // one assumption): past that, the call is given up and the write released.
+                match tokio::time::timeout(hold, call).await {
+                    Ok(Ok(_)) => {
+                        tracing::info!(token = permits[0].token().0, "late upstream answer to an unknown outcome")
+                    }
+                    Ok(Err(error)) => hold_if_maybe_delivered(permits, &error, hold),
+                    Err(_) => {
+                        metrics::ambiguous_outcome("abandoned");
+                        tracing::warn!(
+                            token = permits[0].token().0,
+                            "the upstream did not answer within the in-flight deadline after the write's deadline; \
+                             the call is given up and the write released"
+                        );
+                    }
                 }
             });
             Bounded::Unknown
@@ -205,7 +219,8 @@ mod tests {
     }
 
     /// At the deadline, a write whose body was fully sent is not abandoned: the call goes on in
-    /// the background and the write stays in flight until the upstream answers.
+    /// the background and the write stays in flight until the upstream answers, or for the
+    /// in-flight deadline at most (then the upstream can no longer commit it, by assumption).
     #[tokio::test(start_paused = true)]
     async fn a_sent_write_outlives_its_deadline_until_the_upstream_answers() {
         let gate = gate();

@@ -3,7 +3,7 @@
 //! one retry. See `docs/design.md`, sections 3 and 8.
 
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
@@ -105,7 +105,9 @@ impl TrailerCheck {
 /// The forwarded body. See the module documentation.
 pub struct ForwardBody {
     inner: Body,
-    permit: Option<Arc<Permit>>,
+    /// Weak: the write's handler owns the permit and may release it (a cut-off write); a body
+    /// whose permit is gone never completes.
+    permit: Option<Weak<Permit>>,
     cancelled: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     check: Option<TrailerCheck>,
     /// The last chunk, held back until the end of the body is known (so the write is marked
@@ -129,7 +131,7 @@ impl ForwardBody {
         let report = Arc::new(BodyReport::default());
         let body = Self {
             inner,
-            permit,
+            permit: permit.as_ref().map(Arc::downgrade),
             cancelled,
             check,
             held: None,
@@ -177,7 +179,7 @@ impl ForwardBody {
             return self.fail(failure);
         }
         if let Some(permit) = &self.permit
-            && !permit.mark_body_sent()
+            && !permit.upgrade().is_some_and(|permit| permit.mark_body_sent())
         {
             return self.fail(BodyFailure::Cancelled);
         }

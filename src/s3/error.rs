@@ -64,6 +64,8 @@ pub enum FrontError {
     RegistrationLost,
     #[error("method {0} is not an S3 method")]
     MethodNotAllowed(String),
+    #[error("At least one of the pre-conditions you specified did not hold (on the copy source)")]
+    CopySourceCondition,
     #[error("upstream answered {status} to {step}")]
     UpstreamStatus { step: &'static str, status: StatusCode },
 }
@@ -119,6 +121,7 @@ impl FrontError {
             | Self::OutcomeUnknown { .. } => (S::GATEWAY_TIMEOUT, "UpstreamTimeout"),
             Self::RegistrationLost => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
             Self::MethodNotAllowed(_) => (S::METHOD_NOT_ALLOWED, "MethodNotAllowed"),
+            Self::CopySourceCondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
         }
     }

@@ -35,7 +35,7 @@ use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
-use crate::upstream::{Upstream, UpstreamError};
+use crate::upstream::{Enforcement, Upstream, UpstreamError};
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
 /// ones of every listener): never forwarded, the upstream request is signed anew.
@@ -82,11 +82,15 @@ pub fn service(
     gate: Arc<Gate>,
     upstream: Arc<dyn Upstream>,
     leases: Arc<LeaseService>,
+    enforcement: Option<Enforcement>,
 ) -> anyhow::Result<S3Service> {
     let auth = Credentials(
         config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect(),
     );
-    let front = Front::new(config, gate, upstream)?;
+    let mut front = Front::new(config, gate, upstream)?;
+    // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
+    // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
+    front.copy_by_read_and_put = front.gate.store().shared().is_some() && enforcement.is_some_and(|e| !e.copy_object);
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth);
     builder.set_route(FencegateRoute { front: Arc::new(front), leases });
@@ -194,6 +198,8 @@ pub struct Front {
     unknown_outcome_hold: Duration,
     etags: EtagCache,
     request_ids: RequestIds,
+    /// CopyObject as a read of the source and a conditional PUT (see [`service`]).
+    copy_by_read_and_put: bool,
 }
 
 /// What the handler knows of a request after classification.
@@ -251,6 +257,7 @@ impl Front {
             unknown_outcome_hold: crate::config::ms(config.fencing.inflight_deadline_ms),
             etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
+            copy_by_read_and_put: false,
         })
     }
 
@@ -500,7 +507,10 @@ impl Front {
     /// directive the source's metadata is read and re-sent with `REPLACE`, so the stamp can be
     /// added without losing the rest.
     async fn copy_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
-        let object = request.target.object_name().expect("object write");
+        if self.copy_by_read_and_put {
+            return self.copy_by_read_and_put(request, admitted).await;
+        }
+        let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
         let state = self.object_state(&request.target, &object, true, &admitted).await?;
         let replaces = request
             .headers
@@ -515,7 +525,7 @@ impl Front {
         set_precondition(&mut headers, &state);
         let empty = || WriteBody::InMemory(Body::empty());
         let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers.clone(), empty()).await?;
-        let (resp, committed) = read_xml_response(resp).await?;
+        let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
         if committed {
             self.remember_write(object, resp.headers(), admitted.token);
             return Ok(client_response(resp));
@@ -524,10 +534,94 @@ impl Front {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+        if fresh == state && has_copy_source_conditions(&request.headers) {
+            // The destination is as it was: the client's own condition on the source failed.
+            return Ok(client_response(resp));
+        }
         set_precondition(&mut headers, &fresh);
         let resp = self.send_write("copy_object", &admitted, Method::PUT, &path, headers, empty()).await?;
-        let (resp, _) = read_xml_response(resp).await?;
+        let (resp, _) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
         self.finish_retry(object, resp, admitted.token, &fresh)
+    }
+
+    /// CopyObject as a read of the source and a stamped, conditional PUT of its bytes to the
+    /// destination (streamed through fencegate, cancellable like any upload), for an upstream
+    /// that ignores `If-Match` on copies: the write is then refused per object when it lands
+    /// late, like any PutObject (G4). The client's copy-source conditions become the read's
+    /// conditions; the answer is S3's `CopyObjectResult`.
+    async fn copy_by_read_and_put(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+        let source = request
+            .headers
+            .get("x-amz-copy-source")
+            .and_then(|v| v.to_str().ok())
+            .ok_or(FrontError::NotSupported("CopyObject without x-amz-copy-source"))?;
+        let source_path = format!("/{}", source.trim_start_matches('/'));
+        let replaces = request
+            .headers
+            .get("x-amz-metadata-directive")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
+        let mut state = self.object_state(&request.target, &object, true, &admitted).await?;
+        for attempt in 0..2 {
+            let mut read_headers = HeaderMap::new();
+            for (from, to) in COPY_SOURCE_CONDITIONS {
+                if let Some(value) = request.headers.get(*from) {
+                    read_headers.insert(to.clone(), value.clone());
+                }
+            }
+            let source = self.send("copy_source_read", Method::GET, &source_path, read_headers, Body::empty()).await?;
+            match source.status() {
+                StatusCode::PRECONDITION_FAILED | StatusCode::NOT_MODIFIED => {
+                    return Err(FrontError::CopySourceCondition);
+                }
+                status if !status.is_success() => return Ok(client_response(source)),
+                _ => {}
+            }
+            let (source, body) = source.into_parts();
+            let mut headers = request.headers.clone();
+            for name in ["x-amz-copy-source", "x-amz-metadata-directive", "x-amz-tagging-directive"] {
+                headers.remove(name);
+            }
+            let conditions: Vec<HeaderName> =
+                headers.keys().filter(|name| name.as_str().starts_with("x-amz-copy-source-")).cloned().collect();
+            for name in conditions {
+                headers.remove(name);
+            }
+            if !replaces {
+                copy_metadata(&source.headers, &mut headers);
+            }
+            match source.headers.get(http::header::CONTENT_LENGTH) {
+                Some(length) => headers.insert(http::header::CONTENT_LENGTH, length.clone()),
+                None => {
+                    return Err(FrontError::UpstreamStatus {
+                        step: "the copy source read (no length)",
+                        status: source.status,
+                    });
+                }
+            };
+            stamp(&mut headers, admitted.token);
+            let mut headers = upstream_headers(&headers, &self.wire);
+            set_precondition(&mut headers, &state);
+            let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), None, 0);
+            let body = WriteBody::Streamed(Body::http_body(body));
+            let path = request.target.raw_path.clone();
+            let result = self.send_write("copy_object", &admitted, Method::PUT, &path, headers, body).await;
+            let resp = self.settle_body(result, &report, &admitted).await?;
+            if resp.status().is_success() {
+                if attempt > 0 {
+                    metrics::precondition_conflict("retried");
+                }
+                let etag = resp.headers().get(http::header::ETAG).cloned();
+                self.remember_write(object, resp.headers(), admitted.token);
+                return Ok(copy_result(etag));
+            }
+            if !lost_precondition(resp.status(), &state) {
+                return Ok(client_response(resp));
+            }
+            state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+        }
+        metrics::precondition_conflict("gave_up");
+        Err(FrontError::PreconditionRace)
     }
 
     /// DeleteObject: conditional on the ETag of the version the token may delete. A DELETE of
@@ -553,6 +647,10 @@ impl Front {
                     let resp =
                         self.send_write("delete_object", &admitted, Method::DELETE, &path, headers, empty()).await?;
                     return Ok(client_response(resp));
+                }
+                // A missing bucket is the upstream's 404 too: S3 answers NoSuchBucket for it.
+                if let Some(missing) = self.missing_bucket(&request.target).await? {
+                    return Ok(client_response(missing));
                 }
                 self.etags.put(object, ObjectState::Absent);
                 return Ok(no_content());
@@ -588,7 +686,7 @@ impl Front {
         set_precondition(&mut headers, &state);
         let body = WriteBody::InMemory(Body::from(parts.clone()));
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers.clone(), body).await?;
-        let (resp, committed) = read_xml_response(resp).await?;
+        let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
         if committed {
             self.remember_completion(object, &resp).await;
             return Ok(client_response(resp));
@@ -600,7 +698,7 @@ impl Front {
         set_precondition(&mut headers, &fresh);
         let body = WriteBody::InMemory(Body::from(parts));
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers, body).await?;
-        let (resp, committed) = read_xml_response(resp).await?;
+        let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
         if committed {
             metrics::precondition_conflict("retried");
             self.remember_completion(object, &resp).await;
@@ -686,11 +784,13 @@ impl Front {
         for (object, checked) in stamps {
             match checked {
                 Ok(_) => admitted.push(object),
-                Err(error @ FrontError::Stale { .. }) => {
-                    metrics::decision("stale");
+                Err(error) => {
+                    // Stale, or its head could not be read: that key alone is refused.
+                    if matches!(error, FrontError::Stale { .. }) {
+                        metrics::decision("stale");
+                    }
                     refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
                 }
-                Err(other) => return Err(other),
             }
         }
         let (status, mut headers, result) = if admitted.is_empty() {
@@ -703,7 +803,8 @@ impl Front {
             for object in &admitted {
                 self.etags.forget(&format!("{bucket}/{}", object.key));
             }
-            let (resp, committed) = read_xml_response(resp).await?;
+            let (resp, committed) =
+                self.read_write_xml(resp, &permits.iter().map(|(_, p)| p.clone()).collect::<Vec<_>>()).await?;
             if !resp.status().is_success() || !committed {
                 return Ok(client_response(resp));
             }
@@ -719,6 +820,36 @@ impl Front {
         let mut resp = S3Response::with_headers(Body::from(result), headers);
         resp.status = Some(status);
         Ok(resp)
+    }
+
+    /// Reads the XML answer of a write (CopyObject, CompleteMultipartUpload, DeleteObjects),
+    /// whose `<Error>` body can mean no commit: part of the upstream's answer, so a body that
+    /// breaks off or does not come within the request timeout leaves the outcome unknown, and
+    /// the write stays in flight for the in-flight deadline (`fence::outcome`).
+    async fn read_write_xml(
+        &self,
+        resp: http::Response<Body>,
+        permits: &[Arc<Permit>],
+    ) -> Result<(http::Response<Body>, bool), FrontError> {
+        match tokio::time::timeout(self.request_timeout, read_xml_response(resp)).await {
+            Ok(Ok(read)) => Ok(read),
+            failed => {
+                metrics::ambiguous_outcome("response_body");
+                tracing::warn!(
+                    "the upstream's answer to a write broke off: outcome unknown, the write stays in flight"
+                );
+                let permits = permits.to_vec();
+                let hold = self.unknown_outcome_hold;
+                tokio::spawn(async move {
+                    tokio::time::sleep(hold).await;
+                    drop(permits);
+                });
+                match failed {
+                    Ok(Err(error)) => Err(error),
+                    _ => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
+                }
+            }
+        }
     }
 
     /// The upstream call of a DeleteObjects: its keys are not conditional, so the permits of
@@ -777,15 +908,30 @@ impl Front {
         Ok(state)
     }
 
-    /// An object stamped with a newer token makes the write stale (G4), whatever the store says;
-    /// the stamp also raises this replica's mark, so a shared store that lost it is raised back.
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    /// The stamp does not raise the resource's fence: it was written under whatever resource its
+    /// writer named (`Fencing-Resource` is the client's word), so it proves nothing about this one.
     fn refuse_newer_stamp(&self, object: &str, state: &ObjectState, admitted: &Admitted) -> Result<(), FrontError> {
         if let Some(newer) = state.newer_stamp(admitted.token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
-            self.gate.raise_mark(&admitted.resource, newer);
             return Err(FrontError::Stale { presented: admitted.token, current: newer });
         }
         Ok(())
+    }
+
+    /// The upstream's answer if the target's bucket does not exist (a bounded `HEAD /bucket`).
+    async fn missing_bucket(&self, target: &Target) -> Result<Option<http::Response<Body>>, FrontError> {
+        let Some(bucket) = &target.bucket else { return Ok(None) };
+        let path = format!("/{}", crate::percent::encode_key(bucket));
+        let resp = self.send("bucket_head", Method::HEAD, &path, HeaderMap::new(), Body::empty()).await?;
+        if resp.status() != StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchBucket, "The specified bucket does not exist");
+        let resp = error
+            .to_http_response()
+            .map_err(|_| FrontError::UpstreamStatus { step: "the bucket head read", status: StatusCode::NOT_FOUND })?;
+        Ok(Some(resp.map(Body::from)))
     }
 
     /// The object's head at the upstream, bounded like any read.
@@ -840,6 +986,7 @@ impl Front {
     }
 
     /// Replaces a COPY directive by REPLACE with the source's own metadata.
+    /// (A copy made by [`Self::copy_by_read_and_put`] takes it from its read instead.)
     async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
         let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
             return Ok(());
@@ -865,20 +1012,7 @@ impl Front {
         if !resp.status().is_success() {
             return Ok(()); // the copy itself will fail with the upstream's own error
         }
-        const COPIED: &[HeaderName] = &[
-            http::header::CONTENT_TYPE,
-            http::header::CONTENT_ENCODING,
-            http::header::CONTENT_DISPOSITION,
-            http::header::CONTENT_LANGUAGE,
-            http::header::CACHE_CONTROL,
-            http::header::EXPIRES,
-        ];
-        for (name, value) in resp.headers() {
-            let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
-            if user_metadata || COPIED.contains(name) {
-                headers.insert(name.clone(), value.clone());
-            }
-        }
+        copy_metadata(resp.headers(), headers);
         headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
         Ok(())
     }
@@ -919,6 +1053,61 @@ impl Front {
         }
         result.map_err(FrontError::Upstream)
     }
+}
+
+/// The client's conditions on a copy's source, and the read conditions they become.
+const COPY_SOURCE_CONDITIONS: &[(&str, HeaderName)] = &[
+    ("x-amz-copy-source-if-match", http::header::IF_MATCH),
+    ("x-amz-copy-source-if-none-match", http::header::IF_NONE_MATCH),
+    ("x-amz-copy-source-if-modified-since", http::header::IF_MODIFIED_SINCE),
+    ("x-amz-copy-source-if-unmodified-since", http::header::IF_UNMODIFIED_SINCE),
+];
+
+fn has_copy_source_conditions(headers: &HeaderMap) -> bool {
+    COPY_SOURCE_CONDITIONS.iter().any(|(name, _)| headers.contains_key(*name))
+}
+
+/// The source object's metadata a copy keeps: its user metadata (less the stamp) and the
+/// content headers.
+fn copy_metadata(source: &HeaderMap, into: &mut HeaderMap) {
+    const COPIED: &[HeaderName] = &[
+        http::header::CONTENT_TYPE,
+        http::header::CONTENT_ENCODING,
+        http::header::CONTENT_DISPOSITION,
+        http::header::CONTENT_LANGUAGE,
+        http::header::CACHE_CONTROL,
+        http::header::EXPIRES,
+    ];
+    for (name, value) in source {
+        let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
+        if user_metadata || COPIED.contains(name) {
+            into.insert(name.clone(), value.clone());
+        }
+    }
+}
+
+/// S3's answer to a CopyObject: the new ETag and the time of the copy.
+fn copy_result(etag: Option<HeaderValue>) -> S3Response<Body> {
+    let now = time::OffsetDateTime::now_utc();
+    let last_modified = format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second(),
+        now.millisecond()
+    );
+    let etag = etag.and_then(|e| e.to_str().ok().map(|e| e.replace('"', "&quot;"))).unwrap_or_default();
+    let xml = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<CopyObjectResult><LastModified>{last_modified}</LastModified><ETag>{etag}</ETag></CopyObjectResult>"
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+    let mut resp = S3Response::with_headers(Body::from(xml), headers);
+    resp.status = Some(StatusCode::OK);
+    resp
 }
 
 fn upstream_request(

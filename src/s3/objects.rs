@@ -80,7 +80,9 @@ pub async fn head(upstream: &dyn Upstream, raw_path: &str) -> Result<ObjectState
     let resp = upstream.send(req).await.map_err(FrontError::Upstream)?;
     match resp.status() {
         StatusCode::NOT_FOUND => Ok(ObjectState::Absent),
-        s if s.is_success() => Ok(state_from_headers(resp.headers()).unwrap_or(ObjectState::Absent)),
+        // An object without an ETag cannot be written conditionally, nor taken for absent.
+        s if s.is_success() => state_from_headers(resp.headers())
+            .ok_or(FrontError::UpstreamStatus { step: "the object head read (no ETag)", status: s }),
         status => Err(FrontError::UpstreamStatus { step: "the object head read", status }),
     }
 }

@@ -453,6 +453,7 @@ async fn renew_registrations(
         let results = futures_util::future::join_all(calls).await;
         let Some(regs) = registrations.upgrade() else { return };
         let mut revoked: Vec<(ResourceKey, FenceToken)> = Vec::new();
+        let mut advanced: Vec<StoreEvent> = Vec::new();
         for (Renewal { resource, member, .. }, sent, result) in results {
             match result {
                 Ok((renewed, fence)) => {
@@ -465,7 +466,7 @@ async fn renew_registrations(
                         && fence > member.token
                     {
                         regs.superseded(&resource, fence, Instant::now());
-                        let _ = events.try_send(StoreEvent::Advanced { resource, fence });
+                        advanced.push(StoreEvent::Advanced { resource, fence });
                     }
                 }
                 Err(error) => {
@@ -475,6 +476,13 @@ async fn renew_registrations(
         }
         revoked.extend(regs.expiring(Instant::now()));
         drop(regs);
+        // Awaited, never dropped (unlike announcements): this is what makes cancellation
+        // certain when an announcement was lost.
+        for event in advanced {
+            if events.send(event).await.is_err() {
+                return;
+            }
+        }
         for (resource, token) in revoked {
             metrics::registration_revoked();
             // Awaited, never dropped: the writes must stop whatever the queue holds.

@@ -185,7 +185,9 @@ impl Registrations {
         for (resource, regs) in map.iter() {
             for r in regs {
                 let due = r.registered_at.is_some_and(|at| now.saturating_duration_since(at) >= r.renew_after());
-                if r.active > 0 && !r.revoked && due {
+                // A revoked registration is renewed too while writes use it: its writes that had
+                // handed their body over before the revocation may still commit.
+                if r.active > 0 && due {
                     out.push(Renewal { resource: resource.clone(), member: r.member, deadline: r.deadline });
                 }
             }
@@ -193,12 +195,11 @@ impl Registrations {
         out
     }
 
-    /// The store set `member`'s deadline anew by a call sent at `sent`.
+    /// The store set `member`'s deadline anew by a call sent at `sent`. A revoked registration
+    /// stays revoked (nothing new is handed over under it; the next admission registers again).
     pub fn renewed(&self, resource: &ResourceKey, member: Member, sent: Instant) {
         let mut map = self.by_resource.lock().expect("registrations lock");
-        if let Some(reg) = map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member))
-            && !reg.revoked
-        {
+        if let Some(reg) = map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member)) {
             reg.registered_at = Some(reg.registered_at.map_or(sent, |prev| prev.max(sent)));
         }
     }
@@ -561,7 +562,7 @@ mod tests {
         assert!(revoke_at < t0 + DEADLINE);
         assert_eq!(regs.expiring(revoke_at), vec![(res.clone(), FenceToken(5))]);
         assert!(regs.expiring(revoke_at + Duration::from_millis(1)).is_empty(), "revoked once");
-        assert!(regs.renewals_due(revoke_at).is_empty(), "a revoked registration is not renewed");
+        assert_eq!(regs.renewals_due(revoke_at).len(), 1, "renewed on: sent writes may still commit");
         assert!(!regs.still_registered(&res, FenceToken(5), revoke_at), "no body is handed over past it");
         assert_eq!(
             regs.begin(&res, FenceToken(5), DEADLINE, revoke_at),

@@ -29,12 +29,14 @@ from fencegate_testlib import (
     SECRET_KEY,
     FenceGate,
     build_head,
+    code_of,
     connect,
     read_response,
     sign_headers,
     signed_raw_request,
     status_of,
     unique,
+    wait_until,
 )
 from holding_upstream import HoldingUpstream
 
@@ -408,3 +410,80 @@ def test_slow_complete_multipart_cannot_commit_after_a_newer_registration(inflig
         assert registration.get("status") == 200, detail
     order = env.committed()
     assert order[-1] == ("PUT", "jobs/after", "6"), f"commit order {order}; {detail}"
+
+
+# --------------------------------------------------------------------------------------------
+# found by review: each of these let a stale write in, or a resource get stuck
+# --------------------------------------------------------------------------------------------
+
+
+def test_after_a_kill_even_the_current_token_waits_for_the_dead_process_writes(inflight_env):
+    """The dead process made token 6 durable while its token-5 write was held at the upstream:
+    after the restart a token-6 write on another key must not commit before that token-5 write
+    could land (no admission at all for the in-flight deadline after an unclean start)."""
+    env = inflight_env(inflight_deadline_ms=4000)
+    hold = env.up.hold_next("PUT", env.path("jobs/a"))
+    sock = open_request(env.fg, "PUT", env.path("jobs/a"), {"Fencing-Token": "5"}, b"token five")
+    try:
+        assert hold.wait_arrived(WAIT_S)
+        t, _ = put_in_thread(env.fg, env.bucket, "jobs/b", 6, b"token six")  # advances, then waits for 5
+        wait_until(lambda: env.fg.get_fence(RESOURCE).json().get("token") == 6, WAIT_S, what="fence 6")
+        env.fg.restart(kill=True)
+        t_after, after = put_in_thread(env.fg, env.bucket, "jobs/c", 6, b"token six again")
+        time.sleep(1.0)
+        assert "status" not in after, f"token 6 admitted right after an unclean start: {after}"
+        hold.release()  # the dead process's write lands now, within the deadline
+        t_after.join(WAIT_S)
+        assert after.get("status") == 200, after
+        assert env.up.wait_idle(WAIT_S)
+        committed = [c for c in env.committed() if c[1] in ("jobs/a", "jobs/c")]
+        assert committed == [("PUT", "jobs/a", "5"), ("PUT", "jobs/c", "6")], committed
+    finally:
+        sock.close()
+
+
+def test_an_upstream_that_never_answers_does_not_lock_the_resource_for_good(inflight_env):
+    """A write sent whole to an upstream that never answers stays in flight past its deadline,
+    but not forever: after the in-flight deadline more (by then the upstream can no longer
+    commit it, the design's assumption) newer tokens go ahead."""
+    env = inflight_env(request_timeout_ms=1000, inflight_deadline_ms=2000)
+    hold = env.up.hold_next("PUT", env.path("jobs/a"))
+    sock = open_request(env.fg, "PUT", env.path("jobs/a"), {"Fencing-Token": "5"}, b"token five")
+    try:
+        assert hold.wait_arrived(WAIT_S)
+        started = time.monotonic()
+        admitted = None
+        for token in range(6, 12):
+            t, result = put_in_thread(env.fg, env.bucket, f"jobs/b{token}", token, b"x")
+            t.join(WAIT_S)
+            if result.get("status") == 200:
+                admitted = time.monotonic() - started
+                break
+            assert result.get("status") == 503, result
+        assert admitted is not None, "the resource stayed locked by a write the upstream never answered"
+        assert admitted >= 1.0, f"a newer token went ahead {admitted:.2f}s in, while the older one may commit"
+    finally:
+        hold.release()
+        sock.close()
+
+
+def test_a_fenced_delete_in_a_missing_bucket_is_404(fencegate):
+    fg = fencegate()
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=3).delete_object(Bucket="no-such-bucket-here", Key="k")
+    assert (status_of(exc_info.value), code_of(exc_info.value)) == (404, "NoSuchBucket")
+
+
+def test_an_object_stamp_does_not_move_another_resource_fence(fencegate):
+    """`Fencing-Resource` is the client's word: an object stamped under one resource with a huge
+    token must not raise the fence of another resource whose holder touches it."""
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="stamps")
+    job = fg.client(token=5, resource="job:own")
+    job.put_object(Bucket="stamps", Key="a", Body=b"job 5")
+    fg.client(token=18446744073709551615, resource="job:evil").put_object(Bucket="stamps", Key="shared", Body=b"x")
+    with pytest.raises(ClientError) as exc_info:
+        job.put_object(Bucket="stamps", Key="shared", Body=b"y")  # refused per object, as before
+    assert status_of(exc_info.value) == 409
+    job.put_object(Bucket="stamps", Key="a", Body=b"job 5 again")  # its own objects still take 5
+    assert fg.get_fence("job:own").json()["token"] == 5

@@ -1,0 +1,67 @@
+"""CopyObject on an upstream that ignores `If-Match` on copies (moto does): behind several
+replicas fencegate makes the copy as a read of the source and a stamped, conditional PUT, so a
+late copy is refused per object like any PUT (G4); the client's copy-source conditions become
+the read's, and one that fails is answered 412, as S3 does. One process copies at the upstream:
+the gate orders it."""
+
+from __future__ import annotations
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import code_of, free_port, status_of
+from test_redis_store import redis_server  # noqa: F401 - a fixture
+
+
+def _start(fencegate, moto_server, bucket, store=None):
+    config = {"upstream": {**moto_server.upstream_config(), "probe_bucket": bucket}}
+    if store is not None:
+        config["store"] = store
+    return fencegate(config=config, upstream=config["upstream"])
+
+
+def _copy_checks(fg, bucket, source_conditions: bool):
+    writer = fg.client(token=5)
+    writer.put_object(Bucket=bucket, Key="src", Body=b"source bytes", ContentType="text/plain",
+                      Metadata={"owner": "a"})
+    etag = writer.head_object(Bucket=bucket, Key="src")["ETag"]
+    result = writer.copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"})
+    assert result["CopyObjectResult"]["ETag"]
+    copied = fg.client().get_object(Bucket=bucket, Key="dst")
+    assert copied["Body"].read() == b"source bytes"
+    assert copied["Metadata"] == {"owner": "a", "fencing-token": "5"}
+    assert copied["ContentType"] == "text/plain"
+
+    if source_conditions:
+        with pytest.raises(ClientError) as exc_info:
+            writer.copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"},
+                               CopySourceIfMatch='"0123456789abcdef0123456789abcdef"')
+        assert (status_of(exc_info.value), code_of(exc_info.value)) == (412, "PreconditionFailed")
+    assert writer.copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"},
+                              CopySourceIfMatch=etag)["CopyObjectResult"]["ETag"]
+    # A newer writer's object is not overwritten by an older copy.
+    fg.client(token=6).put_object(Bucket=bucket, Key="dst", Body=b"six")
+    with pytest.raises(ClientError) as exc_info:
+        writer.copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"})
+    assert status_of(exc_info.value) == 409
+    assert fg.client().get_object(Bucket=bucket, Key="dst")["Body"].read() == b"six"
+
+
+def test_behind_replicas_a_copy_is_a_read_and_a_conditional_put(fencegate, moto_server, redis_server):
+    bucket = f"copy-{free_port()}"
+    moto_server.client().create_bucket(Bucket=bucket)
+    fg = _start(fencegate, moto_server, bucket, store={"kind": "redis", "url": redis_server.url, "path": None})
+    assert "ignores them on the operations named" in fg.log_tail(200)
+    _copy_checks(fg, bucket, source_conditions=True)
+    metrics = fg.admin("GET", "/metrics").text
+    assert 'op="copy_source_read"' in metrics, "the copy was not made as a read and a PUT"
+
+
+def test_one_process_copies_at_the_upstream(fencegate, moto_server):
+    bucket = f"copy-{free_port()}"
+    moto_server.client().create_bucket(Bucket=bucket)
+    fg = _start(fencegate, moto_server, bucket)
+    # moto ignores the copy-source conditions of a copy it makes itself (S3 answers 412).
+    _copy_checks(fg, bucket, source_conditions=False)
+    metrics = fg.admin("GET", "/metrics").text
+    assert 'op="copy_source_read"' not in metrics, "one process copies at the upstream"
