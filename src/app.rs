@@ -55,6 +55,15 @@ impl App {
                     None => config.store.cluster_urls.clone(),
                 };
                 let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
+                if config.store.timeout_ms * 4 >= config.fencing.inflight_deadline_ms {
+                    // A renewal that takes this long ends after the revocation margin (a quarter
+                    // of the deadline): writes are then revoked while their renewal is still out.
+                    tracing::warn!(
+                        store_timeout_ms = config.store.timeout_ms,
+                        inflight_deadline_ms = config.fencing.inflight_deadline_ms,
+                        "store.timeout_ms should be well below a quarter of fencing.inflight_deadline_ms with Redis"
+                    );
+                }
                 let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id)
                     .await
                     .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
