@@ -629,7 +629,7 @@ impl Front {
     /// without a precondition, it could land after a newer token's write and delete it.
     async fn delete_object(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-        let versioned = classify::query_has(Some(&request.query.trim_start_matches('?')), "versionId");
+        let versioned = classify::query_has(Some(request.query.trim_start_matches('?')), "versionId");
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         // A cached `Absent` is not trusted here: another writer may have created the object.
