@@ -237,6 +237,11 @@ pub struct FencingConfig {
     /// precondition race can be retried once without the client.
     #[serde(default = "defaults::retry_body_bytes_max")]
     pub retry_body_bytes_max: usize,
+    /// Who may raise a fence: any signed write (`write`), or only lease grants and
+    /// registrations (`registration`; a write above the fence gets 409
+    /// `FencingTokenUnregistered`).
+    #[serde(default = "defaults::fencing_advance")]
+    pub advance: AdvancePolicy,
     #[serde(default)]
     pub rules: Vec<RuleConfig>,
 }
@@ -252,6 +257,7 @@ impl Default for FencingConfig {
             cached_resources_max: defaults::cached_resources_max(),
             etag_cache_entries_max: defaults::etag_cache_entries_max(),
             retry_body_bytes_max: defaults::retry_body_bytes_max(),
+            advance: defaults::fencing_advance(),
             rules: Vec::new(),
         }
     }
@@ -291,6 +297,10 @@ pub struct RouteConfig {
     /// Resource template: `{n}` is the n-th path segment after the prefix (`payment:{1}`).
     pub resource: String,
     pub mode: RouteMode,
+    /// Who may raise a fence through this route; `registration` by default: fencegate does not
+    /// authenticate a route's callers, so a write must not be able to lock a resource.
+    #[serde(default = "defaults::route_advance")]
+    pub advance: AdvancePolicy,
     /// How long idempotency records are kept.
     #[serde(default = "defaults::idempotency_retention_ms")]
     pub idempotency_retention_ms: u64,
@@ -307,6 +317,22 @@ pub struct RouteConfig {
     /// web PKI roots (a private CA of an internal API).
     #[serde(default)]
     pub ca_cert_path: Option<PathBuf>,
+}
+
+/// Who may raise a fence (a fence only goes up, so raising it is a privilege).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdvancePolicy {
+    /// A write with a token above the fence raises it.
+    Write,
+    /// Only lease grants and registrations raise a fence; a write above it is refused.
+    Registration,
+}
+
+impl AdvancePolicy {
+    pub fn writes_advance(self) -> bool {
+        self == Self::Write
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -334,7 +360,7 @@ impl Default for LogConfig {
 }
 
 mod defaults {
-    use super::ProbeMode;
+    use super::{AdvancePolicy, ProbeMode};
     pub fn header_bytes_max() -> usize {
         64 * 1024
     }
@@ -391,6 +417,12 @@ mod defaults {
     }
     pub fn etag_cache_entries_max() -> usize {
         100_000
+    }
+    pub fn fencing_advance() -> AdvancePolicy {
+        AdvancePolicy::Write
+    }
+    pub fn route_advance() -> AdvancePolicy {
+        AdvancePolicy::Registration
     }
     pub fn retry_body_bytes_max() -> usize {
         1024 * 1024

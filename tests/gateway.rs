@@ -222,6 +222,9 @@ fn response(status: StatusCode, headers: &[(&str, &str)], body: Bytes) -> http::
 // Fencegate with routes to the fake API, and a client for it.
 
 /// The three routes, one per mode, in front of `api`.
+/// The routes most tests use; a write may raise the fence (`advance = "write"`), so a test can
+/// present a new token without registering it first (the default, `registration`, has a test
+/// of its own).
 fn routes(api: &FakeApi) -> String {
     let mut toml = String::new();
     for (prefix, base, resource, mode) in [
@@ -231,7 +234,7 @@ fn routes(api: &FakeApi) -> String {
     ] {
         toml.push_str(&format!(
             "[[routes]]\nprefix = \"{prefix}\"\nupstream = \"{}\"\nresource = \"{resource}\"\nmode = \"{mode}\"\n\
-             request_timeout_ms = {REQUEST_TIMEOUT_MS}\n",
+             request_timeout_ms = {REQUEST_TIMEOUT_MS}\nadvance = \"write\"\n",
             api.url("http", base)
         ));
     }
@@ -642,8 +645,9 @@ async fn https_upstreams_are_verified() {
     let dir = tempfile::tempdir().unwrap();
     let routes = format!(
         "[[routes]]\nprefix = \"/private/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\
-         ca_cert_path = \"{}\"\n\
-         [[routes]]\nprefix = \"/public/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n",
+         ca_cert_path = \"{}\"\nadvance = \"write\"\n\
+         [[routes]]\nprefix = \"/public/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\
+         advance = \"write\"\n",
         api.url("https", "/v1/"),
         ca.display(),
         api.url("https", "/v1/"),
@@ -892,4 +896,34 @@ async fn run_load(
         all.extend(w.await.unwrap());
     }
     all
+}
+
+/// A route's callers are not authenticated by fencegate, so by default a write through a route
+/// cannot raise a fence (whoever could would lock the resource for good): a token above the
+/// fence gets 409 `FencingTokenUnregistered` and nothing reaches the API; once the token is
+/// registered (or granted), writes with it go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_route_write_cannot_raise_a_fence() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let route = format!(
+        "[[routes]]\nprefix = \"/hook/\"\nupstream = \"{}\"\nresource = \"hook:{{1}}\"\nmode = \"fence-only\"\n",
+        api.url("http", "/v1/hooks/")
+    );
+    let fg = Fencegate::start_local(dir.path(), &route).await;
+    let c = Caller::new(&fg);
+    let refused = c.write("POST", "/hook/1", 18_446_744_073_709_551_615, None, "{}").await;
+    assert_eq!((refused.status, refused.code().as_str()), (409, "FencingTokenUnregistered"));
+    assert!(api.ledger().is_empty(), "nothing reached the API");
+
+    let admin: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut register = http::Request::new(Full::new(Bytes::from_static(b"{\"token\": 4}")));
+    *register.method_mut() = Method::PUT;
+    *register.uri_mut() = format!("http://{}/v1/fences/hook:1", fg.admin).parse().unwrap();
+    assert_eq!(admin.request(register).await.unwrap().status(), 200);
+    assert_eq!(c.write("POST", "/hook/1", 4, None, "{}").await.status, 201);
+    let above = c.write("POST", "/hook/1", 5, None, "{}").await;
+    assert_eq!((above.status, above.header("fencing-token-current")), (409, Some("4")));
+    assert_eq!(c.write("POST", "/hook/1", 3, None, "{}").await.code(), "FencingTokenStale");
+    assert_eq!(api.ledger().len(), 1);
 }

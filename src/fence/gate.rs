@@ -53,6 +53,8 @@ pub enum AdmitError {
     DrainTimeout { waited_ms: u64 },
     #[error("{max} writes are already in flight on the resource")]
     TooManyInflight { max: usize },
+    #[error("token {presented} is above the fence {current:?}, and only registrations and lease grants may raise it")]
+    Unregistered { presented: FenceToken, current: Option<FenceToken> },
 }
 
 /// Orders writes per resource against a [`FenceStore`].
@@ -210,9 +212,23 @@ impl Gate {
     /// newer, resolves older in-flight writes, and registers the write. The returned permit
     /// must live until the upstream outcome of the write is known.
     pub async fn admit(&self, resource: &ResourceKey, token: FenceToken) -> Result<Permit, AdmitError> {
+        self.admit_write(resource, token, true).await
+    }
+
+    /// [`Self::admit`], where `may_advance` says whether this write may raise the fence
+    /// (`fencing.advance`): if not, a token above the fence is refused with
+    /// [`AdmitError::Unregistered`] and nothing changes.
+    pub async fn admit_write(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        may_advance: bool,
+    ) -> Result<Permit, AdmitError> {
         let slot = self.slot(resource);
-        let permit = self.settle(&slot, resource, token, true).await?;
-        Ok(permit.expect("settle registers when asked to"))
+        match self.settle(&slot, resource, token, true, may_advance).await? {
+            Some(permit) => Ok(permit),
+            None => Err(AdmitError::StoreUnavailable(StoreError::Closed)), // settle registers when asked to
+        }
     }
 
     /// Registers `token` as the fence of `resource` without writing (G7): from the moment this
@@ -220,7 +236,7 @@ impl Gate {
     /// fence, which is `token`.
     pub async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<FenceToken, AdmitError> {
         let slot = self.slot(resource);
-        self.settle(&slot, resource, token, false).await?;
+        self.settle(&slot, resource, token, false, true).await?;
         Ok(token)
     }
 
@@ -283,12 +299,13 @@ impl Gate {
         resource: &ResourceKey,
         token: FenceToken,
         register: bool,
+        may_advance: bool,
     ) -> Result<Option<Permit>, AdmitError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(AdmitError::StoreUnavailable(StoreError::Closed));
         }
         if let Some(shared) = self.store.shared() {
-            return self.settle_shared(shared, slot, resource, token, register).await;
+            return self.settle_shared(shared, slot, resource, token, register, may_advance).await;
         }
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
@@ -301,6 +318,9 @@ impl Gate {
                     Some(fence) => match decide(fence, token) {
                         Decision::Stale { current } => {
                             return Err(AdmitError::Stale { presented: token, current });
+                        }
+                        Decision::Advance if !may_advance => {
+                            return Err(AdmitError::Unregistered { presented: token, current: fence });
                         }
                         Decision::Advance => Step::Advance,
                         Decision::Current if state.has_older(token) => {
@@ -344,6 +364,7 @@ impl Gate {
         resource: &ResourceKey,
         token: FenceToken,
         register: bool,
+        may_advance: bool,
     ) -> Result<Option<Permit>, AdmitError> {
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
@@ -372,8 +393,18 @@ impl Gate {
         loop {
             let floor = slot.state().fence.flatten();
             // On an error the store withdraws what the call may have registered.
-            let answer = self.store_call(shared.admit(resource, token, floor, register, deadline_ms)).await?;
+            let call = shared.admit(resource, token, floor, register, may_advance, deadline_ms);
+            let answer = self.store_call(call).await?;
             match answer {
+                SharedAdmit::Unregistered { current, repaired_from } => {
+                    if let Some(had) = repaired_from {
+                        rollback_repaired(resource, had, floor);
+                    }
+                    if let Some(current) = current {
+                        slot.raise_fence(current);
+                    }
+                    return Err(AdmitError::Unregistered { presented: token, current });
+                }
                 SharedAdmit::Stale { current } => {
                     slot.raise_fence(current);
                     return Err(AdmitError::Stale { presented: token, current });

@@ -110,6 +110,8 @@ pub enum SharedAdmit {
     Admitted { advanced: bool, repaired_from: Option<Option<FenceToken>> },
     /// Older than the fence.
     Stale { current: FenceToken },
+    /// Above the fence, from a write that may not raise it (`fencing.advance = "registration"`).
+    Unregistered { current: Option<FenceToken>, repaired_from: Option<Option<FenceToken>> },
     /// Older writes are still in flight somewhere (and within their deadline): ask again.
     OlderInflight { advanced: bool, repaired_from: Option<Option<FenceToken>> },
 }
@@ -127,6 +129,7 @@ pub trait SharedRegistry: Send + Sync {
         token: FenceToken,
         floor: Option<FenceToken>,
         register: bool,
+        may_advance: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError>;
 

@@ -29,6 +29,8 @@ pub enum GatewayError {
     UnsafePath,
     #[error("fencing token {presented} is older than the current fence {current}")]
     Stale { presented: FenceToken, current: FenceToken },
+    #[error("fencing token {presented} is above the fence; on this route only registrations and lease grants raise it")]
+    Unregistered { presented: FenceToken, current: Option<FenceToken> },
     #[error("fence state unknown; the request was not forwarded")]
     StoreUnavailable(#[source] StoreError),
     #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
@@ -68,6 +70,7 @@ impl From<AdmitError> for GatewayError {
             AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
             AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
             AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
+            AdmitError::Unregistered { presented, current } => Self::Unregistered { presented, current },
         }
     }
 }
@@ -86,6 +89,7 @@ impl GatewayError {
             Self::InvalidToken(_) | Self::RepeatedToken => "invalid_token",
             Self::InvalidResource(_) | Self::MissingSegment(_) | Self::ResourceMismatch { .. } => "invalid_resource",
             Self::Stale { .. } => "stale",
+            Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
             Self::TooManyInflight { .. } => "too_many_inflight",
@@ -113,6 +117,7 @@ impl GatewayError {
             Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::UnsafePath => (S::BAD_REQUEST, "InvalidPath"),
             Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::Unregistered { .. } => (S::CONFLICT, "FencingTokenUnregistered"),
             Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
             Self::DrainTimeout { .. } => (S::SERVICE_UNAVAILABLE, "FencingDrainTimeout"),
             Self::TooManyInflight { .. } => (S::SERVICE_UNAVAILABLE, "TooManyInflightWrites"),
@@ -143,7 +148,9 @@ impl GatewayError {
             "detail": self.to_string(),
         });
         match &self {
-            Self::Stale { current, .. } => problem["fencing_token_current"] = serde_json::json!(current.0),
+            Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } => {
+                problem["fencing_token_current"] = serde_json::json!(current.0)
+            }
             Self::OutcomeUnknown { upstream_key: Some(key), .. } => {
                 problem["upstream_idempotency_key"] = serde_json::json!(key)
             }
@@ -156,7 +163,7 @@ impl GatewayError {
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        if let Self::Stale { current, .. } = &self {
+        if let Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } = &self {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
         if status == StatusCode::SERVICE_UNAVAILABLE || matches!(self, Self::RequestInFlight) {

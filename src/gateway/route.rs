@@ -26,6 +26,8 @@ pub struct Route {
     pub response_bytes_max: usize,
     /// How long idempotency records are kept.
     pub retention_ms: u64,
+    /// Whether a write through this route may raise a fence (`routes.advance`).
+    pub writes_advance: bool,
 }
 
 impl Route {
@@ -40,6 +42,7 @@ impl Route {
             body_bytes_max: config.body_bytes_max,
             response_bytes_max: config.response_bytes_max,
             retention_ms: config.idempotency_retention_ms,
+            writes_advance: config.advance.writes_advance(),
         })
     }
 
@@ -152,6 +155,7 @@ mod tests {
             upstream: upstream.into(),
             resource: resource.into(),
             mode: RouteMode::FenceOnly,
+            advance: crate::config::AdvancePolicy::Registration,
             idempotency_retention_ms: 1,
             request_timeout_ms: 1,
             body_bytes_max: 1,

@@ -28,6 +28,10 @@ pub enum FrontError {
     ResourceMismatch { bound: String, presented: String },
     #[error("fencing token {presented} is older than the current fence {current}")]
     Stale { presented: FenceToken, current: FenceToken },
+    #[error(
+        "fencing token {presented} is above the fence; only registrations and lease grants raise it (fencing.advance = \"registration\")"
+    )]
+    Unregistered { presented: FenceToken, current: Option<FenceToken> },
     #[error("fence state unknown; the write was not forwarded")]
     StoreUnavailable(#[source] StoreError),
     #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
@@ -77,6 +81,7 @@ impl From<AdmitError> for FrontError {
             AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
             AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
             AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
+            AdmitError::Unregistered { presented, current } => Self::Unregistered { presented, current },
         }
     }
 }
@@ -89,6 +94,7 @@ impl FrontError {
             Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => "invalid_token",
             Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
             Self::Stale { .. } => "stale",
+            Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
             Self::TooManyInflight { .. } => "too_many_inflight",
@@ -106,6 +112,7 @@ impl FrontError {
             Self::InvalidResource(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
             Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::Unregistered { .. } => (S::CONFLICT, "FencingTokenUnregistered"),
             Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
             Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::PreconditionRace => {
                 (S::SERVICE_UNAVAILABLE, "SlowDown")
@@ -139,7 +146,7 @@ impl FrontError {
         error.set_status_code(status);
         error.set_request_id(request_id);
         let mut headers = HeaderMap::new();
-        if let Self::Stale { current, .. } = &self {
+        if let Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } = &self {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
         if status == StatusCode::SERVICE_UNAVAILABLE {

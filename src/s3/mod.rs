@@ -200,6 +200,8 @@ pub struct Front {
     request_ids: RequestIds,
     /// CopyObject as a read of the source and a conditional PUT (see [`service`]).
     copy_by_read_and_put: bool,
+    /// Whether a write may raise a fence (`fencing.advance`).
+    writes_advance: bool,
 }
 
 /// What the handler knows of a request after classification.
@@ -258,6 +260,7 @@ impl Front {
             etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
             copy_by_read_and_put: false,
+            writes_advance: config.fencing.advance.writes_advance(),
         })
     }
 
@@ -366,7 +369,7 @@ impl Front {
         let span = tracing::Span::current();
         span.record("resource", resource.as_str());
         span.record("token", token.0);
-        let permit = Arc::new(self.gate.admit(&resource, token).await?);
+        let permit = Arc::new(self.gate.admit_write(&resource, token, self.writes_advance).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
         let deadline = tokio::time::Instant::now() + self.request_timeout;
@@ -743,7 +746,7 @@ impl Front {
         let mut permits = Vec::with_capacity(by_resource.len());
         let mut checked = Vec::new();
         for (resource, objects) in by_resource {
-            match self.gate.admit(&resource, token).await {
+            match self.gate.admit_write(&resource, token, self.writes_advance).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
                     let permit = Arc::new(permit);
@@ -752,9 +755,9 @@ impl Front {
                     checked.extend(objects.into_iter().map(|object| (admitted.clone(), object)));
                     permits.push((resource, permit));
                 }
-                Err(AdmitError::Stale { presented, current }) => {
-                    metrics::decision("stale");
-                    let error = FrontError::Stale { presented, current };
+                Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {
+                    let error = FrontError::from(refusal);
+                    metrics::decision(error.decision());
                     for object in &objects {
                         refused.push(delete_objects::error_entry(object, error.code(), &error.to_string()));
                     }

@@ -61,11 +61,12 @@ return {1, cur or ''}
 ";
 
 /// KEYS: fence, inflight. ARGV: token, floor or '', member or '', deadline_ms, channel,
-/// resource, then members of this replica to withdraw first. Returns {outcome, advanced 0|1,
-/// value, repaired 0|1}: outcome 'ok' | 'stale' (value = current fence) | 'wait'; when
-/// repaired, value is what the store had ('' = none).
+/// resource, may advance '1' | '0', then members of this replica to withdraw first. Returns
+/// {outcome, advanced 0|1, current fence or '', repaired 0|1, what the store had or ''}:
+/// outcome 'ok' | 'stale' | 'unregistered' (a token above the fence that may not raise it;
+/// nothing changed but a repair) | 'wait'.
 const LUA_ADMIT: &str = r"
-if #ARGV > 6 then redis.call('ZREM', KEYS[2], unpack(ARGV, 7)) end
+if #ARGV > 7 then redis.call('ZREM', KEYS[2], unpack(ARGV, 8)) end
 local cur = redis.call('GET', KEYS[1])
 local repaired, had = 0, ''
 if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
@@ -73,9 +74,10 @@ if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
   redis.call('SET', KEYS[1], ARGV[2])
   cur = ARGV[2]
 end
-if cur and lt(ARGV[1], cur) then return {'stale', 0, cur, repaired} end
+if cur and lt(ARGV[1], cur) then return {'stale', 0, cur, repaired, had} end
 local advanced = 0
 if not cur or lt(cur, ARGV[1]) then
+  if ARGV[7] ~= '1' then return {'unregistered', 0, cur or '', repaired, had} end
   redis.call('SET', KEYS[1], ARGV[1])
   redis.call('PUBLISH', ARGV[5], ARGV[1] .. ' ' .. ARGV[6])
   advanced = 1
@@ -84,13 +86,13 @@ local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local mt = string.match(m, ':(%d+)$')
-  if mt and lt(mt, ARGV[1]) then return {'wait', advanced, had, repaired} end
+  if mt and lt(mt, ARGV[1]) then return {'wait', advanced, ARGV[1], repaired, had} end
 end
 if ARGV[3] ~= '' then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
 end
-return {'ok', advanced, had, repaired}
+return {'ok', advanced, ARGV[1], repaired, had}
 ";
 
 /// KEYS: fence, inflight. ARGV: member, deadline_ms. Pushes a registration in use to a full
@@ -285,6 +287,7 @@ impl RedisStore {
         floor: Option<FenceToken>,
         member: Option<&str>,
         withdraw: &[Member],
+        may_advance: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
         let mut inv = self.admit.key(key(resource, "fence"));
@@ -294,17 +297,19 @@ impl RedisStore {
             .arg(member.unwrap_or(""))
             .arg(deadline_ms)
             .arg(ANNOUNCE_CHANNEL)
-            .arg(resource.as_str());
+            .arg(resource.as_str())
+            .arg(if may_advance { "1" } else { "0" });
         for old in withdraw {
             inv.arg(member_of(&self.replica_id, *old));
         }
-        let (outcome, advanced, value, repaired): (String, i64, String, i64) =
+        let (outcome, advanced, value, repaired, had): (String, i64, String, i64, String) =
             self.connection.invoke(&inv).await.map_err(backend)?;
         let advanced = advanced == 1;
-        let repaired_from = if repaired == 1 { Some(parse_token(&value)?) } else { None };
+        let repaired_from = if repaired == 1 { Some(parse_token(&had)?) } else { None };
         Ok(match outcome.as_str() {
             "ok" => SharedAdmit::Admitted { advanced, repaired_from },
             "wait" => SharedAdmit::OlderInflight { advanced, repaired_from },
+            "unregistered" => SharedAdmit::Unregistered { current: parse_token(&value)?, repaired_from },
             "stale" => SharedAdmit::Stale {
                 current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
             },
@@ -685,10 +690,11 @@ impl SharedRegistry for RedisStore {
         token: FenceToken,
         floor: Option<FenceToken>,
         register: bool,
+        may_advance: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
         if !register {
-            return self.admit_register(resource, token, floor, None, &[], deadline_ms).await;
+            return self.admit_register(resource, token, floor, None, &[], may_advance, deadline_ms).await;
         }
         let deadline = Duration::from_millis(deadline_ms);
         let plan = self.registrations.begin(resource, token, deadline, Instant::now());
@@ -706,8 +712,9 @@ impl SharedRegistry for RedisStore {
             Some(answer) => (answer, None),
             None => {
                 let sent = Instant::now();
-                let answer =
-                    self.admit_register(resource, token, floor, Some(&name), plan.withdraw(), deadline_ms).await?;
+                let answer = self
+                    .admit_register(resource, token, floor, Some(&name), plan.withdraw(), may_advance, deadline_ms)
+                    .await?;
                 (answer, Some(sent))
             }
         };
