@@ -284,12 +284,11 @@ impl RedisStore {
         &self,
         resource: &ResourceKey,
         token: FenceToken,
-        floor: Option<FenceToken>,
+        ask: &Ask,
         member: Option<&str>,
         withdraw: &[Member],
-        may_advance: bool,
-        deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
+        let Ask { floor, may_advance, deadline_ms } = *ask;
         let mut inv = self.admit.key(key(resource, "fence"));
         inv.key(key(resource, "inflight"));
         inv.arg(token.0.to_string())
@@ -348,6 +347,15 @@ impl RedisStore {
         }
         Ok(Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }))
     }
+}
+
+/// What an admission asks besides the token: the replica's floor, whether the write may raise
+/// the fence, and the registration's deadline.
+#[derive(Clone, Copy)]
+struct Ask {
+    floor: Option<FenceToken>,
+    may_advance: bool,
+    deadline_ms: u64,
 }
 
 /// An admission under way: unless settled, its drop tells `Registrations` the call failed.
@@ -693,8 +701,9 @@ impl SharedRegistry for RedisStore {
         may_advance: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
+        let ask = Ask { floor, may_advance, deadline_ms };
         if !register {
-            return self.admit_register(resource, token, floor, None, &[], may_advance, deadline_ms).await;
+            return self.admit_register(resource, token, &ask, None, &[]).await;
         }
         let deadline = Duration::from_millis(deadline_ms);
         let plan = self.registrations.begin(resource, token, deadline, Instant::now());
@@ -712,9 +721,7 @@ impl SharedRegistry for RedisStore {
             Some(answer) => (answer, None),
             None => {
                 let sent = Instant::now();
-                let answer = self
-                    .admit_register(resource, token, floor, Some(&name), plan.withdraw(), may_advance, deadline_ms)
-                    .await?;
+                let answer = self.admit_register(resource, token, &ask, Some(&name), plan.withdraw()).await?;
                 (answer, Some(sent))
             }
         };
