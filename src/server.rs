@@ -227,6 +227,8 @@ impl AsyncWrite for Tracked {
 const LINGER_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// For at most this long.
 const LINGER_TIME: Duration = Duration::from_secs(5);
+/// Frames of an already arrived remainder read in place before a task takes over.
+const LINGER_INLINE_FRAMES_MAX: usize = 16;
 
 /// A request body that closes its connection gently when the request is answered before the
 /// body was read (a refused write).
@@ -287,6 +289,18 @@ impl Drop for RequestBody {
         // instead of the answer (seen in CI with a 2 KB aws-chunked upload refused with 428).
         if self.finished || untouched_expect || http_body::Body::is_end_stream(&inner) {
             return;
+        }
+        // What has already arrived is read here (the common case of a small refused body); a
+        // task is spawned only for a remainder still on its way.
+        let mut inner = inner;
+        for _ in 0..LINGER_INLINE_FRAMES_MAX {
+            use futures_util::FutureExt;
+            use http_body_util::BodyExt;
+            match inner.frame().now_or_never() {
+                Some(Some(Ok(_))) => continue,
+                Some(None | Some(Err(_))) => return,
+                None => break,
+            }
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
