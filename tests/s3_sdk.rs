@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use aws_sdk_s3::Client;
+use aws_sdk_s3::error::ProvideErrorMetadata;
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
 use common::{Fencegate, Moto, client, error_of, s3_client};
@@ -100,7 +101,13 @@ async fn classic_scenario_against_a_real_s3_server() {
 
 /// A slow upload with token 11 is in flight when 12 arrives: 11 is cancelled before its body
 /// completes, 12 is forwarded only after that, and the object ends as 12 wrote it (G3).
-async fn race(c: &Client, key_old: &'static str, key_new: &'static str, resource: Option<&'static str>) {
+async fn race(
+    fg: &Fencegate,
+    c: &Client,
+    key_old: &'static str,
+    key_new: &'static str,
+    resource: Option<&'static str>,
+) {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, std::io::Error>>(4);
     const OLD_LEN: usize = 256 * 1024;
     let body = http_body_util::StreamBody::new(tokio_stream_from(rx));
@@ -122,25 +129,55 @@ async fn race(c: &Client, key_old: &'static str, key_new: &'static str, resource
                 })
                 .send()
                 .await
-                .map_err(|e| error_of(&e))
+                .map_err(|e| {
+                    let (code, status, current) = error_of(&e);
+                    (code, status, current, e.as_service_error().and_then(|e| e.message()).map(str::to_owned))
+                })
         }
     });
-    // Half of the old body is on its way: the old write was admitted and is streaming.
+    // Half of the old body is on its way; wait until the old write was admitted (its token is
+    // the fence) so that 12 meets it in flight, not at admission.
     tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'o'; OLD_LEN / 2])))).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let fenced = resource.map_or_else(|| format!("{BUCKET}/{key_old}"), str::to_owned);
+    wait_for_fence(fg, &fenced, 11).await;
 
     put(c, key_new, 12, resource, ByteStream::from_static(b"new holder")).await.expect("12 is admitted");
     // The rest of the old body arrives too late.
     let _ = tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'o'; OLD_LEN / 2])))).await;
     drop(tx);
     let old = tokio::time::timeout(Duration::from_secs(20), old).await.expect("old write ends").unwrap();
-    let (code, status, current) = old.expect_err("the token-11 upload must not commit after 12");
+    let (code, status, current, message) = old.expect_err("the token-11 upload must not commit after 12");
     assert_eq!((code.as_deref(), status, current.as_deref()), (Some("FencingTokenStale"), 409, Some("12")));
+    // Cut off while streaming, not refused at admission: the race really happened.
+    assert!(message.as_deref().is_some_and(|m| m.contains("while its body was streaming")), "{message:?}");
     assert_eq!(get(c, key_new).await, (b"new holder".to_vec(), Some("12".into())));
     if key_old != key_new {
         let head = c.head_object().bucket(BUCKET).key(key_old).send().await;
         assert!(head.is_err(), "the cancelled upload left no object");
     }
+}
+
+/// Waits (bounded) until the fence of `resource` is `token`, read on the admin API.
+async fn wait_for_fence(fg: &Fencegate, resource: &str, token: u64) {
+    let path: String = resource
+        .bytes()
+        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect();
+    let url = format!("http://{}/v1/fences/{path}", fg.admin);
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    for _ in 0..200 {
+        if let Ok(resp) = client.get(url.parse().unwrap()).await
+            && resp.status() == 200
+        {
+            let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+            if serde_json::from_slice::<serde_json::Value>(&body).unwrap()["token"] == token {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the fence of {resource} never became {token}");
 }
 
 fn tokio_stream_from<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
@@ -153,7 +190,7 @@ async fn newer_token_cancels_a_slow_older_upload_on_the_same_object() {
     let fg = Fencegate::start_local(dir.path(), "").await;
     let c = client(&fg);
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
-    race(&c, "same.bin", "same.bin", None).await;
+    race(&fg, &c, "same.bin", "same.bin", None).await;
     fg.stop().await;
 }
 
@@ -163,6 +200,6 @@ async fn newer_token_cancels_a_slow_older_upload_on_another_object_of_the_resour
     let fg = Fencegate::start_local(dir.path(), "").await;
     let c = client(&fg);
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
-    race(&c, "part-a.bin", "part-b.bin", Some("job:r")).await;
+    race(&fg, &c, "part-a.bin", "part-b.bin", Some("job:r")).await;
     fg.stop().await;
 }

@@ -29,6 +29,10 @@ pub enum FrontError {
     #[error("fencing token {presented} is older than the current fence {current}")]
     Stale { presented: FenceToken, current: FenceToken },
     #[error(
+        "fencing token {presented} became stale while its body was streaming (fence {current}); the upload was cut off and nothing was committed"
+    )]
+    StaleWhileStreaming { presented: FenceToken, current: FenceToken },
+    #[error(
         "fencing token {presented} is above the fence; only registrations and lease grants raise it (fencing.advance = \"registration\")"
     )]
     Unregistered { presented: FenceToken, current: Option<FenceToken> },
@@ -93,7 +97,7 @@ impl FrontError {
             Self::MissingToken => "missing_token",
             Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => "invalid_token",
             Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
-            Self::Stale { .. } => "stale",
+            Self::Stale { .. } | Self::StaleWhileStreaming { .. } => "stale",
             Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
@@ -111,7 +115,7 @@ impl FrontError {
             }
             Self::InvalidResource(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
             Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
-            Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::Stale { .. } | Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),
             Self::Unregistered { .. } => (S::CONFLICT, "FencingTokenUnregistered"),
             Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
             Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::PreconditionRace => {
@@ -146,7 +150,10 @@ impl FrontError {
         error.set_status_code(status);
         error.set_request_id(request_id);
         let mut headers = HeaderMap::new();
-        if let Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } = &self {
+        if let Self::Stale { current, .. }
+        | Self::StaleWhileStreaming { current, .. }
+        | Self::Unregistered { current: Some(current), .. } = &self
+        {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
         if status == StatusCode::SERVICE_UNAVAILABLE {

@@ -293,7 +293,7 @@ impl Front {
                     metrics::decision(decision);
                 }
                 span.record("decision", decision);
-                if let FrontError::Stale { current, .. } = &error {
+                if let FrontError::Stale { current, .. } | FrontError::StaleWhileStreaming { current, .. } = &error {
                     span.record("fence", current.0);
                 }
                 span.in_scope(|| tracing::info!(%error, "refused"));
@@ -448,9 +448,13 @@ impl Front {
         match admitted.permit.cut_off() {
             Some(CutOff::Deadline) => FrontError::WriteDeadline { after_ms: millis(self.request_timeout) },
             Some(CutOff::Revoked) => FrontError::RegistrationLost,
+            // Not cancelled, yet not sent: a further call past the write's deadline.
+            None if tokio::time::Instant::now() >= admitted.deadline => {
+                FrontError::WriteDeadline { after_ms: millis(self.request_timeout) }
+            }
             Some(CutOff::Superseded) | None => {
                 let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
-                FrontError::Stale { presented: admitted.token, current }
+                FrontError::StaleWhileStreaming { presented: admitted.token, current }
             }
         }
     }
