@@ -15,6 +15,7 @@ use super::{
     AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, SharedAdmit,
     SharedRegistry, StoreError, StoreEvent, decide,
 };
+use crate::config::millis;
 use crate::metrics;
 
 /// The gate's named limits.
@@ -744,10 +745,6 @@ fn rollback_repaired(resource: &ResourceKey, had: Option<FenceToken>, mark: Opti
         floor = mark.map(|t| t.0),
         "FENCE STORE ROLLBACK: the store answered lower than this replica has seen; raised it back"
     );
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -141,6 +141,11 @@ fn hold_if_maybe_delivered<E: Delivery + std::fmt::Display>(permits: Vec<Arc<Per
         hold_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
         "upstream call failed after the whole request was sent: outcome unknown, the write stays in flight"
     );
+    hold_for(permits, hold);
+}
+
+/// Keeps `permits` (the write stays in flight) for `hold`, in the background.
+pub fn hold_for(permits: Vec<Arc<Permit>>, hold: Duration) {
     tokio::spawn(async move {
         tokio::time::sleep(hold).await;
         drop(permits);

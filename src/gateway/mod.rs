@@ -39,7 +39,7 @@ use self::client::{ApiClient, SendError};
 use self::etags::EtagCache;
 use self::replay::Collected;
 use self::route::Route;
-use crate::config::{Config, RouteMode, ms};
+use crate::config::{Config, RouteMode, millis, ms};
 use crate::fence::CutOff;
 use crate::fence::outcome::{Bounded, bounded_call, detached};
 use crate::fence::{
@@ -631,8 +631,4 @@ fn client_response<B: Into<Body>>(resp: http::Response<B>) -> http::Response<Bod
         parts.headers.remove(*name);
     }
     http::Response::from_parts(parts, body.into())
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

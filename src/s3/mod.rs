@@ -29,13 +29,13 @@ pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 
 use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use self::objects::{EtagCache, ObjectState};
-use crate::config::Config;
-use crate::fence::outcome::{Bounded, bounded_call, detached};
+use crate::config::{Config, millis};
+use crate::fence::outcome::{Bounded, bounded_call, detached, hold_for};
 use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
-use crate::upstream::{Enforcement, Upstream, UpstreamError};
+use crate::upstream::{Enforcement, Upstream, UpstreamError, xml_element};
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
 /// ones of every listener): never forwarded, the upstream request is signed anew.
@@ -845,12 +845,7 @@ impl Front {
                 tracing::warn!(
                     "the upstream's answer to a write broke off: outcome unknown, the write stays in flight"
                 );
-                let permits = permits.to_vec();
-                let hold = self.unknown_outcome_hold;
-                tokio::spawn(async move {
-                    tokio::time::sleep(hold).await;
-                    drop(permits);
-                });
+                hold_for(permits.to_vec(), self.unknown_outcome_hold);
                 match failed {
                     Ok(Err(error)) => Err(error),
                     _ => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
@@ -1140,10 +1135,6 @@ fn no_content() -> S3Response<Body> {
     resp
 }
 
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     let decoded = headers.get("x-amz-decoded-content-length");
     let raw = decoded.or_else(|| headers.get(http::header::CONTENT_LENGTH))?;
@@ -1255,14 +1246,6 @@ async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response
         .to_bytes();
     let committed = parts.status.is_success() && !contains_error_element(&bytes);
     Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
-}
-
-/// The text of the first `<name>` element, if any (small, trusted XML from the upstream).
-fn xml_element(xml: &[u8], name: &str) -> Option<String> {
-    let text = std::str::from_utf8(xml).ok()?;
-    let start = text.find(&format!("<{name}>"))? + name.len() + 2;
-    let end = text[start..].find(&format!("</{name}>"))? + start;
-    Some(text[start..end].to_owned())
 }
 
 fn contains_error_element(xml: &[u8]) -> bool {

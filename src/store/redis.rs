@@ -27,6 +27,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
 
+use crate::config::millis;
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
     LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent,
@@ -504,10 +505,6 @@ async fn renew_registrations(
             }
         }
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn script(body: &str) -> Script {

@@ -15,6 +15,7 @@ use async_trait::async_trait;
 use s3s::Body;
 
 pub use local::LocalUpstream;
+pub(crate) use probe::xml_element;
 pub use probe::{Enforcement, ProbeError, Probed, probe_preconditions};
 pub use s3::S3Upstream;
 

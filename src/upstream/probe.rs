@@ -184,8 +184,8 @@ async fn first_bucket(upstream: &dyn Upstream) -> Result<Option<String>, ProbeEr
     Ok(xml_element(&bytes, "Name"))
 }
 
-/// The text of the first `<name>` element (small XML from the upstream).
-fn xml_element(xml: &[u8], name: &str) -> Option<String> {
+/// The text of the first `<name>` element, if any (small, trusted XML from the upstream).
+pub(crate) fn xml_element(xml: &[u8], name: &str) -> Option<String> {
     let text = std::str::from_utf8(xml).ok()?;
     let start = text.find(&format!("<{name}>"))? + name.len() + 2;
     let end = text[start..].find(&format!("</{name}>"))? + start;
