@@ -15,7 +15,7 @@ use crate::fence::{FenceStore, Gate, GateLimits};
 use crate::gateway::Gateway;
 use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
-use crate::store::{EmbeddedStore, RedisStore};
+use crate::store::{EmbeddedStore, RedisStore, Wait};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
 
 /// How long open requests may finish after shutdown was asked for.
@@ -44,6 +44,17 @@ pub struct Bound {
 impl App {
     /// Opens the fence store and the upstream. Fails with a message naming what is wrong.
     pub async fn build(config: Config) -> anyhow::Result<Self> {
+        if config.store.kind != StoreKind::Embedded
+            && config.store.timeout_ms * 4 >= config.fencing.inflight_deadline_ms
+        {
+            // A renewal that takes this long ends after the revocation margin (a quarter of the
+            // deadline): writes are then revoked while their renewal is still out.
+            tracing::warn!(
+                store_timeout_ms = config.store.timeout_ms,
+                inflight_deadline_ms = config.fencing.inflight_deadline_ms,
+                "store.timeout_ms should be well below a quarter of fencing.inflight_deadline_ms with a shared store"
+            );
+        }
         let store: Arc<dyn FenceStore> = match config.store.kind {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
@@ -55,20 +66,24 @@ impl App {
                     None => config.store.cluster_urls.clone(),
                 };
                 let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
-                if config.store.timeout_ms * 4 >= config.fencing.inflight_deadline_ms {
-                    // A renewal that takes this long ends after the revocation margin (a quarter
-                    // of the deadline): writes are then revoked while their renewal is still out.
-                    tracing::warn!(
-                        store_timeout_ms = config.store.timeout_ms,
-                        inflight_deadline_ms = config.fencing.inflight_deadline_ms,
-                        "store.timeout_ms should be well below a quarter of fencing.inflight_deadline_ms with Redis"
-                    );
-                }
-                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id)
+                let wait = (config.store.wait_replicas > 0)
+                    .then(|| Wait { replicas: config.store.wait_replicas, timeout: ms(config.store.wait_timeout_ms) });
+                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait)
                     .await
                     .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
                 Arc::new(store)
             }
+            #[cfg(feature = "etcd")]
+            StoreKind::Etcd => {
+                let endpoints = &config.store.endpoints;
+                let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
+                let store = crate::store::EtcdStore::connect(endpoints, ms(config.store.timeout_ms), replica_id)
+                    .await
+                    .with_context(|| format!("store.endpoints: cannot reach etcd at {}", endpoints.join(", ")))?;
+                Arc::new(store)
+            }
+            #[cfg(not(feature = "etcd"))]
+            StoreKind::Etcd => anyhow::bail!("store.kind = \"etcd\": this fencegate was built without etcd support"),
         };
         let limits = GateLimits {
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),

@@ -93,6 +93,7 @@ pub struct ServerConfig {
 pub enum StoreKind {
     Embedded,
     Redis,
+    Etcd,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -108,6 +109,17 @@ pub struct StoreConfig {
     /// Seed nodes of a Redis Cluster, instead of `url`.
     #[serde(default)]
     pub cluster_urls: Vec<String>,
+    /// Redis: after every change of a fence, a grant or a registration, wait until this many
+    /// Redis replicas have it (`WAIT`), and fail closed (503) when fewer confirm within
+    /// `wait_timeout_ms`. 0: do not wait.
+    #[serde(default)]
+    pub wait_replicas: u32,
+    /// Redis: how long a change waits for `wait_replicas`.
+    #[serde(default = "defaults::store_wait_timeout_ms")]
+    pub wait_timeout_ms: u64,
+    /// etcd: client URLs of the cluster's members (`http://host:2379`).
+    #[serde(default)]
+    pub endpoints: Vec<String>,
     /// This replica's name in the shared in-flight registry; default: host name and process id.
     #[serde(default)]
     pub replica_id: Option<String>,
@@ -382,6 +394,9 @@ mod defaults {
     pub fn store_timeout_ms() -> u64 {
         2_000
     }
+    pub fn store_wait_timeout_ms() -> u64 {
+        500
+    }
     pub fn region() -> String {
         "us-east-1".into()
     }
@@ -504,8 +519,22 @@ impl Config {
             StoreKind::Redis if self.store.url.is_some() && !self.store.cluster_urls.is_empty() => {
                 return Err(("store.cluster_urls", "set either store.url or store.cluster_urls, not both".into()));
             }
-            StoreKind::Redis => {}
-            StoreKind::Embedded => {}
+            StoreKind::Redis if self.store.wait_replicas > 0 && self.store.wait_timeout_ms >= self.store.timeout_ms => {
+                return Err(("store.wait_timeout_ms", "must be below store.timeout_ms".into()));
+            }
+            StoreKind::Redis if self.store.wait_replicas > 0 && !self.store.cluster_urls.is_empty() => {
+                return Err(("store.wait_replicas", "not supported with store.cluster_urls".into()));
+            }
+            StoreKind::Etcd if self.store.endpoints.is_empty() => {
+                return Err(("store.endpoints", "required when store.kind = \"etcd\"".into()));
+            }
+            StoreKind::Etcd if !cfg!(feature = "etcd") => {
+                return Err((
+                    "store.kind",
+                    "this fencegate was built without etcd support: build it with `cargo build --features etcd`".into(),
+                ));
+            }
+            StoreKind::Redis | StoreKind::Etcd | StoreKind::Embedded => {}
         }
         match self.upstream.kind {
             UpstreamKind::Local if self.upstream.path.is_none() => {

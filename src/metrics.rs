@@ -99,6 +99,11 @@ pub fn store_rollback_repaired() {
     counter!("fencegate_store_rollbacks_repaired_total").increment(1);
 }
 
+/// A change fewer Redis replicas confirmed than `store.wait_replicas` asks (it failed closed).
+pub fn store_wait_failed() {
+    counter!("fencegate_store_wait_failures_total").increment(1);
+}
+
 /// A request through the HTTP API gateway, by route mode (`idempotency-key`, `conditional`,
 /// `fence-only`) and outcome: `forwarded`, `read`, `unchecked`, `replayed`, `in_flight`,
 /// `key_reused`, `outcome_unknown`, `not_retained`, `precondition_failed`, `refused`.

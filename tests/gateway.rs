@@ -713,9 +713,16 @@ async fn both_stores_keep_the_idempotency_record_contract() {
     record_contract(&embedded, "embedded").await;
     let redis = RedisServer::start().await;
     let shared =
-        fencegate::store::RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into()).await.unwrap();
+        fencegate::store::RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into(), None).await.unwrap();
     record_contract(&shared, "redis").await;
     record_contract(&fencegate::store::MemoryStore::default(), "memory").await;
+    #[cfg(feature = "etcd")]
+    {
+        let etcd = common::EtcdCluster::start(1).await;
+        let store =
+            fencegate::store::EtcdStore::connect(&etcd.endpoints(), Duration::from_secs(2), "t".into()).await.unwrap();
+        record_contract(&store, "etcd").await;
+    }
 }
 
 async fn record_contract(store: &dyn FenceStore, name: &str) {

@@ -1,4 +1,4 @@
-//! The store conformance suite: on both stores (embedded and Redis), random sequences of
+//! The store conformance suite: on every store (embedded, Redis, and etcd when built with it), random sequences of
 //! loads, advances and reopens (a restart of fencegate) give exactly the answers of a plain
 //! in-memory model, so fences never go back (G1) and every acknowledged advance survives a
 //! restart (G2).
@@ -69,7 +69,26 @@ struct Redis {
 impl Harness for Redis {
     type Store = RedisStore;
     async fn open(&self) -> RedisStore {
-        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into())
+        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into(), None)
+            .await
+            .unwrap()
+    }
+    fn prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+#[cfg(feature = "etcd")]
+struct Etcd {
+    endpoints: Vec<String>,
+    prefix: String,
+}
+
+#[cfg(feature = "etcd")]
+impl Harness for Etcd {
+    type Store = fencegate::store::EtcdStore;
+    async fn open(&self) -> Self::Store {
+        fencegate::store::EtcdStore::connect(&self.endpoints, std::time::Duration::from_secs(5), "model".into())
             .await
             .unwrap()
     }
@@ -155,6 +174,23 @@ fn redis_store_matches_the_model() {
     let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
         let case = cases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         runtime().block_on(run(&Redis { url: redis.url(), prefix: format!("case-{case}/") }, ops));
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
+
+/// The same cases on a three-member etcd cluster (each case with its own key prefix).
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_store_matches_the_model() {
+    let etcd = runtime().block_on(common::EtcdCluster::start(3));
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 32, ..ProptestConfig::default() });
+    let cases = std::sync::atomic::AtomicU64::new(0);
+    let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
+        let case = cases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        runtime().block_on(run(&Etcd { endpoints: etcd.endpoints(), prefix: format!("case-{case}/") }, ops));
         Ok(())
     });
     if let Err(failure) = result {

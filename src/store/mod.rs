@@ -1,10 +1,15 @@
 //! Fence stores: where fences live durably.
 
 mod embedded;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod memory;
 mod redis;
 mod registrations;
+mod shared;
 
 pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, OpenError};
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
-pub use redis::{ANNOUNCE_CHANNEL, RedisStore};
+pub use redis::{ANNOUNCE_CHANNEL, RedisStore, Wait};

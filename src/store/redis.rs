@@ -15,17 +15,18 @@
 //! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
 //! replica cancels its older uploads still streaming on that resource.
 
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 
-use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
+use super::registrations::{Member, Renewal, Withdrawal};
+use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 
 use crate::config::millis;
 use crate::fence::{
@@ -36,9 +37,6 @@ use crate::metrics;
 
 /// The channel advances are announced on.
 pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
-/// Announcements not yet handled by the gate; beyond this, older ones are dropped (the store's
-/// in-flight registry still orders commits; announcements only speed up cancellation).
-const ANNOUNCEMENTS_QUEUED_MAX: usize = 4096;
 
 /// Compares decimal u64 strings without leading zeros (shared by every script).
 const LUA_LT: &str = r"
@@ -201,6 +199,31 @@ impl Connection {
         }
     }
 
+    /// Runs the script and then, with `wait`, `WAIT`s in the same round trip on the same
+    /// connection (a `WAIT` counts the writes of its own connection only, so it cannot be sent
+    /// apart: after a reconnect it would count nothing). Returns how many Redis replicas
+    /// confirmed (`None` without `wait`).
+    async fn invoke_waiting<T: redis::FromRedisValue>(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+        wait: Option<&Wait>,
+    ) -> redis::RedisResult<(T, Option<u32>)> {
+        let Some(wait) = wait else { return Ok((self.invoke(inv).await?, None)) };
+        let mut pipe = redis::pipe();
+        pipe.invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
+        let answer = match self.pipeline::<(T, u32)>(&pipe).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                match self.clone() {
+                    Self::Single(mut c) => inv.load_async(&mut c).await?,
+                    Self::Cluster(mut c) => inv.load_async(&mut c).await?,
+                };
+                self.pipeline::<(T, u32)>(&pipe).await?
+            }
+            answer => answer?,
+        };
+        Ok((answer.0, Some(answer.1)))
+    }
+
     /// Commands sent together; in a cluster their keys must share a slot.
     async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
         match self.clone() {
@@ -210,24 +233,61 @@ impl Connection {
     }
 }
 
+/// `store.wait_replicas`: how many Redis replicas must confirm a change before it counts.
+#[derive(Debug, Clone, Copy)]
+pub struct Wait {
+    pub replicas: u32,
+    pub timeout: Duration,
+}
+
+/// A change the script made (`wrote`) that fewer replicas than asked confirmed fails closed: a
+/// failover now could lose it.
+fn confirmed(wait: Option<&Wait>, confirmed: Option<u32>, wrote: bool) -> Result<(), StoreError> {
+    match (wait, confirmed) {
+        (Some(wait), Some(n)) if wrote && n < wait.replicas => {
+            metrics::store_wait_failed();
+            Err(StoreError::Backend(
+                format!(
+                    "{n} of the {} Redis replicas asked for (store.wait_replicas) confirmed the change within {} ms",
+                    wait.replicas,
+                    millis(wait.timeout)
+                )
+                .into(),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 pub struct RedisStore {
     connection: Connection,
     advance: Script,
-    admit: Script,
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
+    wait: Option<Wait>,
+    shared: Shared<RedisCalls>,
+}
+
+/// The registry's calls on Redis.
+struct RedisCalls {
+    connection: Connection,
+    admit: Script,
+    renew: Script,
     replica_id: String,
-    events: Mutex<Option<mpsc::Receiver<StoreEvent>>>,
-    registrations: Arc<Registrations>,
-    /// Wakes the withdrawer when a registration is due at once.
-    withdraw_now: Arc<Notify>,
+    wait: Option<Wait>,
 }
 
 impl RedisStore {
     /// Connects to one Redis (`urls` has one entry) or a Redis Cluster (several seed nodes),
-    /// and starts listening for advance announcements.
-    pub async fn connect(urls: &[String], response_timeout: Duration, replica_id: String) -> anyhow::Result<Self> {
+    /// and starts listening for advance announcements. With `wait`, every change waits for
+    /// that many Redis replicas.
+    pub async fn connect(
+        urls: &[String],
+        response_timeout: Duration,
+        replica_id: String,
+        wait: Option<Wait>,
+    ) -> anyhow::Result<Self> {
         let connection = if urls.len() == 1 {
             let client = redis::Client::open(urls[0].as_str())?;
             let config = ConnectionManagerConfig::new()
@@ -243,97 +303,49 @@ impl RedisStore {
                 .build()?;
             Connection::Cluster(client.get_async_connection().await?)
         };
-        let registrations = Arc::new(Registrations::default());
-        let withdraw_now = Arc::new(Notify::new());
-        let (tx, rx) = mpsc::channel(ANNOUNCEMENTS_QUEUED_MAX);
-        tokio::spawn(listen_for_announcements(
-            urls[0].clone(),
-            tx.clone(),
-            Arc::downgrade(&registrations),
-            withdraw_now.clone(),
-        ));
-        tokio::spawn(renew_registrations(
-            connection.clone(),
-            script(LUA_RENEW),
-            replica_id.clone(),
-            Arc::downgrade(&registrations),
-            tx,
-        ));
-        tokio::spawn(withdraw_registrations(
-            connection.clone(),
-            replica_id.clone(),
-            Arc::downgrade(&registrations),
-            withdraw_now.clone(),
-        ));
+        let calls = RedisCalls {
+            connection: connection.clone(),
+            admit: script(LUA_ADMIT),
+            renew: script(LUA_RENEW),
+            replica_id,
+            wait,
+        };
+        let shared = Shared::start(Arc::new(calls));
+        tokio::spawn(listen_for_announcements(urls[0].clone(), shared.announcements()));
         Ok(Self {
             connection,
             advance: script(LUA_ADVANCE),
-            admit: script(LUA_ADMIT),
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
-            replica_id,
-            events: Mutex::new(Some(rx)),
-            registrations,
-            withdraw_now,
+            wait,
+            shared,
         })
     }
+}
 
-    /// The full admission: checks, advances or repairs the fence and, if `member` is given,
-    /// registers it (withdrawing `withdraw` first).
-    async fn admit_register(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-        ask: &Ask,
-        member: Option<&str>,
-        withdraw: &[Member],
-    ) -> Result<SharedAdmit, StoreError> {
-        let Ask { floor, may_advance, deadline_ms } = *ask;
-        let mut inv = self.admit.key(key(resource, "fence"));
-        inv.key(key(resource, "inflight"));
-        inv.arg(token.0.to_string())
-            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
-            .arg(member.unwrap_or(""))
-            .arg(deadline_ms)
-            .arg(ANNOUNCE_CHANNEL)
-            .arg(resource.as_str())
-            .arg(if may_advance { "1" } else { "0" });
-        for old in withdraw {
-            inv.arg(member_of(&self.replica_id, *old));
-        }
-        let (outcome, advanced, value, repaired, had): (String, i64, String, i64, String) =
-            self.connection.invoke(&inv).await.map_err(backend)?;
-        let advanced = advanced == 1;
-        let repaired_from = if repaired == 1 { Some(parse_token(&had)?) } else { None };
-        Ok(match outcome.as_str() {
-            "ok" => SharedAdmit::Admitted { advanced, repaired_from },
-            "wait" => SharedAdmit::OlderInflight { advanced, repaired_from },
-            "unregistered" => SharedAdmit::Unregistered { current: parse_token(&value)?, repaired_from },
-            "stale" => SharedAdmit::Stale {
-                current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
-            },
-            other => return Err(StoreError::Backend(format!("admit script answered {other:?}").into())),
-        })
-    }
-
-    /// The admission of a write whose registration is in place: `GET` the fence and `ZSCORE`
-    /// the member in one round trip, writing nothing (so no append-only-file write, and no
-    /// script to run). `None`: the full admission has to decide.
+#[async_trait]
+impl RegistryCalls for RedisCalls {
+    /// `GET` the fence and `ZSCORE` the member in one round trip, writing nothing (so no
+    /// append-only-file write, and no script to run).
     ///
     /// Reading the two keys without a script is enough: the member can only go by this
     /// replica's own withdrawal (not while this admission uses it) or at its deadline, which
     /// `Registrations` keeps at least half a deadline away before it plans a check. So the
     /// answer is the one an atomic check at the moment of the `GET` would give.
-    async fn admit_check(
+    async fn check(
         &self,
         resource: &ResourceKey,
         token: FenceToken,
         floor: Option<FenceToken>,
-        member: &str,
+        member: Member,
     ) -> Result<Option<SharedAdmit>, StoreError> {
         let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(key(resource, "fence")).cmd("ZSCORE").arg(key(resource, "inflight")).arg(member);
+        pipe.cmd("GET")
+            .arg(key(resource, "fence"))
+            .cmd("ZSCORE")
+            .arg(key(resource, "inflight"))
+            .arg(member_of(&self.replica_id, member));
         let (fence, deadline): (Option<String>, Option<String>) =
             self.connection.pipeline(&pipe).await.map_err(backend)?;
         let Some(fence) = parse_token(fence.as_deref().unwrap_or(""))? else { return Ok(None) };
@@ -348,31 +360,58 @@ impl RedisStore {
         }
         Ok(Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }))
     }
-}
 
-/// What an admission asks besides the token: the replica's floor, whether the write may raise
-/// the fence, and the registration's deadline.
-#[derive(Clone, Copy)]
-struct Ask {
-    floor: Option<FenceToken>,
-    may_advance: bool,
-    deadline_ms: u64,
-}
-
-/// An admission under way: unless settled, its drop tells `Registrations` the call failed.
-struct PendingAdmission<'a> {
-    store: &'a RedisStore,
-    resource: &'a ResourceKey,
-    plan: &'a Plan,
-    settled: bool,
-}
-
-impl Drop for PendingAdmission<'_> {
-    fn drop(&mut self) {
-        if !self.settled {
-            self.store.registrations.refused(self.resource, self.plan, true, Instant::now());
-            self.store.withdraw_now.notify_one();
+    async fn register(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        ask: &Ask,
+        member: Option<Member>,
+        withdraw: &[Member],
+    ) -> Result<SharedAdmit, StoreError> {
+        let Ask { floor, may_advance, deadline_ms } = *ask;
+        let mut inv = self.admit.key(key(resource, "fence"));
+        inv.key(key(resource, "inflight"));
+        inv.arg(token.0.to_string())
+            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
+            .arg(member.map(|m| member_of(&self.replica_id, m)).unwrap_or_default())
+            .arg(deadline_ms)
+            .arg(ANNOUNCE_CHANNEL)
+            .arg(resource.as_str())
+            .arg(if may_advance { "1" } else { "0" });
+        for old in withdraw {
+            inv.arg(member_of(&self.replica_id, *old));
         }
+        let ((outcome, advanced, value, repaired, had), replicas): ((String, i64, String, i64, String), _) =
+            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
+        let registered = outcome == "ok" && member.is_some();
+        confirmed(self.wait.as_ref(), replicas, advanced == 1 || repaired == 1 || registered)?;
+        let advanced = advanced == 1;
+        let repaired_from = if repaired == 1 { Some(parse_token(&had)?) } else { None };
+        Ok(match outcome.as_str() {
+            "ok" => SharedAdmit::Admitted { advanced, repaired_from },
+            "wait" => SharedAdmit::OlderInflight { advanced, repaired_from },
+            "unregistered" => SharedAdmit::Unregistered { current: parse_token(&value)?, repaired_from },
+            "stale" => SharedAdmit::Stale {
+                current: parse_token(&value)?.ok_or_else(|| StoreError::Backend("stale without a fence".into()))?,
+            },
+            other => return Err(StoreError::Backend(format!("admit script answered {other:?}").into())),
+        })
+    }
+
+    async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {
+        let mut inv = self.renew.key(key(&renewal.resource, "fence"));
+        inv.key(key(&renewal.resource, "inflight"));
+        inv.arg(member_of(&self.replica_id, renewal.member)).arg(millis(renewal.deadline));
+        let (renewed, fence): (i64, String) = self.connection.invoke(&inv).await.map_err(backend)?;
+        Ok(Renewed { still_there: renewed == 1, fence: parse_token(&fence).ok().flatten() })
+    }
+
+    async fn withdraw(&self, withdrawal: &Withdrawal) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("ZREM");
+        cmd.arg(key(&withdrawal.resource, "inflight")).arg(member_of(&self.replica_id, withdrawal.member));
+        let _removed: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        Ok(())
     }
 }
 
@@ -380,131 +419,6 @@ impl Drop for PendingAdmission<'_> {
 /// reads the token after the last colon).
 fn member_of(replica_id: &str, member: Member) -> String {
     format!("{replica_id}:{}:{}", member.id, member.token.0)
-}
-
-/// How often idle registrations are looked at; an announced advance wakes the withdrawer at
-/// once.
-const WITHDRAW_TICK: Duration = Duration::from_millis(100);
-
-/// Withdraws this replica's registrations when they are due (see `registrations`), several
-/// in one round trip, until the store is dropped. A failed withdrawal is tried again at the
-/// next tick until the member's deadline, when the store drops it by itself.
-async fn withdraw_registrations(
-    connection: Connection,
-    replica_id: String,
-    registrations: Weak<Registrations>,
-    withdraw_now: Arc<Notify>,
-) {
-    let mut tick = tokio::time::interval(WITHDRAW_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let idle = tokio::select! {
-            () = withdraw_now.notified() => false,
-            _ = tick.tick() => true,
-        };
-        let Some(due) = registrations.upgrade().map(|r| r.due(Instant::now(), idle)) else { return };
-        if due.is_empty() {
-            continue;
-        }
-        let calls = due.into_iter().map(|withdrawal| {
-            let connection = &connection;
-            let mut cmd = redis::cmd("ZREM");
-            cmd.arg(key(&withdrawal.resource, "inflight")).arg(member_of(&replica_id, withdrawal.member));
-            async move { (withdrawal, connection.query::<i64>(&cmd).await) }
-        });
-        let mut failed: Vec<Withdrawal> = Vec::new();
-        for (withdrawal, result) in futures_util::future::join_all(calls).await {
-            if let Err(error) = result {
-                // Until it goes, newer writes on the resource wait.
-                tracing::warn!(
-                    %error,
-                    resource = withdrawal.resource.as_str(),
-                    "could not withdraw an in-flight registration yet"
-                );
-                failed.push(withdrawal);
-            }
-        }
-        if !failed.is_empty()
-            && let Some(registrations) = registrations.upgrade()
-        {
-            registrations.retry(failed, Instant::now());
-        }
-    }
-}
-
-/// How often registrations in use are looked at for renewal and revocation.
-const RENEW_TICK: Duration = Duration::from_millis(50);
-
-/// Keeps this replica's registrations in use alive in the store, and stops the writes of any
-/// it cannot keep (`docs/design.md`, section 6): every registration a write uses is renewed
-/// well before its deadline; one that could not be renewed in time, or that the store lost, is
-/// revoked (the gate cuts off its writes that have not sent their whole body) before another
-/// replica can admit a newer token. A renewal also reads the fence, so a newer token is noticed
-/// even if its announcement was lost.
-async fn renew_registrations(
-    connection: Connection,
-    renew: Script,
-    replica_id: String,
-    registrations: Weak<Registrations>,
-    events: mpsc::Sender<StoreEvent>,
-) {
-    let mut tick = tokio::time::interval(RENEW_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(due) = registrations.upgrade().map(|r| r.renewals_due(Instant::now())) else { return };
-        let calls = due.into_iter().map(|renewal| {
-            let (connection, renew, replica_id) = (&connection, &renew, &replica_id);
-            async move {
-                let mut inv = renew.key(key(&renewal.resource, "fence"));
-                inv.key(key(&renewal.resource, "inflight"));
-                inv.arg(member_of(replica_id, renewal.member)).arg(millis(renewal.deadline));
-                let sent = Instant::now();
-                let result: redis::RedisResult<(i64, String)> = connection.invoke(&inv).await;
-                (renewal, sent, result)
-            }
-        });
-        let results = futures_util::future::join_all(calls).await;
-        let Some(regs) = registrations.upgrade() else { return };
-        let mut revoked: Vec<(ResourceKey, FenceToken)> = Vec::new();
-        let mut advanced: Vec<StoreEvent> = Vec::new();
-        for (Renewal { resource, member, .. }, sent, result) in results {
-            match result {
-                Ok((renewed, fence)) => {
-                    if renewed == 1 {
-                        regs.renewed(&resource, member, sent);
-                    } else if regs.lost(&resource, member) {
-                        revoked.push((resource.clone(), member.token));
-                    }
-                    if let Ok(Some(fence)) = parse_token(&fence)
-                        && fence > member.token
-                    {
-                        regs.superseded(&resource, fence, Instant::now());
-                        advanced.push(StoreEvent::Advanced { resource, fence });
-                    }
-                }
-                Err(error) => {
-                    tracing::warn!(%error, resource = resource.as_str(), "could not renew an in-flight registration");
-                }
-            }
-        }
-        revoked.extend(regs.expiring(Instant::now()));
-        drop(regs);
-        // Awaited, never dropped (unlike announcements): this is what makes cancellation
-        // certain when an announcement was lost.
-        for event in advanced {
-            if events.send(event).await.is_err() {
-                return;
-            }
-        }
-        for (resource, token) in revoked {
-            metrics::registration_revoked();
-            // Awaited, never dropped: the writes must stop whatever the queue holds.
-            if events.send(StoreEvent::Revoked { resource, token }).await.is_err() {
-                return;
-            }
-        }
-    }
 }
 
 fn script(body: &str) -> Script {
@@ -575,7 +489,9 @@ impl FenceStore for RedisStore {
     async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
         let mut inv = self.advance.key(key(resource, "fence"));
         inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
-        let (advanced, previous): (i64, String) = self.connection.invoke(&inv).await.map_err(backend)?;
+        let ((advanced, previous), replicas): ((i64, String), _) =
+            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
+        confirmed(self.wait.as_ref(), replicas, advanced == 1)?;
         let previous = parse_token(&previous)?;
         Ok(match (advanced, previous) {
             (1, previous) => AdvanceOutcome::Advanced { previous },
@@ -602,8 +518,10 @@ impl FenceStore for RedisStore {
         inv.key(key(resource, "lease"));
         inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
         inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
-        let reply: Vec<Value> = self.connection.invoke(&inv).await.map_err(backend)?;
+        let (reply, replicas): (Vec<Value>, _) =
+            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
         let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
+        confirmed(self.wait.as_ref(), replicas, field(0) == "granted")?;
         if let Some(had) = reply.get(6).map(as_string).filter(|_| field(0) == "granted" && field(7) == "1") {
             metrics::store_rollback_repaired();
             tracing::error!(
@@ -698,64 +616,27 @@ impl SharedRegistry for RedisStore {
         may_advance: bool,
         deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
-        let ask = Ask { floor, may_advance, deadline_ms };
-        if !register {
-            return self.admit_register(resource, token, &ask, None, &[]).await;
-        }
-        let deadline = Duration::from_millis(deadline_ms);
-        let plan = self.registrations.begin(resource, token, deadline, Instant::now());
-        // Dropped before the answer (the store call failed or timed out, the client went
-        // away): the call may have registered, so withdraw unless other writes use the
-        // registration.
-        let mut pending = PendingAdmission { store: self, resource, plan: &plan, settled: false };
-        let member = plan.member();
-        let name = member_of(&self.replica_id, member);
-        let checked = match plan {
-            Plan::Check { .. } => self.admit_check(resource, token, floor, &name).await?,
-            Plan::Register { .. } => None,
-        };
-        let (answer, registered_at) = match checked {
-            Some(answer) => (answer, None),
-            None => {
-                let sent = Instant::now();
-                let answer = self.admit_register(resource, token, &ask, Some(&name), plan.withdraw()).await?;
-                (answer, Some(sent))
-            }
-        };
-        pending.settled = true;
-        if matches!(answer, SharedAdmit::Admitted { .. }) {
-            self.registrations.admitted(resource, member, registered_at);
-        } else {
-            self.registrations.refused(resource, &plan, false, Instant::now());
-        }
-        Ok(answer)
+        self.shared.admit(resource, token, Ask { floor, may_advance, deadline_ms }, register).await
     }
 
     fn release(&self, resource: &ResourceKey, token: FenceToken) {
-        if self.registrations.release(resource, token, Instant::now()) {
-            self.withdraw_now.notify_one();
-        }
+        self.shared.release(resource, token);
     }
 
     fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
-        self.registrations.still_registered(resource, token, Instant::now())
+        self.shared.still_registered(resource, token)
     }
 
     fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
-        self.events.lock().expect("events lock").take()
+        self.shared.take_events()
     }
 }
 
 /// Subscribes to advance announcements, reconnecting after failures, until the gate stops
 /// listening.
-async fn listen_for_announcements(
-    url: String,
-    tx: mpsc::Sender<StoreEvent>,
-    registrations: Weak<Registrations>,
-    withdraw_now: Arc<Notify>,
-) {
+async fn listen_for_announcements(url: String, announcements: Announcements) {
     let mut backoff = Duration::from_millis(50);
-    while !tx.is_closed() {
+    while !announcements.is_closed() {
         let subscribed = async {
             let client = redis::Client::open(url.as_str())?;
             let mut pubsub = client.get_async_pubsub().await?;
@@ -774,14 +655,7 @@ async fn listen_for_announcements(
                     else {
                         continue;
                     };
-                    if let Some(registrations) = registrations.upgrade()
-                        && registrations.superseded(&resource, token, Instant::now())
-                    {
-                        withdraw_now.notify_one();
-                    }
-                    // Dropped when the queue is full: announcements only speed up cancellation,
-                    // renewals find a moved fence too.
-                    if tx.try_send(StoreEvent::Advanced { resource, fence: token }).is_err() && tx.is_closed() {
+                    if !announcements.announced(resource, token) {
                         return;
                     }
                 }

@@ -232,6 +232,137 @@ impl Drop for RedisServer {
     }
 }
 
+#[cfg(feature = "etcd")]
+/// An etcd cluster of `n` members on loopback (Debian's `etcd-server`), each in its own
+/// directory on a RAM disk when there is one, killed on drop.
+pub struct EtcdCluster {
+    members: Vec<EtcdMember>,
+    initial_cluster: String,
+    dir: tempfile::TempDir,
+}
+
+#[cfg(feature = "etcd")]
+struct EtcdMember {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<std::process::Child>,
+}
+
+#[cfg(feature = "etcd")]
+impl EtcdCluster {
+    pub async fn start(n: usize) -> Self {
+        let shm = std::path::Path::new("/dev/shm");
+        let dir = if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.unwrap();
+        let members: Vec<EtcdMember> = (0..n)
+            .map(|i| EtcdMember {
+                name: format!("m{i}"),
+                client_port: free_port(),
+                peer_port: free_port(),
+                child: None,
+            })
+            .collect();
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Self { members, initial_cluster, dir };
+        for i in 0..n {
+            cluster.spawn(i, "new");
+        }
+        for m in &cluster.members {
+            wait_for_port(m.client_port, "etcd").await;
+        }
+        cluster.wait_for_leader().await;
+        cluster
+    }
+
+    // The child is reaped by `kill` and `Drop`.
+    #[allow(clippy::zombie_processes)]
+    fn spawn(&mut self, i: usize, state: &str) {
+        let data = self.dir.path().join(&self.members[i].name);
+        let m = &mut self.members[i];
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let child = std::process::Command::new("etcd")
+            .args(["--name", &m.name, "--data-dir", &data.display().to_string()])
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial_cluster, "--initial-cluster-state", state])
+            .args(["--initial-cluster-token", "fencegate-test", "--heartbeat-interval", "50"])
+            .args(["--election-timeout", "500", "--logger", "zap", "--log-level", "error"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("etcd is needed: run scripts/test, or apt-get install etcd-server");
+        m.child = Some(child);
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| format!("http://127.0.0.1:{}", m.client_port)).collect()
+    }
+
+    /// `[store]` for this cluster, to use with `Fencegate::start_configured`.
+    pub fn store_toml(&self, replica: &str) -> String {
+        let endpoints = self.endpoints().iter().map(|e| format!("\"{e}\"")).collect::<Vec<_>>().join(", ");
+        format!("[store]\nkind = \"etcd\"\nendpoints = [{endpoints}]\nreplica_id = \"{replica}\"\ntimeout_ms = 1000\n")
+    }
+
+    /// The index of the member that leads now, once one does (bounded wait).
+    pub async fn wait_for_leader(&self) -> usize {
+        for _ in 0..200 {
+            for (i, m) in self.members.iter().enumerate() {
+                if m.child.is_none() {
+                    continue;
+                }
+                if let Some(true) = is_leader(m.client_port).await {
+                    return i;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("the etcd cluster elected no leader");
+    }
+
+    /// `kill -9` of member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data.
+    pub async fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i, "existing");
+        wait_for_port(self.members[i].client_port, "etcd").await;
+    }
+}
+
+#[cfg(feature = "etcd")]
+/// Whether the member on `port` says it leads, through etcd's own status call.
+async fn is_leader(port: u16) -> Option<bool> {
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let options = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(std::time::Duration::from_millis(300))
+        .with_timeout(std::time::Duration::from_millis(300));
+    let mut client = etcd_client::Client::connect([endpoint], Some(options)).await.ok()?;
+    let status = client.status().await.ok()?;
+    let me = status.header()?.member_id();
+    Some(status.leader() == me && me != 0)
+}
+
+#[cfg(feature = "etcd")]
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
+
 /// `[store]` for Redis, to use with `Fencegate::start_configured`.
 pub fn redis_store_toml(url: &str, replica: &str) -> String {
     format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\n")

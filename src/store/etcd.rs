@@ -1,0 +1,783 @@
+//! The etcd fence store, shared by several fencegate replicas. etcd replicates by Raft: an
+//! acknowledged write is on a majority of its members and survives any leader change, so a
+//! fence acknowledged here can never roll back (unlike Redis's asynchronous replication).
+//!
+//! Every change is a compare-and-swap transaction: read the keys (one linearizable read, at
+//! revision `R`), decide in Rust, then commit only if what was read is unchanged (the keys'
+//! `mod_revision`s, and for a registration no key of the resource's in-flight range newer than
+//! `R`); a lost race reads again. Keys of resource `r` (resource names have no control
+//! characters, so `\0` ends a name):
+//! - `fg/f/<r>`            the fence (decimal)
+//! - `fg/l/<r>`            the lease (JSON `LeaseRecord`)
+//! - `fg/i/<r>\0<member>`  an in-flight registration `replica:id:token`, attached to an etcd
+//!   lease of its own whose TTL is the in-flight deadline: renewing the registration is a
+//!   keep-alive of that lease, and a replica that dies or loses etcd loses its registrations
+//!   when their leases expire (see `registrations` for when a replica withdraws them)
+//! - `fg/k/<r>\0<digest>`  the API gateway's idempotency record (JSON), on an etcd lease that
+//!   ends with the route's retention
+//!
+//! Announcements are etcd's own watch on `fg/f/`: every change of a fence is an event, in
+//! revision order, resumed from the last revision seen after a reconnect.
+//!
+//! Lease expiry (`fencegate` leases, not etcd's) is decided with this host's clock, as in the
+//! embedded store: etcd has no clock to ask.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
+};
+use tokio::sync::mpsc;
+
+use super::registrations::{Member, Renewal, Withdrawal};
+use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
+use crate::fence::{
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
+    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent,
+    apply_lease,
+};
+use crate::metrics;
+
+const FENCES: &str = "fg/f/";
+const LEASES: &str = "fg/l/";
+const INFLIGHT: &str = "fg/i/";
+const RECORDS: &str = "fg/k/";
+
+fn fence_key(resource: &ResourceKey) -> String {
+    format!("{FENCES}{}", resource.as_str())
+}
+
+fn lease_key(resource: &ResourceKey) -> String {
+    format!("{LEASES}{}", resource.as_str())
+}
+
+/// The prefix of every in-flight registration of `resource`, on every replica.
+fn inflight_prefix(resource: &ResourceKey) -> String {
+    format!("{INFLIGHT}{}\0", resource.as_str())
+}
+
+fn member_key(resource: &ResourceKey, replica_id: &str, member: Member) -> String {
+    format!("{}{replica_id}:{}:{}", inflight_prefix(resource), member.id, member.token.0)
+}
+
+fn record_key(key: &IdempotencyKey) -> String {
+    format!("{RECORDS}{}\0{}", key.resource().as_str(), key.request_digest())
+}
+
+/// The token a registration key ends with.
+fn member_token(key: &[u8]) -> Option<FenceToken> {
+    let tail = key.rsplit(|b| *b == b':').next()?;
+    FenceToken::parse(tail).ok()
+}
+
+/// etcd lease TTLs are whole seconds: rounded up, so a registration never goes before its
+/// deadline.
+fn ttl_seconds(ms: u64) -> i64 {
+    i64::try_from(ms.div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+/// A failed call (a timeout is `bounded`'s own: the client's deadline is the same).
+fn backend(e: etcd_client::Error) -> StoreError {
+    StoreError::Backend(Box::new(e))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Backend(format!("etcd holds a malformed {what}").into())
+}
+
+/// A key as read: its value (absent: `None`) and the `mod_revision` a commit compares with
+/// (0 for an absent key, which is what etcd compares an absent key's revision with).
+struct Read {
+    value: Option<Vec<u8>>,
+    mod_revision: i64,
+}
+
+impl Read {
+    fn of(kvs: &[KeyValue]) -> Self {
+        match kvs.first() {
+            Some(kv) => Self { value: Some(kv.value().to_vec()), mod_revision: kv.mod_revision() },
+            None => Self { value: None, mod_revision: 0 },
+        }
+    }
+
+    fn token(&self) -> Result<Option<FenceToken>, StoreError> {
+        self.value.as_deref().map(|v| FenceToken::parse(v).map_err(|_| corrupt("fence"))).transpose()
+    }
+
+    /// Commits only if the key is still as read.
+    fn unchanged(&self, key: &str) -> Compare {
+        Compare::mod_revision(key, CompareOp::Equal, self.mod_revision)
+    }
+}
+
+/// The gets of a read-only transaction, in order.
+fn gets(resp: &etcd_client::TxnResponse) -> Vec<Vec<KeyValue>> {
+    resp.op_responses()
+        .into_iter()
+        .map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().to_vec(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// What an admission decides from what it read; the same rules as the Redis admission script.
+#[derive(Debug, PartialEq, Eq)]
+struct Admission {
+    answer: SharedAdmit,
+    /// The fence to write (an advance, or a repair up to the floor).
+    fence: Option<FenceToken>,
+}
+
+fn decide_admission(
+    stored: Option<FenceToken>,
+    floor: Option<FenceToken>,
+    token: FenceToken,
+    may_advance: bool,
+    older_inflight: bool,
+) -> Admission {
+    let (mut current, mut fence, mut repaired_from) = (stored, None, None);
+    if let Some(floor) = floor
+        && stored.is_none_or(|s| s < floor)
+    {
+        // The store fell below what this replica has seen (a restore from an old backup).
+        (current, fence, repaired_from) = (Some(floor), Some(floor), Some(stored));
+    }
+    if let Some(c) = current
+        && token < c
+    {
+        return Admission { answer: SharedAdmit::Stale { current: c }, fence };
+    }
+    let mut advanced = false;
+    if current.is_none_or(|c| c < token) {
+        if !may_advance {
+            return Admission { answer: SharedAdmit::Unregistered { current, repaired_from }, fence };
+        }
+        (fence, advanced) = (Some(token), true);
+    }
+    let answer = if older_inflight {
+        SharedAdmit::OlderInflight { advanced, repaired_from }
+    } else {
+        SharedAdmit::Admitted { advanced, repaired_from }
+    };
+    Admission { answer, fence }
+}
+
+pub struct EtcdStore {
+    client: Client,
+    timeout: Duration,
+    shared: Shared<EtcdCalls>,
+}
+
+/// The registry's calls on etcd.
+struct EtcdCalls {
+    client: Client,
+    timeout: Duration,
+    replica_id: String,
+    /// The etcd lease each registration of this replica is attached to.
+    leases: Mutex<HashMap<(ResourceKey, u64), i64>>,
+}
+
+impl EtcdStore {
+    /// Connects to the etcd cluster at `endpoints` (any members; the client balances and fails
+    /// over between them) and starts watching fence changes.
+    pub async fn connect(endpoints: &[String], timeout: Duration, replica_id: String) -> anyhow::Result<Self> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout)
+            .with_keep_alive(Duration::from_secs(2), timeout)
+            // A member cut off from the leader answers "no leader" at once instead of waiting.
+            .with_require_leader(true);
+        let client = tokio::time::timeout(timeout * 2, Client::connect(endpoints, Some(options)))
+            .await
+            .map_err(|_| anyhow::anyhow!("no etcd member answered within {} ms", timeout.as_millis() * 2))??;
+        let store = Self {
+            client: client.clone(),
+            timeout,
+            shared: Shared::start(Arc::new(EtcdCalls {
+                client: client.clone(),
+                timeout,
+                replica_id,
+                leases: Mutex::new(HashMap::new()),
+            })),
+        };
+        store.ping().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        tokio::spawn(watch_fences(client, store.shared.announcements()));
+        Ok(store)
+    }
+
+    /// Runs `txn` within the store's timeout.
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
+        txn_on(&self.client, self.timeout, txn).await
+    }
+
+    /// Reads `keys` in one linearizable transaction.
+    async fn read(&self, keys: &[&str]) -> Result<Vec<Read>, StoreError> {
+        let ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get(*k, None)).collect();
+        let resp = self.txn(Txn::new().and_then(ops)).await?;
+        Ok(gets(&resp).iter().map(|kvs| Read::of(kvs)).collect())
+    }
+
+    /// Runs `ops` if every compare holds; `false` if another writer came first.
+    async fn commit(&self, when: Vec<Compare>, ops: Vec<TxnOp>) -> Result<bool, StoreError> {
+        Ok(self.txn(Txn::new().when(when).and_then(ops)).await?.succeeded())
+    }
+
+    async fn grant_lease(&self, ttl: i64) -> Result<i64, StoreError> {
+        grant_on(&self.client, self.timeout, ttl).await
+    }
+}
+
+/// Runs `call` within `timeout`, again while it fails without having reached etcd's state
+/// machine: no connection to the member the client picked (a killed member, until the client
+/// stops choosing it), or a member without a leader (etcd applies nothing then). Anything else
+/// is returned: a call whose outcome is unknown is never repeated blindly here.
+async fn bounded<T, F, Fut>(timeout: Duration, mut call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let until = tokio::time::Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout_at(until, call()).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) if not_applied(&e) && tokio::time::Instant::now() + NOT_APPLIED_PAUSE < until => {
+                tracing::debug!(error = %e, "etcd call not applied; trying again");
+                tokio::time::sleep(NOT_APPLIED_PAUSE).await;
+            }
+            Ok(Err(e)) => return Err(backend(e)),
+            Err(_) => return Err(StoreError::Timeout { after_ms: crate::config::millis(timeout) }),
+        }
+    }
+}
+
+/// The pause before a call that etcd did not apply is sent again.
+const NOT_APPLIED_PAUSE: Duration = Duration::from_millis(25);
+
+/// Whether a failed call certainly changed nothing: the connection could not be made (tonic
+/// reports it as `Unavailable` "tcp connect error"), or the member had no leader ("etcdserver:
+/// no leader", with `require_leader`).
+fn not_applied(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => {
+            status.code() == tonic::Code::Unavailable
+                && (status.message().contains("connect error") || status.message().contains("no leader"))
+        }
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
+    }
+}
+
+/// A compare-and-swap loop gives up once the store's time budget is spent: under that much
+/// contention the outcome is as unknown as a timeout.
+struct Attempts {
+    until: Instant,
+    timeout: Duration,
+}
+
+impl Attempts {
+    fn new(timeout: Duration) -> Self {
+        Self { until: Instant::now() + timeout, timeout }
+    }
+
+    fn again(&self) -> Result<(), StoreError> {
+        if Instant::now() >= self.until {
+            return Err(StoreError::Timeout { after_ms: crate::config::millis(self.timeout) });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl FenceStore for EtcdStore {
+    async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
+        self.read(&[&fence_key(resource)]).await?[0].token()
+    }
+
+    async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
+        let key = fence_key(resource);
+        let attempts = Attempts::new(self.timeout);
+        loop {
+            let read = self.read(&[&key]).await?.remove(0);
+            let previous = read.token()?;
+            if let Some(current) = previous.filter(|c| *c >= token) {
+                return Ok(AdvanceOutcome::Unchanged { current });
+            }
+            let put = TxnOp::put(key.as_str(), token.0.to_string(), None);
+            if self.commit(vec![read.unchanged(&key)], vec![put]).await? {
+                return Ok(AdvanceOutcome::Advanced { previous });
+            }
+            attempts.again()?;
+        }
+    }
+
+    async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let (fkey, lkey) = (fence_key(resource), lease_key(resource));
+        let attempts = Attempts::new(self.timeout);
+        loop {
+            let mut reads = self.read(&[&fkey, &lkey]).await?;
+            let (lease, fence) = (reads.remove(1), reads.remove(0));
+            let stored = fence.token()?;
+            let current: Option<LeaseRecord> =
+                lease.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()?;
+            let transition = apply_lease(stored, current.as_ref(), command.clone(), now_ms);
+            let mut ops = Vec::new();
+            if let Some(new) = transition.fence {
+                ops.push(TxnOp::put(fkey.as_str(), new.0.to_string(), None));
+            }
+            match &transition.lease {
+                LeaseWrite::Keep => {}
+                LeaseWrite::Put(record) => {
+                    let json = serde_json::to_vec(record).expect("a lease record serialises");
+                    ops.push(TxnOp::put(lkey.as_str(), json, None));
+                }
+                LeaseWrite::Delete => ops.push(TxnOp::delete(lkey.as_str(), None)),
+            }
+            if ops.is_empty() || self.commit(vec![fence.unchanged(&fkey), lease.unchanged(&lkey)], ops).await? {
+                if let (LeaseOutcome::Granted(_), LeaseCommand::Acquire { floor: Some(floor), .. }) =
+                    (&transition.outcome, &command)
+                    && stored.is_none_or(|s| s < *floor)
+                {
+                    metrics::store_rollback_repaired();
+                    tracing::error!(
+                        resource = resource.as_str(),
+                        store_had = stored.map(|t| t.0),
+                        floor = floor.0,
+                        "FENCE STORE ROLLBACK: etcd's fence was below this replica's mark at a lease grant \
+                         (restored from an older backup?); granted above the mark"
+                    );
+                }
+                return Ok(transition.outcome);
+            }
+            attempts.again()?;
+        }
+    }
+
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        let rkey = record_key(key);
+        let attempts = Attempts::new(self.timeout);
+        let mut granted: Option<i64> = None;
+        let outcome = loop {
+            let read = self.read(&[&rkey]).await?.remove(0);
+            if let Some(existing) = decode_record(&read)?.filter(|r| !r.is_expired(now_ms)) {
+                break IdempotencyBegin::Existing(existing);
+            }
+            // etcd drops the record when its retention is up.
+            let lease = match granted {
+                Some(id) => id,
+                None => {
+                    let ttl = ttl_seconds(claim.expires_at_ms.saturating_sub(now_ms));
+                    let id = self.grant_lease(ttl).await?;
+                    *granted.insert(id)
+                }
+            };
+            let json = serde_json::to_vec(claim).expect("an idempotency record serialises");
+            let put = TxnOp::put(rkey.as_str(), json, Some(PutOptions::new().with_lease(lease)));
+            if self.commit(vec![read.unchanged(&rkey)], vec![put]).await? {
+                return Ok(IdempotencyBegin::Claimed);
+            }
+            attempts.again()?;
+        };
+        if let Some(id) = granted {
+            revoke_in_background(&self.client, id);
+        }
+        Ok(outcome)
+    }
+
+    async fn idempotency_get(
+        &self,
+        key: &IdempotencyKey,
+        now_ms: u64,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        let read = self.read(&[&record_key(key)]).await?.remove(0);
+        Ok(decode_record(&read)?.filter(|r| !r.is_expired(now_ms)))
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        let rkey = record_key(key);
+        let attempts = Attempts::new(self.timeout);
+        loop {
+            let read = self.read(&[&rkey]).await?.remove(0);
+            if decode_record(&read)?.is_none_or(|r| r.claim != claim) {
+                return Ok(());
+            }
+            let op = match record {
+                // Keeps the record's lease, so its expiry.
+                Some(r) => TxnOp::put(
+                    rkey.as_str(),
+                    serde_json::to_vec(r).expect("an idempotency record serialises"),
+                    Some(PutOptions::new().with_ignore_lease()),
+                ),
+                None => TxnOp::delete(rkey.as_str(), None),
+            };
+            if self.commit(vec![read.unchanged(&rkey)], vec![op]).await? {
+                return Ok(());
+            }
+            attempts.again()?;
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    /// A linearizable read: it needs a leader and a majority, like every write.
+    async fn ping(&self) -> Result<(), StoreError> {
+        let count = || {
+            let mut kv = self.client.kv_client();
+            async move { kv.get(FENCES, Some(GetOptions::new().with_count_only())).await }
+        };
+        bounded(self.timeout, count).await.map(|_| ())
+    }
+
+    fn shared(&self) -> Option<&dyn SharedRegistry> {
+        Some(self)
+    }
+}
+
+fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
+    read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("idempotency record"))).transpose()
+}
+
+async fn txn_on(client: &Client, timeout: Duration, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
+    bounded(timeout, || {
+        let (mut kv, txn) = (client.kv_client(), txn.clone());
+        async move { kv.txn(txn).await }
+    })
+    .await
+}
+
+async fn grant_on(client: &Client, timeout: Duration, ttl: i64) -> Result<i64, StoreError> {
+    let grant = bounded(timeout, || {
+        let mut leases = client.lease_client();
+        async move { leases.grant(ttl, None).await }
+    })
+    .await?;
+    Ok(grant.id())
+}
+
+fn revoke_in_background(client: &Client, lease: i64) {
+    let mut leases = client.lease_client();
+    tokio::spawn(async move {
+        // If it fails, the lease expires by itself.
+        let _ = leases.revoke(lease).await;
+    });
+}
+
+#[async_trait]
+impl SharedRegistry for EtcdStore {
+    async fn admit(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        register: bool,
+        may_advance: bool,
+        deadline_ms: u64,
+    ) -> Result<SharedAdmit, StoreError> {
+        self.shared.admit(resource, token, Ask { floor, may_advance, deadline_ms }, register).await
+    }
+
+    fn release(&self, resource: &ResourceKey, token: FenceToken) {
+        self.shared.release(resource, token);
+    }
+
+    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
+        self.shared.still_registered(resource, token)
+    }
+
+    fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
+        self.shared.take_events()
+    }
+}
+
+impl EtcdCalls {
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
+        txn_on(&self.client, self.timeout, txn).await
+    }
+
+    fn lease_of(&self, resource: &ResourceKey, member: Member) -> Option<i64> {
+        self.leases.lock().expect("leases lock").get(&(resource.clone(), member.id)).copied()
+    }
+
+    /// The fence and this replica's registration `member` in one linearizable read.
+    async fn read_member(&self, resource: &ResourceKey, member: Member) -> Result<(Read, Read), StoreError> {
+        let (fkey, mkey) = (fence_key(resource), member_key(resource, &self.replica_id, member));
+        let ops = vec![TxnOp::get(fkey, None), TxnOp::get(mkey, None)];
+        let resp = self.txn(Txn::new().and_then(ops)).await?;
+        let mut reads = gets(&resp).iter().map(|kvs| Read::of(kvs)).collect::<Vec<_>>();
+        let registration = reads.pop().ok_or_else(|| corrupt("transaction answer"))?;
+        let fence = reads.pop().ok_or_else(|| corrupt("transaction answer"))?;
+        Ok((fence, registration))
+    }
+}
+
+#[async_trait]
+impl RegistryCalls for EtcdCalls {
+    /// Reads the fence and the member's key, writing nothing. As with Redis, the key can only
+    /// go by this replica's own withdrawal or when its etcd lease expires, which
+    /// `Registrations` keeps at least half a deadline away before it plans a check.
+    async fn check(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        floor: Option<FenceToken>,
+        member: Member,
+    ) -> Result<Option<SharedAdmit>, StoreError> {
+        let (fence, registration) = self.read_member(resource, member).await?;
+        let Some(fence) = fence.token()? else { return Ok(None) };
+        if floor.is_some_and(|floor| fence < floor) {
+            return Ok(None);
+        }
+        if token < fence {
+            return Ok(Some(SharedAdmit::Stale { current: fence }));
+        }
+        if fence != token || registration.value.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }))
+    }
+
+    async fn register(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        ask: &Ask,
+        member: Option<Member>,
+        withdraw: &[Member],
+    ) -> Result<SharedAdmit, StoreError> {
+        let (fkey, prefix) = (fence_key(resource), inflight_prefix(resource));
+        let withdrawn: Vec<String> = withdraw.iter().map(|m| member_key(resource, &self.replica_id, *m)).collect();
+        let attempts = Attempts::new(self.timeout);
+        // A fresh etcd lease for the registration, granted once the admission needs it.
+        let mut granted: Option<i64> = None;
+        let answer = loop {
+            let reads = vec![
+                TxnOp::get(fkey.as_str(), None),
+                TxnOp::get(prefix.as_str(), Some(GetOptions::new().with_prefix().with_keys_only())),
+            ];
+            let resp = self.txn(Txn::new().and_then(reads)).await?;
+            let revision = resp.header().map(|h| h.revision()).ok_or_else(|| corrupt("transaction answer"))?;
+            let got = gets(&resp);
+            let fence = Read::of(got.first().map_or(&[][..], Vec::as_slice));
+            let older_inflight = got.get(1).is_some_and(|kvs| {
+                kvs.iter().any(|kv| {
+                    !withdrawn.iter().any(|w| w.as_bytes() == kv.key())
+                        && member_token(kv.key()).is_none_or(|t| t < token)
+                })
+            });
+            let Admission { answer, fence: new_fence } =
+                decide_admission(fence.token()?, ask.floor, token, ask.may_advance, older_inflight);
+            let mut when = vec![fence.unchanged(&fkey)];
+            let mut ops: Vec<TxnOp> = withdrawn.iter().map(|k| TxnOp::delete(k.as_str(), None)).collect();
+            if let Some(new) = new_fence {
+                ops.push(TxnOp::put(fkey.as_str(), new.0.to_string(), None));
+            }
+            if let (SharedAdmit::Admitted { .. }, Some(member)) = (&answer, member) {
+                let lease = match granted {
+                    Some(id) => id,
+                    None => {
+                        let ttl = ttl_seconds(ask.deadline_ms);
+                        let id = grant_on(&self.client, self.timeout, ttl).await?;
+                        *granted.insert(id)
+                    }
+                };
+                let mkey = member_key(resource, &self.replica_id, member);
+                ops.push(TxnOp::put(mkey, "", Some(PutOptions::new().with_lease(lease))));
+                // No registration of any replica appeared since the read.
+                when.push(Compare::mod_revision(prefix.as_str(), CompareOp::Less, revision + 1).with_prefix());
+            }
+            if ops.is_empty() {
+                break answer;
+            }
+            let resp = self.txn(Txn::new().when(when).and_then(ops)).await?;
+            if resp.succeeded() {
+                break answer;
+            }
+            attempts.again()?;
+        };
+        if let Some(lease) = granted {
+            let registered = matches!(answer, SharedAdmit::Admitted { .. });
+            let previous = member.filter(|_| registered).and_then(|member| {
+                self.leases.lock().expect("leases lock").insert((resource.clone(), member.id), lease)
+            });
+            // The registration moved to the new lease (or was not made): the old one goes.
+            for id in previous.into_iter().chain((!registered).then_some(lease)) {
+                revoke_in_background(&self.client, id);
+            }
+        }
+        Ok(answer)
+    }
+
+    async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {
+        let Some(lease) = self.lease_of(&renewal.resource, renewal.member) else {
+            return Ok(Renewed { still_there: false, fence: None });
+        };
+        let keep_alive = || {
+            let mut leases = self.client.lease_client();
+            async move { leases.keep_alive(lease).await }
+        };
+        let alive = match bounded(self.timeout, keep_alive).await {
+            Ok(_) => true,
+            // The lease expired or was revoked: the registration is gone.
+            Err(StoreError::Backend(e))
+                if matches!(
+                    e.downcast_ref::<etcd_client::Error>(),
+                    Some(etcd_client::Error::LeaseKeepAliveError(_))
+                ) =>
+            {
+                false
+            }
+            Err(e) => return Err(e),
+        };
+        let (fence, registration) = self.read_member(&renewal.resource, renewal.member).await?;
+        Ok(Renewed { still_there: alive && registration.value.is_some(), fence: fence.token()? })
+    }
+
+    async fn withdraw(&self, withdrawal: &Withdrawal) -> Result<(), StoreError> {
+        let lease =
+            self.leases.lock().expect("leases lock").remove(&(withdrawal.resource.clone(), withdrawal.member.id));
+        let key = member_key(&withdrawal.resource, &self.replica_id, withdrawal.member);
+        let delete = || {
+            let (mut kv, key) = (self.client.kv_client(), key.clone());
+            async move { kv.delete(key, None).await }
+        };
+        let deleted = bounded(self.timeout, delete).await;
+        if let Some(id) = lease {
+            revoke_in_background(&self.client, id);
+        }
+        deleted.map(|_| ())
+    }
+}
+
+/// Watches every fence change, reconnecting after failures and resuming after the last
+/// revision seen, until the gate stops listening.
+async fn watch_fences(client: Client, announcements: Announcements) {
+    let mut backoff = Duration::from_millis(50);
+    let mut next_revision: i64 = 0;
+    while !announcements.is_closed() {
+        let mut options = WatchOptions::new().with_prefix();
+        if next_revision > 0 {
+            options = options.with_start_revision(next_revision);
+        }
+        match client.watch_client().watch(FENCES, Some(options)).await {
+            Ok(mut stream) => {
+                backoff = Duration::from_millis(50);
+                while let Ok(Some(resp)) = stream.message().await {
+                    if resp.canceled() {
+                        // Compacted past where it would resume: start again from now (the
+                        // renewals notice a moved fence anyway).
+                        next_revision = 0;
+                        break;
+                    }
+                    for event in resp.events() {
+                        let Some(kv) = event.kv().filter(|_| event.event_type() == EventType::Put) else { continue };
+                        next_revision = next_revision.max(kv.mod_revision() + 1);
+                        let Some(name) = kv.key().strip_prefix(FENCES.as_bytes()) else { continue };
+                        let (Ok(name), Ok(token)) = (std::str::from_utf8(name), FenceToken::parse(kv.value())) else {
+                            continue;
+                        };
+                        let Ok(resource) = ResourceKey::new(name) else { continue };
+                        if !announcements.announced(resource, token) {
+                            return;
+                        }
+                    }
+                }
+            }
+            Err(error) => tracing::debug!(%error, "fence watch: cannot watch yet"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: fn(u64) -> FenceToken = FenceToken;
+
+    #[test]
+    fn keys_of_one_resource_never_reach_into_another() {
+        let a = ResourceKey::new("jobs/a").unwrap();
+        let m = Member { id: 3, token: T(7) };
+        assert_eq!(member_key(&a, "r1", m), "fg/i/jobs/a\0r1:3:7");
+        // `jobs/ab`'s registrations are outside `jobs/a`'s range.
+        let ab = ResourceKey::new("jobs/ab").unwrap();
+        assert!(!member_key(&ab, "r1", m).starts_with(&inflight_prefix(&a)));
+        assert_eq!(member_token(member_key(&a, "host:9:1", m).as_bytes()), Some(T(7)));
+    }
+
+    #[test]
+    fn ttls_round_up_to_whole_seconds() {
+        assert_eq!(ttl_seconds(1), 1);
+        assert_eq!(ttl_seconds(1000), 1);
+        assert_eq!(ttl_seconds(1001), 2);
+        assert_eq!(ttl_seconds(30_000), 30);
+    }
+
+    #[test]
+    fn admission_follows_the_redis_script() {
+        let admitted = |advanced| SharedAdmit::Admitted { advanced, repaired_from: None };
+        // First token: advances.
+        assert_eq!(
+            decide_admission(None, None, T(5), true, false),
+            Admission { answer: admitted(true), fence: Some(T(5)) }
+        );
+        // Same token: nothing to write.
+        assert_eq!(
+            decide_admission(Some(T(5)), None, T(5), true, false),
+            Admission { answer: admitted(false), fence: None }
+        );
+        // Older: stale.
+        assert_eq!(decide_admission(Some(T(5)), None, T(4), true, false).answer, SharedAdmit::Stale { current: T(5) });
+        // Newer without the right to advance: unregistered, nothing written.
+        assert_eq!(
+            decide_admission(Some(T(5)), None, T(6), false, false),
+            Admission { answer: SharedAdmit::Unregistered { current: Some(T(5)), repaired_from: None }, fence: None }
+        );
+        // Older writes in flight: the fence still advances, the write waits.
+        assert_eq!(
+            decide_admission(Some(T(5)), None, T(6), true, true),
+            Admission { answer: SharedAdmit::OlderInflight { advanced: true, repaired_from: None }, fence: Some(T(6)) }
+        );
+        // The store below the replica's floor: raised back, and a token between is stale.
+        assert_eq!(
+            decide_admission(Some(T(3)), Some(T(8)), T(8), true, false),
+            Admission {
+                answer: SharedAdmit::Admitted { advanced: false, repaired_from: Some(Some(T(3))) },
+                fence: Some(T(8))
+            }
+        );
+        assert_eq!(
+            decide_admission(Some(T(3)), Some(T(8)), T(6), true, false),
+            Admission { answer: SharedAdmit::Stale { current: T(8) }, fence: Some(T(8)) }
+        );
+        assert_eq!(
+            decide_admission(None, Some(T(8)), T(9), false, false),
+            Admission {
+                answer: SharedAdmit::Unregistered { current: Some(T(8)), repaired_from: Some(None) },
+                fence: Some(T(8))
+            }
+        );
+    }
+}
