@@ -7,8 +7,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use fencegate::fence::{AdvanceOutcome, FenceStore, FenceToken, ResourceKey};
-use fencegate::store::{EmbeddedStore, RedisStore};
+use fencegate::fence::{AdvanceOutcome, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey};
+use fencegate::store::{EmbeddedStore, MemoryStore, RedisStore};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -154,6 +154,76 @@ async fn run<H: Harness>(harness: &H, ops: Vec<Op>) {
     }
 }
 
+/// Lease commands and advances, for the lease part of the contract.
+#[derive(Debug, Clone)]
+enum LeaseOp {
+    /// Acquire on resource `.0` with the asking replica's floor `.1`.
+    Acquire(u8, Option<u64>),
+    /// Renew / release the `.1`-th lease id handed out so far (modulo their count).
+    Renew(u8, usize),
+    Release(u8, usize),
+    Advance(u8, u64),
+}
+
+fn lease_op() -> impl Strategy<Value = LeaseOp> {
+    let resource = 0u8..3;
+    prop_oneof![
+        4 => (resource.clone(), prop::option::of(0u64..30)).prop_map(|(r, f)| LeaseOp::Acquire(r, f)),
+        3 => (resource.clone(), 0usize..8).prop_map(|(r, i)| LeaseOp::Renew(r, i)),
+        3 => (resource.clone(), 0usize..8).prop_map(|(r, i)| LeaseOp::Release(r, i)),
+        2 => (resource, 0u64..30).prop_map(|(r, t)| LeaseOp::Advance(r, t)),
+    ]
+}
+
+/// An outcome without its times (Redis expires leases on its own clock).
+fn untimed(outcome: LeaseOutcome) -> String {
+    match outcome {
+        LeaseOutcome::Granted(l) => format!("granted {} {} {}", l.holder, l.lease_id, l.token.0),
+        LeaseOutcome::Renewed(l) => format!("renewed {} {} {}", l.holder, l.lease_id, l.token.0),
+        LeaseOutcome::Held { holder, .. } => format!("held by {holder}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Leases on the store under test give the answers of the reference (`MemoryStore`, which
+/// applies `fence::apply_lease`): the Redis lease script and the etcd transactions included.
+/// TTLs are an hour, so no lease expires during a case.
+async fn run_leases<H: Harness>(harness: &H, ops: Vec<LeaseOp>) {
+    let key = |r: u8| key_in(harness.prefix(), r);
+    let store = harness.open().await;
+    let model = MemoryStore::default();
+    let mut ids: Vec<String> = Vec::new();
+    for (n, op) in ops.into_iter().enumerate() {
+        let now_ms =
+            u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis())
+                .unwrap();
+        let pick = |ids: &[String], i: usize| ids.get(i % ids.len().max(1)).cloned().unwrap_or_else(|| "none".into());
+        let (r, command) = match op {
+            LeaseOp::Advance(r, t) => {
+                let want = model.advance(&key(r), FenceToken(t)).await.unwrap();
+                assert_eq!(store.advance(&key(r), FenceToken(t)).await.unwrap(), want, "advance {r} to {t}");
+                continue;
+            }
+            LeaseOp::Acquire(r, floor) => {
+                ids.push(format!("lease-{n}"));
+                let command = LeaseCommand::Acquire {
+                    holder: format!("holder-{n}"),
+                    ttl_ms: 3_600_000,
+                    lease_id: format!("lease-{n}"),
+                    floor: floor.map(FenceToken),
+                };
+                (r, command)
+            }
+            LeaseOp::Renew(r, i) => (r, LeaseCommand::Renew { lease_id: pick(&ids, i) }),
+            LeaseOp::Release(r, i) => (r, LeaseCommand::Release { lease_id: pick(&ids, i) }),
+        };
+        let want = untimed(model.lease(&key(r), command.clone(), now_ms).await.unwrap());
+        let got = untimed(store.lease(&key(r), command.clone(), now_ms).await.unwrap());
+        assert_eq!(got, want, "{command:?} on {r}");
+        assert_eq!(store.load(&key(r)).await.unwrap(), model.load(&key(r)).await.unwrap(), "fence of {r}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
     #[test]
@@ -162,6 +232,41 @@ proptest! {
             run(&Embedded { dir: tempfile::tempdir().unwrap() }, ops).await;
         });
     }
+
+    #[test]
+    fn embedded_leases_match_the_reference(ops in prop::collection::vec(lease_op(), 1..40)) {
+        runtime().block_on(run_leases(&Embedded { dir: tempfile::tempdir().unwrap() }, ops));
+    }
+}
+
+/// Runs `check` on 32 generated cases, each with a prefix of its own (one server for all).
+fn cases<S: Strategy>(strategy: S, check: impl Fn(String, S::Value)) {
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 32, ..ProptestConfig::default() });
+    let count = std::sync::atomic::AtomicU64::new(0);
+    let result = runner.run(&strategy, |value| {
+        check(format!("case-{}/", count.fetch_add(1, std::sync::atomic::Ordering::Relaxed)), value);
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
+
+#[test]
+fn redis_leases_match_the_reference() {
+    let redis = runtime().block_on(common::RedisServer::start());
+    cases(prop::collection::vec(lease_op(), 1..40), |prefix, ops| {
+        runtime().block_on(run_leases(&Redis { url: redis.url(), prefix }, ops));
+    });
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_leases_match_the_reference() {
+    let etcd = runtime().block_on(common::EtcdCluster::start(1));
+    cases(prop::collection::vec(lease_op(), 1..40), |prefix, ops| {
+        runtime().block_on(run_leases(&Etcd { endpoints: etcd.endpoints(), prefix }, ops));
+    });
 }
 
 /// The same cases on Redis: one redis-server for the whole run (each case uses its own key
@@ -169,16 +274,9 @@ proptest! {
 #[test]
 fn redis_store_matches_the_model() {
     let redis = runtime().block_on(common::RedisServer::start());
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 64, ..ProptestConfig::default() });
-    let cases = std::sync::atomic::AtomicU64::new(0);
-    let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
-        let case = cases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        runtime().block_on(run(&Redis { url: redis.url(), prefix: format!("case-{case}/") }, ops));
-        Ok(())
+    cases(prop::collection::vec(op(), 1..40), |prefix, ops| {
+        runtime().block_on(run(&Redis { url: redis.url(), prefix }, ops));
     });
-    if let Err(failure) = result {
-        panic!("{failure}");
-    }
 }
 
 /// The same cases on a three-member etcd cluster (each case with its own key prefix).
@@ -186,16 +284,9 @@ fn redis_store_matches_the_model() {
 #[test]
 fn etcd_store_matches_the_model() {
     let etcd = runtime().block_on(common::EtcdCluster::start(3));
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 32, ..ProptestConfig::default() });
-    let cases = std::sync::atomic::AtomicU64::new(0);
-    let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| {
-        let case = cases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        runtime().block_on(run(&Etcd { endpoints: etcd.endpoints(), prefix: format!("case-{case}/") }, ops));
-        Ok(())
+    cases(prop::collection::vec(op(), 1..40), |prefix, ops| {
+        runtime().block_on(run(&Etcd { endpoints: etcd.endpoints(), prefix }, ops));
     });
-    if let Err(failure) = result {
-        panic!("{failure}");
-    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {

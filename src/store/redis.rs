@@ -16,6 +16,7 @@
 //! replica cancels its older uploads still streaming on that resource.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -199,31 +200,6 @@ impl Connection {
         }
     }
 
-    /// Runs the script and then, with `wait`, `WAIT`s in the same round trip on the same
-    /// connection (a `WAIT` counts the writes of its own connection only, so it cannot be sent
-    /// apart: after a reconnect it would count nothing). Returns how many Redis replicas
-    /// confirmed (`None` without `wait`).
-    async fn invoke_waiting<T: redis::FromRedisValue>(
-        &self,
-        inv: &redis::ScriptInvocation<'_>,
-        wait: Option<&Wait>,
-    ) -> redis::RedisResult<(T, Option<u32>)> {
-        let Some(wait) = wait else { return Ok((self.invoke(inv).await?, None)) };
-        let mut pipe = redis::pipe();
-        pipe.invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
-        let answer = match self.pipeline::<(T, u32)>(&pipe).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                match self.clone() {
-                    Self::Single(mut c) => inv.load_async(&mut c).await?,
-                    Self::Cluster(mut c) => inv.load_async(&mut c).await?,
-                };
-                self.pipeline::<(T, u32)>(&pipe).await?
-            }
-            answer => answer?,
-        };
-        Ok((answer.0, Some(answer.1)))
-    }
-
     /// Commands sent together; in a cluster their keys must share a slot.
     async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
         match self.clone() {
@@ -240,22 +216,66 @@ pub struct Wait {
     pub timeout: Duration,
 }
 
-/// A change the script made (`wrote`) that fewer replicas than asked confirmed fails closed: a
-/// failover now could lose it.
-fn confirmed(wait: Option<&Wait>, confirmed: Option<u32>, wrote: bool) -> Result<(), StoreError> {
-    match (wait, confirmed) {
-        (Some(wait), Some(n)) if wrote && n < wait.replicas => {
-            metrics::store_wait_failed();
-            Err(StoreError::Backend(
-                format!(
-                    "{n} of the {} Redis replicas asked for (store.wait_replicas) confirmed the change within {} ms",
-                    wait.replicas,
-                    millis(wait.timeout)
-                )
-                .into(),
-            ))
+/// Connections of their own for changes that wait for replicas: a `WAIT` holds up every later
+/// call on its connection, so waiting changes never share one with checks, renewals, reads or
+/// `/readyz`.
+const WAITING_CONNECTIONS: usize = 4;
+
+/// Where the scripts that change something run: on the shared connection, or with
+/// `store.wait_replicas` on a few connections of their own, each change followed by a `WAIT`.
+struct Changes {
+    waiting: Vec<Connection>,
+    next: AtomicUsize,
+    wait: Option<Wait>,
+}
+
+impl Changes {
+    async fn open(
+        client: &redis::Client,
+        config: &ConnectionManagerConfig,
+        wait: Option<Wait>,
+    ) -> anyhow::Result<Self> {
+        let mut waiting = Vec::new();
+        if wait.is_some() {
+            for _ in 0..WAITING_CONNECTIONS {
+                let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+                waiting.push(Connection::Single(manager));
+            }
         }
-        _ => Ok(()),
+        Ok(Self { waiting, next: AtomicUsize::new(0), wait })
+    }
+
+    /// Runs `script` as `inv` and, with a wait, `WAIT`s in the same round trip on the same
+    /// connection (a `WAIT` counts the writes of its own connection only, so it cannot be sent
+    /// apart: after a reconnect it would count nothing). The script is loaded in the same
+    /// pipeline, so a Redis that does not know it yet (just promoted) costs no second `WAIT`.
+    /// `wrote` tells from the answer whether the script changed anything; a change that fewer
+    /// replicas confirmed than asked fails closed: a failover now could lose it.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        shared: &Connection,
+        script: &Script,
+        inv: &redis::ScriptInvocation<'_>,
+        wrote: impl FnOnce(&T) -> bool,
+    ) -> Result<T, StoreError> {
+        let Some(wait) = self.wait.filter(|_| !self.waiting.is_empty()) else {
+            return shared.invoke(inv).await.map_err(backend);
+        };
+        let connection = &self.waiting[self.next.fetch_add(1, Ordering::Relaxed) % self.waiting.len()];
+        let mut pipe = redis::pipe();
+        pipe.load_script(script).invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
+        let (_sha, answer, confirmed): (String, T, u32) = connection.pipeline(&pipe).await.map_err(backend)?;
+        if wrote(&answer) && confirmed < wait.replicas {
+            metrics::store_wait_failed();
+            let detail = format!(
+                "{confirmed} of the {} Redis replicas asked for (store.wait_replicas) confirmed a change within {} ms",
+                wait.replicas,
+                millis(wait.timeout)
+            );
+            tracing::warn!(confirmed, wanted = wait.replicas, "{detail}; failing closed");
+            return Err(StoreError::Backend(detail.into()));
+        }
+        Ok(answer)
     }
 }
 
@@ -265,7 +285,7 @@ pub struct RedisStore {
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
-    wait: Option<Wait>,
+    changes: Arc<Changes>,
     shared: Shared<RedisCalls>,
 }
 
@@ -275,7 +295,7 @@ struct RedisCalls {
     admit: Script,
     renew: Script,
     replica_id: String,
-    wait: Option<Wait>,
+    changes: Arc<Changes>,
 }
 
 impl RedisStore {
@@ -288,27 +308,31 @@ impl RedisStore {
         replica_id: String,
         wait: Option<Wait>,
     ) -> anyhow::Result<Self> {
-        let connection = if urls.len() == 1 {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(response_timeout))
+            .set_connection_timeout(Some(response_timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let (connection, changes) = if urls.len() == 1 {
             let client = redis::Client::open(urls[0].as_str())?;
-            let config = ConnectionManagerConfig::new()
-                .set_response_timeout(Some(response_timeout))
-                .set_connection_timeout(Some(response_timeout))
-                .set_number_of_retries(1)
-                .set_max_delay(Duration::from_millis(500));
-            Connection::Single(ConnectionManager::new_with_config(client, config).await?)
+            let changes = Changes::open(&client, &config, wait).await?;
+            (Connection::Single(ConnectionManager::new_with_config(client, config).await?), changes)
         } else {
+            anyhow::ensure!(wait.is_none(), "store.wait_replicas is not supported with a Redis Cluster");
             let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
                 .response_timeout(response_timeout)
                 .connection_timeout(response_timeout)
                 .build()?;
-            Connection::Cluster(client.get_async_connection().await?)
+            let changes = Changes { waiting: Vec::new(), next: AtomicUsize::new(0), wait: None };
+            (Connection::Cluster(client.get_async_connection().await?), changes)
         };
+        let changes = Arc::new(changes);
         let calls = RedisCalls {
             connection: connection.clone(),
             admit: script(LUA_ADMIT),
             renew: script(LUA_RENEW),
             replica_id,
-            wait,
+            changes: changes.clone(),
         };
         let shared = Shared::start(Arc::new(calls));
         tokio::spawn(listen_for_announcements(urls[0].clone(), shared.announcements()));
@@ -318,7 +342,7 @@ impl RedisStore {
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
-            wait,
+            changes,
             shared,
         })
     }
@@ -382,10 +406,13 @@ impl RegistryCalls for RedisCalls {
         for old in withdraw {
             inv.arg(member_of(&self.replica_id, *old));
         }
-        let ((outcome, advanced, value, repaired, had), replicas): ((String, i64, String, i64, String), _) =
-            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
-        let registered = outcome == "ok" && member.is_some();
-        confirmed(self.wait.as_ref(), replicas, advanced == 1 || repaired == 1 || registered)?;
+        let registering = member.is_some();
+        let (outcome, advanced, value, repaired, had): (String, i64, String, i64, String) = self
+            .changes
+            .run(&self.connection, &self.admit, &inv, |(outcome, advanced, _, repaired, _)| {
+                *advanced == 1 || *repaired == 1 || (registering && outcome == "ok")
+            })
+            .await?;
         let advanced = advanced == 1;
         let repaired_from = if repaired == 1 { Some(parse_token(&had)?) } else { None };
         Ok(match outcome.as_str() {
@@ -403,7 +430,10 @@ impl RegistryCalls for RedisCalls {
         let mut inv = self.renew.key(key(&renewal.resource, "fence"));
         inv.key(key(&renewal.resource, "inflight"));
         inv.arg(member_of(&self.replica_id, renewal.member)).arg(millis(renewal.deadline));
-        let (renewed, fence): (i64, String) = self.connection.invoke(&inv).await.map_err(backend)?;
+        // A renewal lost in a failover would let the registration expire before this replica
+        // revokes it: it waits for replicas like any change.
+        let (renewed, fence): (i64, String) =
+            self.changes.run(&self.connection, &self.renew, &inv, |(renewed, _)| *renewed == 1).await?;
         Ok(Renewed { still_there: renewed == 1, fence: parse_token(&fence).ok().flatten() })
     }
 
@@ -489,9 +519,8 @@ impl FenceStore for RedisStore {
     async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
         let mut inv = self.advance.key(key(resource, "fence"));
         inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
-        let ((advanced, previous), replicas): ((i64, String), _) =
-            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
-        confirmed(self.wait.as_ref(), replicas, advanced == 1)?;
+        let (advanced, previous): (i64, String) =
+            self.changes.run(&self.connection, &self.advance, &inv, |(advanced, _)| *advanced == 1).await?;
         let previous = parse_token(&previous)?;
         Ok(match (advanced, previous) {
             (1, previous) => AdvanceOutcome::Advanced { previous },
@@ -518,10 +547,24 @@ impl FenceStore for RedisStore {
         inv.key(key(resource, "lease"));
         inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
         inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
-        let (reply, replicas): (Vec<Value>, _) =
-            self.connection.invoke_waiting(&inv, self.wait.as_ref()).await.map_err(backend)?;
+        let granted = |reply: &Vec<Value>| reply.first().map(as_string).as_deref() == Some("granted");
+        let reply: Vec<Value> = match self.changes.run(&self.connection, &self.lease, &inv, granted).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                if op == "acquire" {
+                    // A grant answered 503 must not hold the lease until its TTL: nobody
+                    // knows its id. Released at once (best effort: it may not replicate
+                    // either, and then only expiry frees it).
+                    let mut release = self.lease.key(key(resource, "fence"));
+                    release.key(key(resource, "lease"));
+                    release.arg("release").arg(&lease_id).arg("").arg("").arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+                    release.arg("");
+                    let _: redis::RedisResult<Vec<Value>> = self.connection.invoke(&release).await;
+                }
+                return Err(e);
+            }
+        };
         let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
-        confirmed(self.wait.as_ref(), replicas, field(0) == "granted")?;
         if let Some(had) = reply.get(6).map(as_string).filter(|_| field(0) == "granted" && field(7) == "1") {
             metrics::store_rollback_repaired();
             tracing::error!(
