@@ -386,6 +386,30 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{time.monotonic_ns() % 10**12}"
 
 
+_SAMPLE_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(fg: FenceGate, token: str | None = None) -> dict:
+    """`GET /metrics` of this fencegate process: {(name, frozenset of (label, value)): value}.
+    Compare two of these taken from the same process around the requests a test makes."""
+    r = fg.admin("GET", "/metrics", token=token)
+    assert r.status_code == 200, (r.status_code, r.text[:300])
+    out = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if m:
+            out[(m.group(1), frozenset(_LABEL_RE.findall(m.group(2) or "")))] = float(m.group(3))
+    return out
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """The value of the series `name` with exactly `labels` in `samples`; 0 if not emitted."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
 # --------------------------------------------------------------------------------------------
 # raw signed HTTP (for requests boto3 will not send: half bodies, odd paths, odd headers)
 # --------------------------------------------------------------------------------------------

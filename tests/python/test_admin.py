@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import code_of, head_status, header_of, status_of
+from fencegate_testlib import code_of, head_status, header_of, metric, metric_samples, status_of, wait_until
 
 
 def test_health_and_ready(fg):
@@ -78,7 +76,9 @@ def test_bad_registration_body(fg, body):
     r = fg.admin(
         "PUT", "/v1/fences/job%3Abad", data=body, headers={"Content-Type": "application/json"}
     )
-    assert 400 <= r.status_code < 500 and r.status_code != 409, (r.status_code, r.text)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert r.headers.get("Content-Type") == "application/problem+json", r.headers
+    assert r.json()["title"] == "InvalidFencingToken", r.text
     assert fg.get_fence("job:bad").status_code == 404
 
 
@@ -106,27 +106,66 @@ def test_admin_token(fencegate):
     assert fg.admin("GET", "/metrics", token="secret").status_code == 200
 
 
-def _samples(text: str):
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            yield m.group(1), m.group(2) or "", float(m.group(3))
+DECISIONS = ("accepted", "stale", "missing_token", "invalid_token")
+
+
+def _counts(fg) -> dict:
+    samples = metric_samples(fg)
+    counts = {o: metric(samples, "fencegate_decisions_total", outcome=o) for o in DECISIONS}
+    counts["advances"] = metric(samples, "fencegate_advances_total")
+    return counts
+
+
+def _assert_counted(fg, before: dict, expected_delta: dict):
+    """The counters moved by exactly `expected_delta` (all others not at all) since `before`, on
+    this process. Polled briefly: a counter may be bumped just after the answer is sent."""
+    want = {k: before[k] + expected_delta.get(k, 0) for k in before}
+    seen = {}
+
+    def settled():
+        seen.update(_counts(fg))
+        return seen == want
+
+    try:
+        wait_until(settled, timeout=5, what="the decision counters")
+    except AssertionError:
+        raise AssertionError(f"counters {seen}, expected {want} (before {before})") from None
 
 
 def test_metrics_count_decisions(fg):
     bucket = "metricsbkt"
     fg.client().create_bucket(Bucket=bucket)
-    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12")
-    with pytest.raises(ClientError):
-        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"11")
-
     r = fg.admin("GET", "/metrics")
     assert r.status_code == 200
     assert r.headers.get("Content-Type", "").startswith("text/plain"), r.headers
-    decisions = [(n, l, v) for n, l, v in _samples(r.text) if "decision" in n]
-    assert decisions, "no metric named *decision* in /metrics:\n" + r.text[:3000]
-    stale = [s for s in decisions if "stale" in s[1].lower() and s[2] >= 1]
-    assert stale, f"no decision sample labelled stale with a count >= 1: {decisions}"
-    assert sum(v for _n, _l, v in decisions if "stale" not in _l.lower()) >= 1, decisions
+
+    before = _counts(fg)
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12")  # advances the fence to 12
+    _assert_counted(fg, before, {"accepted": 1, "advances": 1})
+
+    before = _counts(fg)
+    fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"12 again")  # equal: no advance
+    _assert_counted(fg, before, {"accepted": 1})
+
+    before = _counts(fg)
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"11")
+    assert (status_of(exc_info.value), code_of(exc_info.value)) == (409, "FencingTokenStale")
+    _assert_counted(fg, before, {"stale": 1})
+
+    before = _counts(fg)
+    with pytest.raises(ClientError) as exc_info:
+        fg.client().put_object(Bucket=bucket, Key="k", Body=b"no token")
+    assert (status_of(exc_info.value), code_of(exc_info.value)) == (428, "FencingTokenRequired")
+    _assert_counted(fg, before, {"missing_token": 1})
+
+    before = _counts(fg)
+    with pytest.raises(ClientError) as exc_info:
+        fg.client(token="12a").put_object(Bucket=bucket, Key="k", Body=b"bad token")
+    assert (status_of(exc_info.value), code_of(exc_info.value)) == (400, "InvalidFencingToken")
+    _assert_counted(fg, before, {"invalid_token": 1})
+
+    # Reads are not decisions.
+    before = _counts(fg)
+    assert fg.client().get_object(Bucket=bucket, Key="k")["Body"].read() == b"12 again"
+    _assert_counted(fg, before, {})

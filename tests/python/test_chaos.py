@@ -4,26 +4,31 @@ A slow, logging upstream (chaos/upstream.py) sits between fencegate and a real m
 forwards every write to moto under one lock, so its log is the exact commit order; it holds some
 writes after their body arrived (a slow S3 commit) and forwards them even if fencegate hung up.
 Six writers hand leases over constantly and write with their tokens (some slowly, some hanging
-up, some stalling past their lease); a nemesis kills, stops and restarts fencegate replicas and
-Redis. The checker (chaos/checker.py, unit-tested below) then proves from the log that no older
-token committed after a newer one on the same resource was forwarded, that fences never went
-down, and that every acknowledged write is in the log.
+up, some stalling past their lease); a nemesis kills, stops and restarts fencegate replicas,
+Redis, and the etcd leader. The checker (chaos/checker.py, unit-tested below) then proves from
+the log that no older token committed after a newer one on the same resource was forwarded, that
+fences never went down, that every acknowledged write is in the log, and that lease grants never
+repeat a token or go below one granted, registered, read or committed before.
 
-Two runs by default (about 70 s each): one fencegate on the embedded store, and three replicas
-on one redis-server. `FENCEGATE_CHAOS_SECONDS` sets the length of each run,
-`FENCEGATE_CHAOS_SEED` replays a run's random choices (process timing still varies).
+Three runs by default (about 70 s each): one fencegate on the embedded store, three replicas on
+one redis-server, and three replicas on a three-member etcd cluster (skipped without `etcd` or
+with a fencegate built without the `etcd` feature). `FENCEGATE_CHAOS_SECONDS` sets the length of
+each run, `FENCEGATE_CHAOS_SEED` replays a run's random choices (process timing still varies).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
 
 import pytest
 
 from chaos.checker import check, render
 from chaos.harness import ChaosRun, RunSpec
 from chaos.processes import Moto
+from fencegate_testlib import base_config, bin_path, merge, to_toml
 
 CHAOS_SECONDS = float(os.environ.get("FENCEGATE_CHAOS_SECONDS", "70"))
 
@@ -161,6 +166,49 @@ def test_checker_catches_lost_acks_refused_commits_and_falling_fences():
     ]), render(report, "unit")
 
 
+def grant(kind, token, sent, answered=None, resource="job:r1", writer="w1"):
+    return {"resource": resource, "kind": kind, "token": token, "t_send": sent,
+            "t_recv": answered if answered is not None else sent + 0.1, "writer": writer,
+            "replica": "fg0"}
+
+
+def test_checker_accepts_grants_that_increase_and_overlapping_ones_that_differ():
+    grants = [
+        grant("lease", 1, 0.0),
+        grant("lease", 3, 0.2, 0.5),  # overlaps the next: any order, as long as they differ
+        grant("lease", 2, 0.3, 0.4),
+        grant("read", 3, 0.6),
+        grant("registration", 4, 0.8, writer="w2"),
+        grant("lease", 4, 0.85, 0.95),  # asked for before the registration was answered
+        grant("registration", 5, 1.0),
+        grant("lease", 6, 1.2),
+        grant("lease", 1, 1.3, resource="job:r2"),  # another resource counts on its own
+    ]
+    samples = [{"resource": "job:r1", "t_send": 1.15, "t_recv": 1.19, "token": 5, "replica": "fg1"}]
+    report = check([], [], samples, {}, RULES, "b", grants=grants)
+    assert report.ok, render(report, "unit")
+    assert report.stats["grants"] == {"lease": 6, "read": 1, "registration": 2}
+
+
+def test_checker_catches_repeated_and_falling_grants():
+    grants = [
+        grant("lease", 5, 0.0, 0.1),
+        grant("lease", 5, 0.05, 0.15, writer="w2"),  # concurrent, the same token: repeated
+        grant("lease", 4, 0.3),  # below a grant answered before it was asked for
+        grant("registration", 9, 0.5),
+        grant("lease", 9, 0.7),  # not above a registration answered before
+    ]
+    samples = [{"resource": "job:r1", "t_send": 0.9, "t_recv": 0.95, "token": 12, "replica": "fg1"}]
+    events = [ev(1, "w1-1", "r1/k0", 14, arrival=1.1, fwd=1.2, done=1.3)]
+    writes = [wr("w1-1", ["r1/k0"], 14, start=1.0, end=1.35)]
+    grants += [grant("lease", 10, 1.0, 1.05),  # below a fence read answered before
+               grant("lease", 13, 1.4)]  # below a commit moto had answered
+    report = check(events, writes, samples, {"job:r1": 14}, RULES, "b", grants=grants)
+    assert kinds(report) == ["grant-order"] * 4 + ["grant-repeated"], render(report, "unit")
+    assert any("not above token 12" in v.message for v in report.violations), render(report, "unit")
+    assert any("not above token 14" in v.message for v in report.violations), render(report, "unit")
+
+
 # --------------------------------------------------------------------------------------------
 # the chaos runs
 # --------------------------------------------------------------------------------------------
@@ -212,4 +260,32 @@ def test_chaos_three_replicas_on_redis(chaos_run):
     spec = RunSpec(name="chaos-redis", topology="redis", seconds=CHAOS_SECONDS, replicas=3,
                    seed=seed(), faults={"kill9": 1, "stop_short": 1, "stop_long": 1,
                                         "redis_restart": 1, "pubsub_kill": 2})
+    judge(chaos_run(spec))
+
+
+def etcd_missing(workdir) -> str:
+    """Why the etcd run cannot run here ("" if it can)."""
+    if shutil.which("etcd") is None:
+        return "etcd is not installed (apt-get install etcd-server)"
+    if not bin_path().exists():
+        return ""  # the run fails with fencegate's own message
+    # A fencegate built without the `etcd` feature refuses an etcd store when it loads the config.
+    cfg = merge(base_config(workdir), {"store": {"kind": "etcd", "path": None,
+                                                  "endpoints": ["http://127.0.0.1:9"]}})
+    path = workdir / "etcd-probe.toml"
+    path.write_text(to_toml(cfg) + "\n")
+    probe = subprocess.run([str(bin_path()), "check-config", "--config", str(path)],
+                           capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+    if probe.returncode != 0 and b"without etcd support" in probe.stderr + probe.stdout:
+        return "this fencegate was built without the etcd feature"
+    return ""
+
+
+def test_chaos_three_replicas_on_etcd(chaos_run, tmp_path):
+    why = etcd_missing(tmp_path)
+    if why:
+        pytest.skip(why)
+    spec = RunSpec(name="chaos-etcd", topology="etcd", seconds=CHAOS_SECONDS, replicas=3,
+                   seed=seed(), faults={"kill9": 1, "stop_short": 1, "stop_long": 1,
+                                        "etcd_leader_kill9": 2})
     judge(chaos_run(spec))

@@ -136,11 +136,17 @@ def test_require_token_false(fencegate):
     assert_stale(exc_info, 12)
     assert read_object(plain, bucket, "k") == b"token 12"
 
-    # Token-less writes still pass (gradual adoption), and never lower the fence.
-    plain.put_object(Bucket=bucket, Key="k2", Body=b"no token again")
+    # Token-less writes still pass (gradual adoption), also on the fenced object itself, and
+    # never lower its fence: after one, token 11 (below the fence 12) is still stale there.
+    assert fg.get_fence(f"{bucket}/k").json() == {"resource": f"{bucket}/k", "token": 12}
+    plain.put_object(Bucket=bucket, Key="k", Body=b"no token again")
+    assert read_object(plain, bucket, "k") == b"no token again"
+    assert fg.get_fence(f"{bucket}/k").json() == {"resource": f"{bucket}/k", "token": 12}
     with pytest.raises(ClientError) as exc_info:
-        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"token 11")
+        fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"token 11 again")
     assert_stale(exc_info, 12)
+    assert fg.get_fence(f"{bucket}/k").json() == {"resource": f"{bucket}/k", "token": 12}
+    assert read_object(plain, bucket, "k") == b"no token again"
 
 
 def test_missing_token_is_428(fg, bucket):
@@ -170,7 +176,8 @@ def test_stale_delete_and_copy_are_rejected(fg, bucket):
 
     with pytest.raises(ClientError) as exc_info:
         fg.client().delete_object(Bucket=bucket, Key="keep")
-    assert status_of(exc_info.value) == 428
+    assert status_of(exc_info.value) == 428, exc_info.value.response
+    assert code_of(exc_info.value) == "FencingTokenRequired", exc_info.value.response
 
     # The current holder can copy and delete; the copy is stamped with its token.
     b.copy_object(Bucket=bucket, Key="copy", CopySource={"Bucket": bucket, "Key": "src"})
@@ -209,6 +216,7 @@ def test_rules_map_prefix_to_resource(fencegate):
     with pytest.raises(ClientError) as exc_info:
         fg.client(token=13, resource="job:y").put_object(Bucket="ruled", Key="jobs/c", Body=b"13")
     assert status_of(exc_info.value) == 400, exc_info.value.response
+    assert code_of(exc_info.value) == "FencingResourceMismatch", exc_info.value.response
     assert head_status(fg.client(), "ruled", "jobs/c") == 404
 
 

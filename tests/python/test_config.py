@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+
+import pytest
 
 from fencegate_testlib import base_config, bin_path, to_toml
 
@@ -46,13 +49,41 @@ def test_an_open_admin_listener_needs_a_token(tmp_path):
     assert "server.admin_token" in p.stderr and "loopback" in p.stderr, p.stderr
 
 
-def test_bad_config_fails_fast(tmp_path):
+ENV_SOURCE = "`FENCEGATE_` environment"
+BAD_CONFIGS = {
+    # id: (TOML added to a valid config, environment, the key the error must name, and the
+    # other source it names besides the file, if any)
+    "bad-store-kind": ('[store]\nkind = "no-such-store"\n', {}, "store.kind", None),
+    "unknown-key": ("[fencing]\nbogus_key = 1\n", {}, "fencing.bogus_key", None),
+    "wrong-type": ('[fencing]\nrequire_token = "yes"\n', {}, "fencing.require_token", None),
+    "bad-store-kind-from-env": ("", {"FENCEGATE_STORE__KIND": "nope"}, "store.kind", ENV_SOURCE),
+    "unknown-key-from-env": ("", {"FENCEGATE_SERVER__BOGUS": "1"}, "server.bogus", ENV_SOURCE),
+    # A value that parses but fails validation is reported against the file, even when the
+    # environment set it.
+    "below-minimum-from-env": ("", {"FENCEGATE_SERVER__HEADER_BYTES_MAX": "100"}, "server.header_bytes_max", None),
+}
+
+
+@pytest.mark.parametrize("extra,env,key,source", list(BAD_CONFIGS.values()), ids=list(BAD_CONFIGS.keys()))
+def test_bad_config_fails_fast(tmp_path, extra, env, key, source):
+    """A bad key stops the start with one error that names the key and the file (and the
+    environment when the bad key came from it)."""
     cfg = tmp_path / "bad.toml"
-    cfg.write_text('[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n[store]\nkind = "no-such-store"\n')
+    good = base_config(tmp_path)
+    if extra:
+        for table in ("store", "fencing"):
+            if f"[{table}]" in extra:
+                good.pop(table)  # the extra text redefines the table
+    cfg.write_text(to_toml(good) + "\n" + extra)
     p = subprocess.run(
         [str(bin_path()), "serve", "--config", str(cfg)],
         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}, **env},
     )
     assert p.returncode != 0
     assert "fencegate ready" not in p.stdout
-    assert p.stderr.strip(), "no error message on a bad config"
+    # Keys from the environment are named upper-case (`STORE.KIND`).
+    assert key in p.stderr.lower(), f"the error does not name {key}: {p.stderr!r}"
+    assert str(cfg) in p.stderr, f"the error does not name the file: {p.stderr!r}"
+    if source is not None:
+        assert source in p.stderr, f"the error does not name {source}: {p.stderr!r}"

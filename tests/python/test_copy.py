@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import code_of, free_port, status_of
+from fencegate_testlib import code_of, free_port, metric, metric_samples, status_of
 from test_redis_store import redis_server  # noqa: F401 - a fixture
 
 
@@ -20,7 +20,15 @@ def _start(fencegate, moto_server, bucket, store=None):
     return fencegate(config=config, upstream=config["upstream"])
 
 
+def _upstream_calls(fg) -> dict:
+    samples = metric_samples(fg)
+    return {op: metric(samples, "fencegate_upstream_latency_seconds_count", op=op)
+            for op in ("copy_source_read", "copy_object")}
+
+
 def _copy_checks(fg, bucket, source_conditions: bool):
+    """Makes 2 copies (3 with `source_conditions`: one refused by its copy-source condition)
+    that reach the upstream, then one refused as stale by the gate."""
     writer = fg.client(token=5)
     writer.put_object(Bucket=bucket, Key="src", Body=b"source bytes", ContentType="text/plain",
                       Metadata={"owner": "a"})
@@ -52,9 +60,13 @@ def test_behind_replicas_a_copy_is_a_read_and_a_conditional_put(fencegate, moto_
     moto_server.client().create_bucket(Bucket=bucket)
     fg = _start(fencegate, moto_server, bucket, store={"kind": "redis", "url": redis_server.url, "path": None})
     assert "ignores them on the operations named" in fg.log_tail(200)
+    before = _upstream_calls(fg)
     _copy_checks(fg, bucket, source_conditions=True)
-    metrics = fg.admin("GET", "/metrics").text
-    assert 'op="copy_source_read"' in metrics, "the copy was not made as a read and a PUT"
+    after = _upstream_calls(fg)
+    # Each copy that reached the upstream read its source (the one whose copy-source condition
+    # failed stopped there) and PUT the bytes.
+    assert after["copy_source_read"] - before["copy_source_read"] == 3, (before, after)
+    assert after["copy_object"] - before["copy_object"] == 2, (before, after)
 
 
 def test_one_process_copies_at_the_upstream(fencegate, moto_server):
@@ -62,6 +74,9 @@ def test_one_process_copies_at_the_upstream(fencegate, moto_server):
     moto_server.client().create_bucket(Bucket=bucket)
     fg = _start(fencegate, moto_server, bucket)
     # moto ignores the copy-source conditions of a copy it makes itself (S3 answers 412).
+    before = _upstream_calls(fg)
     _copy_checks(fg, bucket, source_conditions=False)
-    metrics = fg.admin("GET", "/metrics").text
-    assert 'op="copy_source_read"' not in metrics, "one process copies at the upstream"
+    after = _upstream_calls(fg)
+    # Both copies were made by the upstream (CopyObject), none as a read of the source.
+    assert after["copy_source_read"] - before["copy_source_read"] == 0, (before, after)
+    assert after["copy_object"] - before["copy_object"] == 2, (before, after)

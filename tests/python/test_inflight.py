@@ -215,7 +215,7 @@ def test_upstream_slower_than_request_timeout_keeps_the_write_in_flight(inflight
     )
     answered_after = time.monotonic() - started
     assert hold.arrived.is_set(), "token 5's PUT never reached the upstream whole"
-    assert five.status == 504, (five.status, five.error, five.body[:300])
+    assert (five.status, five.code()) == (504, "UpstreamTimeout"), (five.status, five.error, five.body[:300])
     assert answered_after < 8, f"the 504 took {answered_after:.1f}s (request_timeout_ms = 1500)"
 
     t, result = put_in_thread(env.fg, env.bucket, "jobs/b", 6, b"token six")
@@ -459,7 +459,7 @@ def test_an_upstream_that_never_answers_does_not_lock_the_resource_for_good(infl
             if result.get("status") == 200:
                 admitted = time.monotonic() - started
                 break
-            assert result.get("status") == 503, result
+            assert result.get("status") == 503 and result["error"]["Code"] == "SlowDown", result
         assert admitted is not None, "the resource stayed locked by a write the upstream never answered"
         assert admitted >= 1.0, f"a newer token went ahead {admitted:.2f}s in, while the older one may commit"
     finally:
@@ -484,6 +484,6 @@ def test_an_object_stamp_does_not_move_another_resource_fence(fencegate):
     fg.client(token=18446744073709551615, resource="job:evil").put_object(Bucket="stamps", Key="shared", Body=b"x")
     with pytest.raises(ClientError) as exc_info:
         job.put_object(Bucket="stamps", Key="shared", Body=b"y")  # refused per object, as before
-    assert status_of(exc_info.value) == 409
+    assert (status_of(exc_info.value), code_of(exc_info.value)) == (409, "FencingTokenStale"), exc_info.value.response
     job.put_object(Bucket="stamps", Key="a", Body=b"job 5 again")  # its own objects still take 5
     assert fg.get_fence("job:own").json()["token"] == 5

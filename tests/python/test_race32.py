@@ -1,6 +1,7 @@
 """Proves G3 under a 32-way race: 32 writers with tokens 1..32 (in shuffled order), released
-together by a barrier, each PUT the same object through fencegate. The final object is the one
-of the highest token that was accepted, and no lower token committed after it.
+by a barrier (all at once, or spread over some milliseconds so that many commit), each PUT the
+same object through fencegate. The final object is the one of the highest token that was
+accepted, and no lower token committed after it.
 
 What is checked:
 - every answer is 200 (committed), 409 FencingTokenStale (refused) or 503 SlowDown (retryable,
@@ -11,8 +12,8 @@ What is checked:
   with token t was answered (otherwise t' would have been admitted after t's commit);
 - upstream history (moto, with versioning on): every committed version is stamped with a token
   answered 200, every token answered 200 left exactly one version, and in the upstream's commit
-  order the stamps never go down; in particular nothing older than the final token committed
-  after it.
+  order (the order of ListObjectVersions, not its one-second LastModified) the stamps never go
+  down; in particular nothing older than the final token committed after it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from botocore.exceptions import ClientError
 from fencegate_testlib import code_of, read_object, status_of, unique
 
 WRITERS = 32
-ROUNDS = 3
+# One round each. "together": every writer released at once (mostly only the top token
+# commits). "random": each released after a random delay of up to 100 ms. "rising": token t
+# after about 8 ms * t, give or take 40 ms, so neighbours still race but many tokens commit,
+# each within a few milliseconds of the last: a history whose order the checks below must
+# prove from the upstream's commit order, not from its one-second LastModified.
+STARTS = ("together", "random", "rising")
 
 
 def body_for(token: int, size: int) -> bytes:
@@ -51,9 +57,17 @@ def race_target(request, fencegate):
     return fg, bucket, moto
 
 
-def run_race(fg, bucket: str, key: str, size: int, seed: int) -> dict:
+def run_race(fg, bucket: str, key: str, size: int, seed: int, start: str) -> dict:
+    """Every writer waits at the barrier, then a delay that depends on `start` (see STARTS)."""
+    rng = random.Random(seed)
     tokens = list(range(1, WRITERS + 1))
-    random.Random(seed).shuffle(tokens)
+    rng.shuffle(tokens)
+    if start == "together":
+        delays = {t: 0.0 for t in tokens}
+    elif start == "random":
+        delays = {t: rng.uniform(0, 0.1) for t in tokens}
+    else:  # "rising": token t after about 8 ms * t, give or take 40 ms
+        delays = {t: 0.008 * t + rng.uniform(0, 0.04) for t in tokens}
     clients = {t: fg.client(token=t, read_timeout=120) for t in tokens}  # boto3 clients: made in one thread
     barrier = threading.Barrier(WRITERS, timeout=60)
     results: dict = {}
@@ -68,6 +82,7 @@ def run_race(fg, bucket: str, key: str, size: int, seed: int) -> dict:
             with lock:
                 results[token] = ("barrier", None, None, None)
             return
+        time.sleep(delays[token])
         sent = time.monotonic()
         try:
             resp = client.put_object(Bucket=bucket, Key=key, Body=body)
@@ -120,38 +135,81 @@ def check_race(fg, bucket: str, key: str, size: int, results: dict, moto):
 
     if moto is None:
         return
-    # Upstream history: versions in commit order (moto keeps them per key in insertion order;
-    # ListObjectVersions sorts by LastModified, newest first).
-    versions = []
+    # Upstream history: every token answered 200 left exactly one version, and in the
+    # upstream's commit order the stamps never go down (each token committed at most once, so
+    # they rise); the last one committed is the top token.
+    commit_order = upstream_commit_order(moto, bucket, key)
+    stamps = [stamp for _vid, stamp in commit_order]
+    assert sorted(stamps) == accepted, f"upstream versions {stamps} != tokens answered 200 {accepted}"
+    assert_stamps_rise(stamps)
+    assert stamps[-1] == top, f"the last committed version is not token {top}: {stamps}"
+
+
+def upstream_commit_order(moto, bucket: str, key: str) -> list:
+    """The versions of `key` on versioned moto in commit order, oldest first, as
+    (version id, stamp) with the stamp read by HeadObject with VersionId.
+
+    moto's ListObjectVersions lists a key's versions newest first, ordered by their creation
+    time at microsecond resolution, while the LastModified it answers is cut to whole seconds:
+    quick versions share one, so only the list order orders them. fencegate forwards the
+    writes of different tokens on one object one after another, so no two versions share a
+    creation instant and the list order is the commit order. Its newest entry must be the
+    version the upstream serves as the object, which ties the list to moto's own order."""
+    versions, delete_markers = [], []
     marker = {}
     for _page in range(50):
         resp = moto.list_object_versions(Bucket=bucket, Prefix=key, **marker)
         versions += [v for v in resp.get("Versions", []) if v["Key"] == key]
+        delete_markers += [d for d in resp.get("DeleteMarkers", []) if d["Key"] == key]
         if not resp.get("IsTruncated"):
             break
         marker = {"KeyMarker": resp["NextKeyMarker"], "VersionIdMarker": resp["NextVersionIdMarker"]}
-    stamps = []
-    for v in versions:
+    else:
+        raise AssertionError(f"ListObjectVersions still truncated after 50 pages ({len(versions)} versions)")
+    assert versions, f"no version of {key} upstream"
+    assert not delete_markers, delete_markers
+    current = moto.head_object(Bucket=bucket, Key=key)
+    assert versions[0]["IsLatest"] and versions[0]["VersionId"] == current["VersionId"], (
+        f"the newest listed version is not the object moto serves: {versions[0]} vs {current['VersionId']}"
+    )
+    order = []
+    for v in reversed(versions):
         head = moto.head_object(Bucket=bucket, Key=key, VersionId=v["VersionId"])
-        stamps.append((v["LastModified"], int(head["Metadata"]["fencing-token"]), v["IsLatest"]))
-    committed = sorted(s[1] for s in stamps)
-    assert committed == accepted, f"upstream versions {committed} != tokens answered 200 {accepted}"
-    latest = [s for s in stamps if s[2]]
-    assert len(latest) == 1 and latest[0][1] == top, stamps
-    # Commit order (oldest first) by LastModified: the stamps never go down. Versions within
-    # the same clock tick are unordered by the listing, so they only need to agree as a set.
-    by_time = sorted(stamps, key=lambda s: s[0])
-    for earlier, later in zip(by_time, by_time[1:]):
-        if earlier[0] < later[0]:
-            assert earlier[1] < later[1], f"token {later[1]} committed after token {earlier[1]}: {by_time}"
-    assert all(s[0] <= latest[0][0] for s in stamps), by_time
+        order.append((v["VersionId"], int(head["Metadata"]["fencing-token"])))
+    return order
+
+
+def assert_stamps_rise(stamps: list):
+    for earlier, later in zip(stamps, stamps[1:]):
+        assert earlier < later, f"token {later} committed after token {earlier}: commit order {stamps}"
+
+
+def test_commit_order_is_read_from_the_version_list(fencegate, moto_server):
+    """The upstream history check itself: writes committed one after another, most within one
+    second (one LastModified), come back from upstream_commit_order in the order they were
+    committed; two writes with one token are told apart by their bodies, numbered in commit
+    order."""
+    bucket = unique("order")
+    moto = moto_server.client()
+    moto.create_bucket(Bucket=bucket)
+    moto.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    fg = fencegate(upstream=moto_server.upstream_config())
+    key = "history"
+    # Same-token writes do not advance the fence, so 3 may follow 3; then 5..9 rise.
+    sequence = [3, 3, 5, 6, 7, 8, 9]
+    for i, token in enumerate(sequence):
+        fg.client(token=token).put_object(Bucket=bucket, Key=key, Body=f"{i}".encode())
+    order = upstream_commit_order(moto, bucket, key)
+    assert [stamp for _v, stamp in order] == sequence, order
+    bodies = [moto.get_object(Bucket=bucket, Key=key, VersionId=vid)["Body"].read() for vid, _stamp in order]
+    assert bodies == [f"{i}".encode() for i in range(len(sequence))], bodies
 
 
 @pytest.mark.parametrize("size", [1024, 256 * 1024], ids=["1KiB", "256KiB"])
 def test_race_32_writers_one_object(race_target, size):
     fg, bucket, moto = race_target
-    for round_no in range(ROUNDS):
+    for round_no, start in enumerate(STARTS):
         key = f"race/{size}/round-{round_no}"
-        results = run_race(fg, bucket, key, size, seed=round_no * 1000 + size)
+        results = run_race(fg, bucket, key, size, seed=round_no * 1000 + size, start=start)
         check_race(fg, bucket, key, size, results, moto)
-        print(f"round {round_no}: accepted {sorted(t for t, r in results.items() if r[0] == 200)}")
+        print(f"round {round_no} ({start}): accepted {sorted(t for t, r in results.items() if r[0] == 200)}")

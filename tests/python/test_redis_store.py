@@ -132,12 +132,13 @@ def test_redis_down_fails_closed(fencegate, redis_server):
     assert took < 30, f"the 503 took {took:.1f}s"
     with pytest.raises(ClientError) as exc_info:  # a brand-new resource too: never unchecked
         fg.client(token=1).put_object(Bucket=bucket, Key="new", Body=b"unchecked")
-    assert status_of(exc_info.value) == 503
+    assert status_of(exc_info.value) == 503, exc_info.value.response
+    assert code_of(exc_info.value) == "FenceStoreUnavailable", exc_info.value.response
 
     # Reads keep working (G5), and nothing unchecked reached the upstream.
     assert read_object(fg.client(), bucket, "k") == b"B's data"
     assert fg.admin("GET", "/healthz").status_code == 200
-    assert fg.admin("GET", "/readyz").status_code != 200
+    assert fg.admin("GET", "/readyz").status_code == 503
 
     # Redis comes back with its data: fencegate recovers by itself.
     redis_server.start()

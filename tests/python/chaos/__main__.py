@@ -5,6 +5,7 @@
         "replicas": 3, "seconds": 60, "inflight_deadline_ms": 1000, "hold_range": [0.75, 1.0],
         "commit_within_s": 1.25, "faults": {"kill9": 4, "stop_long": 2}}'
 
+`topology` is "embedded", "redis" or "etcd" (three etcd members; fault `etcd_leader_kill9`).
 Prints the checker's summary; exits 1 if the run found violations. Its files (fencegate logs,
 history.json) stay in a new directory under /tmp.
 """

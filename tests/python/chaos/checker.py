@@ -33,6 +33,10 @@ process, so the wrapper's and the writers' times compare directly):
     refused_keys   {key: code} of DeleteObjects' per-key <Error> entries
 
 `samples`: fence reads over time: resource, t_send, t_recv, token (None: 404), replica.
+`grants`: tokens the writers were given or read (optional): resource, kind ("lease": a lease
+    grant answered 201; "registration": an admin `PUT /v1/fences` answered 200, so the fence was
+    at least its token; "read": the fence read before a registration), token, t_send, t_recv,
+    writer, replica.
 `final_fences`: {resource: token | None} read after the run went quiet.
 `rules`: [{"bucket", "prefix", "resource"}], the `[[fencing.rules]]` of the run.
 
@@ -65,6 +69,12 @@ The rules (each violation names one):
 - `stamp-mismatch`: a PUT committed with a stamp other than the token its writer sent.
 - `unattributed-commit`: a commit in the chaos bucket without a known chaos id (the checker
   cannot judge it; it means fencegate dropped the writer's header or wrote on its own).
+- `grant-repeated`: two lease grants on one resource with the same token (concurrent or not).
+- `grant-order`: a lease grant whose token is not above a token known on its resource before the
+  grant was asked for: a grant or registration answered, a fence read answered, or a commit
+  answered by moto, before the grant's request was sent ("the token is above every token ever
+  granted or seen"). So grants strictly increase in grant order; overlapping grants are only
+  required to differ. A registration may equal a grant's token (a same-number registration).
 
 A write with no 2xx answer MAY be in the commit log (timeouts, disconnects, 503/504: the
 outcome was unknown to the client), and nothing requires it to be absent.
@@ -175,11 +185,14 @@ def check(
     final_fences: dict,
     rules: list,
     bucket: str,
+    grants: list | None = None,
 ) -> Report:
     """Judges one run's history (see the module doc for the data and the rules)."""
+    grants = grants or []
     by_id = {w["id"]: w for w in writes}
     times = [e["t_arrival"] for e in events if e.get("t_arrival") is not None]
     times += [w["t_start"] for w in writes if w.get("t_start") is not None]
+    times += [g["t_send"] for g in grants]
     fmt = _Fmt(min(times) if times else 0.0)
     violations: list[Violation] = []
 
@@ -378,6 +391,9 @@ def check(
             violations.append(Violation("truncated-committed", w["resource"],
                                         "the client hung up mid-body, yet the write committed", evidence))
 
+    # ---- grants: never repeated, above every token known before ---------------------------
+    violations += _check_grants(grants, samples, commits, fmt)
+
     # ---- figures ------------------------------------------------------------------------
     statuses = Counter()
     for w in writes:
@@ -405,8 +421,64 @@ def check(
         # that reached the upstream (the situations G3 is about).
         "handovers": _handovers(commits),
         "fence_samples": len(samples),
+        "grants": dict(Counter(g["kind"] for g in grants)),
     }
     return Report(violations=violations, stats=stats)
+
+
+def _grant_line(fmt: _Fmt, g: dict) -> str:
+    return (f"{g['kind']} token={g['token']} by {g.get('writer')} via {g.get('replica')} "
+            f"sent={fmt.t(g['t_send'])} answered={fmt.t(g['t_recv'])}")
+
+
+def _check_grants(grants: list, samples: list, commits: list, fmt: _Fmt) -> list:
+    """`grant-repeated` and `grant-order` (see the module doc)."""
+    violations = []
+    leases = sorted((g for g in grants if g["kind"] == "lease"), key=lambda g: g["t_send"])
+    same: dict = defaultdict(list)
+    for g in leases:
+        same[(g["resource"], g["token"])].append(g)
+    for (res, token), gs in sorted(same.items()):
+        if len(gs) > 1:
+            violations.append(Violation(
+                "grant-repeated", res, f"token {token} was granted {len(gs)} times",
+                [_grant_line(fmt, g) for g in gs],
+                window=(gs[0]["t_send"], max(g["t_recv"] for g in gs))))
+
+    # Per resource, every token known at a time: (time known, token, how, evidence line).
+    known: dict = defaultdict(list)
+    for g in grants:
+        known[g["resource"]].append((g["t_recv"], g["token"], _grant_line(fmt, g)))
+    for s in samples:
+        if s.get("token") is not None:
+            line = (f"fence read {s['token']} via {s.get('replica')} "
+                    f"sent={fmt.t(s['t_send'])} answered={fmt.t(s['t_recv'])}")
+            known[s["resource"]].append((s["t_recv"], s["token"], line))
+    for op in commits:
+        if op.token is not None:
+            known[op.resource].append((op.event["t_done"], op.token, fmt.event(op.event, op.token)))
+    prefix: dict = {}
+    for res, items in known.items():
+        items.sort(key=lambda x: x[0])
+        running, best = [], None
+        for item in items:
+            if best is None or item[1] > best[1]:
+                best = item
+            running.append(best)
+        prefix[res] = ([x[0] for x in items], running)
+    for g in leases:
+        if g["resource"] not in prefix:
+            continue
+        times_sorted, running = prefix[g["resource"]]
+        i = bisect.bisect_left(times_sorted, g["t_send"])
+        if i > 0 and running[i - 1][1] >= g["token"]:
+            t_known, top, line = running[i - 1]
+            violations.append(Violation(
+                "grant-order", g["resource"],
+                f"lease granted token {g['token']}, not above token {top} known "
+                f"{g['t_send'] - t_known:.3f}s before the grant was asked for",
+                [line, _grant_line(fmt, g)], window=(t_known, g["t_recv"])))
+    return violations
 
 
 def _handovers(commits: list) -> int:
@@ -436,6 +508,8 @@ def render(report: Report, title: str, faults: dict | None = None, limit: int = 
                  f"{s['fence_samples']} fence reads")
     lines.append(f"   slowest commit {s['max_commit_latency']:.2f}s after its body arrived, "
                  f"{s['late_commits']} beyond the upstream's commit bound")
+    if s.get("grants"):
+        lines.append(f"   tokens given or read by the writers (grant order checked) {s['grants']}")
     if faults is not None:
         lines.append(f"   faults injected {dict(faults)}")
     lines.append(f"   violations {len(report.violations)} {dict(report.by_kind())}")

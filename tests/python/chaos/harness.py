@@ -1,6 +1,6 @@
-"""One chaos run: the upstream wrapper in front of moto, fencegate replicas (embedded store, or
-several on one redis-server), writers, nemesis and fence sampler for a bounded time; then the
-history goes to the checker.
+"""One chaos run: the upstream wrapper in front of moto, fencegate replicas (embedded store,
+several on one redis-server, or several on a three-member etcd cluster), writers, nemesis and
+fence sampler for a bounded time; then the history goes to the checker.
 
 Timing (defaults; every wait below is bounded):
 - the wrapper holds a third of the writes for 0.2-2.5 s after their body arrived, longer than
@@ -30,7 +30,7 @@ from fencegate_testlib import FenceGate, base_config, merge, s3_client
 
 from .checker import Violation, check, render
 from .nemesis import FenceSampler, Nemesis
-from .processes import MOTO_ACCESS_KEY, MOTO_SECRET_KEY, Moto, Redis
+from .processes import MOTO_ACCESS_KEY, MOTO_SECRET_KEY, Etcd, Moto, Redis
 from .upstream import ChaosUpstream
 from .writers import Writer
 
@@ -40,7 +40,7 @@ PROBE_BUCKET = "chaos-probe"
 @dataclass
 class RunSpec:
     name: str  # also the bucket's name
-    topology: str  # "embedded" | "redis"
+    topology: str  # "embedded" | "redis" | "etcd"
     seconds: float
     replicas: int = 1
     writers: int = 6
@@ -98,6 +98,7 @@ class ChaosRun:
         self.workdir = workdir
         self.upstream: ChaosUpstream | None = None
         self.redis: Redis | None = None
+        self.etcd: Etcd | None = None
         self.replicas: list = []
         self.nemesis: Nemesis | None = None
 
@@ -118,7 +119,13 @@ class ChaosRun:
         if spec.topology == "redis":
             d = self.workdir / "redis"
             d.mkdir(parents=True)
-            self.redis = Redis(d).start()
+            self.redis = Redis(d)  # assigned first: close() stops it if start() fails
+            self.redis.start()
+        elif spec.topology == "etcd":
+            d = self.workdir / "etcd"
+            d.mkdir(parents=True)
+            self.etcd = Etcd(d)
+            self.etcd.start()
         for i in range(spec.replicas):
             fg = FenceGate(workdir=self._mkdir(f"fg{i}"), config=self._config(i))
             self.replicas.append(Replica(f"fg{i}", fg))
@@ -143,6 +150,9 @@ class ChaosRun:
                 "store": {"timeout_ms": 1000}}
         if spec.topology == "redis":
             over["store"].update(kind="redis", url=self.redis.url, path=None, replica_id=f"fg{i}")
+        elif spec.topology == "etcd":
+            over["store"].update(kind="etcd", endpoints=self.etcd.endpoints, path=None,
+                                 replica_id=f"fg{i}")
         return merge(cfg, over)
 
     # the run -----------------------------------------------------------------------------
@@ -157,7 +167,8 @@ class ChaosRun:
                           seed=rng.randrange(2**32), lease_ttl_ms=spec.lease_ttl_ms)
                    for i in range(spec.writers)]
         self.nemesis = Nemesis(self.replicas, self.redis, spec.faults, deadline,
-                               spec.inflight_deadline_ms / 1000, seed=rng.randrange(2**32))
+                               spec.inflight_deadline_ms / 1000, seed=rng.randrange(2**32),
+                               etcd=self.etcd)
         sampler = FenceSampler(self.replicas, sorted(resources), deadline, seed=rng.randrange(2**32))
         for t in writers + [self.nemesis, sampler]:
             t.start()
@@ -173,9 +184,12 @@ class ChaosRun:
         finals = self._final_fences(sorted(resources))
         events = self.upstream.snapshot()
         records = [r for w in writers for r in w.records]
-        report = check(events, records, sampler.samples, finals, spec.rules(), spec.bucket)
+        grants = [g for w in writers for g in w.grants]
+        report = check(events, records, sampler.samples, finals, spec.rules(), spec.bucket,
+                       grants=grants)
         report.violations += self._sanity(events)
-        t0 = min([e["t_arrival"] for e in events] + [r["t_start"] for r in records] or [t_start])
+        t0 = min([e["t_arrival"] for e in events] + [r["t_start"] for r in records]
+                 + [g["t_send"] for g in grants] or [t_start])  # the checker's clock
         for v in report.violations:
             v.evidence += self._faults_around(v.window, t0)
 
@@ -186,20 +200,20 @@ class ChaosRun:
             "slow_body": sum(1 for r in records if r["mode"] == "slow"),
             "writer_stall": sum(w.counts["stalls"] for w in writers),
         })
-        grants = Counter()
+        taken = Counter()
         for w in writers:
-            grants.update(w.counts)
+            taken.update(w.counts)
         title = (f"{spec.name} ({spec.topology}, {spec.replicas} fencegate, {spec.seconds:.0f}s, "
                  f"seed {spec.seed}, {os.environ.get('FENCEGATE_BIN', 'target/debug/fencegate')})")
         text = render(report, title, faults)
-        text += f"\n   tokens taken {dict(grants)}"
+        text += f"\n   tokens taken {dict(taken)}"
         for p in problems:
             text += f"\n   HARNESS PROBLEM: {p}"
         history = self.workdir / "history.json"
         history.write_text(json.dumps({
             "spec": {k: v for k, v in vars(spec).items()}, "t_start": t_start,
             "events": events,
-            "writes": records, "samples": sampler.samples, "final_fences": finals,
+            "writes": records, "grants": grants, "samples": sampler.samples, "final_fences": finals,
             "faults": self.nemesis.log,
             "violations": [vars(v) for v in report.violations],
         }, indent=1, default=str))
@@ -254,6 +268,9 @@ class ChaosRun:
         """Stops every process (safe to call twice, and after a failure)."""
         if self.nemesis is not None and self.nemesis.is_alive():
             self.nemesis.deadline = 0
+            # Let a fault under way end (and restart what it killed) before stopping everything;
+            # bounded: a long stop, an etcd restart and its leader wait.
+            self.nemesis.join(timeout=self.spec.inflight_deadline_ms / 1000 + 45)
         for r in self.replicas:
             try:
                 if r.fg.alive():
@@ -263,5 +280,7 @@ class ChaosRun:
                 r.fg.kill9()
         if self.redis is not None:
             self.redis.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
         if self.upstream is not None:
             self.upstream.stop()

@@ -7,7 +7,10 @@ Faults (each chosen at random among those the topology allows):
 - `redis_restart`: kill -9 redis-server and start it again (appendfsync always: no
   acknowledged write is lost);
 - `pubsub_kill`: `CLIENT KILL TYPE pubsub` (every replica loses its advance subscription, and
-  any announcement published before it resubscribes).
+  any announcement published before it resubscribes);
+- `etcd_leader_kill9`: kill -9 the etcd member that leads now (asked through etcd's JSON
+  gateway), restart it on its data after 0.2-1.5 s (the other two elect a leader meanwhile;
+  Raft: no acknowledged write is lost), and wait until it answers and a leader is known.
 Client-side faults (timeouts, hang-ups, slow bodies, stalls) are the writers' (writers.py).
 """
 
@@ -26,10 +29,11 @@ from fencegate_testlib import quote_resource
 
 class Nemesis(threading.Thread):
     def __init__(self, replicas: list, redis, weights: dict, deadline: float,
-                 inflight_deadline_s: float, seed: int, faults_max: int = 60):
+                 inflight_deadline_s: float, seed: int, faults_max: int = 60, etcd=None):
         super().__init__(name="nemesis", daemon=True)
         self.replicas = replicas
         self.redis = redis
+        self.etcd = etcd
         self.weights = {k: w for k, w in weights.items() if w > 0}
         self.deadline = deadline
         self.long_stop = inflight_deadline_s
@@ -57,13 +61,16 @@ class Nemesis(threading.Thread):
             self.heal()
 
     def heal(self):
-        """Every replica running and continued, Redis up: called at the end, whatever happened."""
+        """Every replica running and continued, Redis and every etcd member up: called at the
+        end, whatever happened."""
         for r in self.replicas:
             if r.fg.alive():
                 os.kill(r.fg.proc.pid, signal.SIGCONT)
                 r.state = "up"
         if self.redis is not None and (self.redis.proc is None or self.redis.proc.poll() is not None):
             self.redis.start()
+        if self.etcd is not None:
+            self.etcd.heal()
         for r in self.replicas:
             if not r.fg.alive():
                 r.fg.start()
@@ -105,6 +112,27 @@ class Nemesis(threading.Thread):
     def pubsub_kill(self, entry):
         entry["target"] = "redis"
         entry["detail"] = self.redis.command(b"CLIENT KILL TYPE pubsub").decode("latin-1").strip()
+
+    def etcd_leader_kill9(self, entry):
+        etcd = self.etcd
+        i = etcd.wait_for_leader(timeout=10)
+        if i is None:
+            raise AssertionError("etcd had no leader for 10 s before a fault\n" + etcd.log_tail())
+        m = etcd.members[i]
+        entry["target"] = f"etcd {m.name}"
+        etcd.kill9(i)
+        down = self.rng.uniform(0.2, 1.5)
+        time.sleep(down)
+        # The time the survivors took to elect is visible here only roughly (polled).
+        elected = etcd.leader()
+        etcd.restart(i)
+        after = etcd.wait_for_leader(timeout=10)
+        if after is None:
+            raise AssertionError(f"etcd had no leader 10 s after {m.name} came back\n"
+                                 + etcd.log_tail())
+        entry["detail"] = (f"down {down:.2f}s, leader while down: "
+                           f"{'none' if elected is None else etcd.members[elected].name}, "
+                           f"after: {etcd.members[after].name}")
 
 
 class FenceSampler(threading.Thread):

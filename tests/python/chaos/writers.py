@@ -11,7 +11,9 @@ writer fencegate must refuse.
 Every request is a raw SigV4-signed HTTP/1.1 request on a fresh connection, carrying a unique
 chaos id (`x-chaos-id`, and `x-amz-meta-chaos-id` on PUTs): fencegate forwards both, so the
 checker can find each write in the upstream's commit log. Every write is recorded (see
-checker.py for the fields).
+checker.py for the fields), and so is every token a writer was given or read (`grants`: lease
+grants answered 201, registrations answered 200, the fence reads before registrations), for the
+checker's grant-order rule.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class Writer(threading.Thread):
         self.rng = random.Random(seed)
         self.ttl_ms = lease_ttl_ms
         self.records: list = []
+        # {resource, kind: lease | registration | read, token, t_send, t_recv, writer, replica}
+        self.grants: list = []
         self.counts = {"leases": 0, "registrations": 0, "lease_busy": 0, "stalls": 0}
         self.n = 0
         self.failure: BaseException | None = None
@@ -169,23 +173,29 @@ class Writer(threading.Thread):
         if self.rng.random() < 0.2:
             r = self.replica()
             try:
+                t_get = time.monotonic()
                 got = requests.get(f"{r.admin_url}/v1/fences/{quote_resource(resource)}", timeout=2)
                 current = got.json()["token"] if got.status_code == 200 else 0 if got.status_code == 404 else None
                 if current is None:
                     return None, None
+                self._grant(resource, "read", current, t_get, r.name)
+                t_put = time.monotonic()
                 put = requests.put(f"{r.admin_url}/v1/fences/{quote_resource(resource)}",
                                    json={"token": current + 1}, timeout=5)
             except (requests.RequestException, ValueError, KeyError):
                 return None, None
             if put.status_code == 200:
                 self.counts["registrations"] += 1
+                self._grant(resource, "registration", current + 1, t_put, r.name)
                 return current + 1, None
             return None, None
         for _attempt in range(3):
-            status, doc = self.lease_call("POST", resource, "",
-                                          {"holder": self.writer, "ttl_ms": self.ttl_ms})
+            t_send = time.monotonic()
+            status, doc, name = self.lease_call("POST", resource, "",
+                                                {"holder": self.writer, "ttl_ms": self.ttl_ms})
             if status == 201:
                 self.counts["leases"] += 1
+                self._grant(resource, "lease", int(doc["token"]), t_send, name)
                 return int(doc["token"]), doc["lease_id"]
             if status != 409 or self.left() <= 0:
                 return None, None
@@ -193,7 +203,14 @@ class Writer(threading.Thread):
             time.sleep(min(int(doc.get("remaining_ms", 200)), 600) / 1000 + 0.01)
         return None, None
 
+    def _grant(self, resource: str, kind: str, token: int, t_send: float, replica: str):
+        if len(self.grants) < RECORDS_MAX:
+            self.grants.append({"resource": resource, "kind": kind, "token": token,
+                                "t_send": t_send, "t_recv": time.monotonic(),
+                                "writer": self.writer, "replica": replica})
+
     def lease_call(self, method: str, name: str, suffix: str, payload: dict):
+        """(status, answer document, the replica's name)."""
         r = self.replica()
         path = LEASE_PATH + urllib.parse.quote(name, safe="/-._~") + suffix
         body = json.dumps(payload).encode()
@@ -203,7 +220,7 @@ class Writer(threading.Thread):
             doc = json.loads(res["answer"] or b"{}")
         except ValueError:
             doc = {}
-        return res["status"], doc if isinstance(doc, dict) else {}
+        return res["status"], doc if isinstance(doc, dict) else {}, r.name
 
     # one write ---------------------------------------------------------------------------
     def write(self, resource: str, token: int, stale: bool):
