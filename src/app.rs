@@ -271,7 +271,7 @@ impl App {
             admin_listener,
             None,
             admin_service,
-            ConnectionLimits { connections_max: 64, ..limits.clone() },
+            ConnectionLimits { connections_max: self.config.server.admin_connections_max, ..limits.clone() },
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },

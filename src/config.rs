@@ -86,6 +86,9 @@ pub struct ServerConfig {
     /// Open client connections at most; further ones wait in the kernel's backlog.
     #[serde(default = "defaults::connections_max")]
     pub connections_max: usize,
+    /// Open admin connections at most (probes and metrics scrapes need few).
+    #[serde(default = "defaults::admin_connections_max")]
+    pub admin_connections_max: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -191,6 +194,24 @@ pub struct UpstreamConfig {
 pub struct CredentialConfig {
     pub access_key_id: String,
     pub secret_access_key: Secret,
+    /// What requests signed with this credential may do.
+    #[serde(default)]
+    pub role: Role,
+}
+
+/// The credential shipped in `config/fencegate.toml` for development: public, so flagged.
+pub const DEV_ACCESS_KEY_ID: &str = "fencegate-dev";
+pub const DEV_SECRET_ACCESS_KEY: &str = "fencegate-dev-secret";
+
+/// A credential's role (README, "Who can move a fence").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Reads, and writes with tokens.
+    #[default]
+    Writer,
+    /// Also grants leases and registers tokens (`/_fencegate/v1/leases/`, `/_fencegate/v1/fences/`).
+    Issuer,
 }
 
 /// A secret from the config (a secret key, the admin token): never printed, not even by
@@ -385,6 +406,9 @@ mod defaults {
     pub fn idle_timeout_ms() -> u64 {
         310_000
     }
+    pub fn admin_connections_max() -> usize {
+        64
+    }
     pub fn connections_max() -> usize {
         4096
     }
@@ -479,8 +503,16 @@ impl Config {
         if !file.is_file() {
             return Err(ConfigError::NotFound { file: file.into() });
         }
-        let figment = Figment::new().merge(Toml::file(file)).merge(overrides());
-        Self::from_figment(figment, file)
+        let mut figment = Figment::new().merge(Toml::file(file));
+        if let Some(include) = std::env::var_os(INCLUDE_ENV) {
+            // Secrets kept apart (a mounted secret file): what it sets replaces the main file's.
+            let include = PathBuf::from(include);
+            if !include.is_file() {
+                return Err(ConfigError::NotFound { file: include });
+            }
+            figment = figment.merge(Toml::file(include));
+        }
+        Self::from_figment(figment.merge(overrides()), file)
     }
 
     /// Parses a TOML text (no environment); for tests and embedding.
@@ -495,6 +527,54 @@ impl Config {
             figment.extract().map_err(|e| ConfigError::Parse { file: file.into(), source: Box::new(e) })?;
         config.validate().map_err(|(key, reason)| ConfigError::Invalid { file: file.into(), key, reason })?;
         Ok(config)
+    }
+
+    /// Combinations that start but that an operator should not run by accident; printed by
+    /// `fencegate check-config` and logged as warnings at start.
+    pub fn risks(&self) -> Vec<String> {
+        let mut risks = Vec::new();
+        if !self.server.admin_listen.ip().is_loopback() {
+            risks.push(format!(
+                "server.admin_listen ({}) is reachable from other hosts: whoever has server.admin_token can raise \
+                 every fence for good",
+                self.server.admin_listen
+            ));
+        }
+        for c in &self.credentials {
+            if c.access_key_id == DEV_ACCESS_KEY_ID || c.secret_access_key.expose() == DEV_SECRET_ACCESS_KEY {
+                risks.push(format!(
+                    "credentials {:?}: the development credential from the shipped config is public; anyone can \
+                     sign with it{}",
+                    c.access_key_id,
+                    if c.role == Role::Issuer { " and grant leases" } else { "" }
+                ));
+            }
+        }
+        for r in &self.routes {
+            if r.advance == AdvancePolicy::Write {
+                risks.push(format!(
+                    "routes {:?}: advance = \"write\" lets callers fencegate does not authenticate raise the fence",
+                    r.prefix
+                ));
+            }
+        }
+        if self.store.kind != StoreKind::Embedded
+            && self.upstream.request_timeout_ms > self.fencing.inflight_deadline_ms
+        {
+            risks.push(format!(
+                "upstream.request_timeout_ms ({}) is above fencing.inflight_deadline_ms ({}) with a shared store: a \
+                 slow write's registration can expire while it may still commit",
+                self.upstream.request_timeout_ms, self.fencing.inflight_deadline_ms
+            ));
+        }
+        if !self.server.listen.ip().is_loopback() && self.server.tls_cert_path.is_none() {
+            risks.push(format!(
+                "server.listen ({}) is reachable from other hosts without TLS: request bodies and lease ids travel \
+                 in clear",
+                self.server.listen
+            ));
+        }
+        risks
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
@@ -625,6 +705,9 @@ impl Config {
                 return Err(("routes.resource", "must not be empty".into()));
             }
         }
+        if self.server.admin_connections_max == 0 {
+            return Err(("server.admin_connections_max", "must be greater than 0".into()));
+        }
         if self.server.connections_max == 0 {
             return Err(("server.connections_max", "must be greater than 0".into()));
         }
@@ -638,11 +721,21 @@ impl Config {
     }
 }
 
-/// `FENCEGATE_<SECTION>__<KEY>` variables. Every top-level key is a section, so a variable
-/// without `__` (`FENCEGATE_BIN` in a test harness, say) cannot be an override and is ignored
-/// rather than refused as an unknown key.
+/// A TOML file merged over the config file (`[[credentials]]`, `[[routes]]`, secrets), before
+/// the environment.
+pub const INCLUDE_ENV: &str = "FENCEGATE_INCLUDE";
+
+/// `FENCEGATE_<SECTION>__<KEY>` variables, and `FENCEGATE_CREDENTIALS` / `FENCEGATE_ROUTES`
+/// (the arrays of tables, as inline TOML: `[{access_key_id="...", secret_access_key="..."}]`).
+/// Any other variable without `__` (`FENCEGATE_BIN` in a test harness, `FENCEGATE_INCLUDE`)
+/// cannot be an override and is ignored rather than refused as an unknown key.
 fn overrides() -> Env {
-    Env::prefixed(ENV_PREFIX).filter(|key| key.as_str().contains("__")).split("__")
+    Env::prefixed(ENV_PREFIX)
+        .filter(|key| {
+            let key = key.as_str();
+            key.contains("__") || key.eq_ignore_ascii_case("credentials") || key.eq_ignore_ascii_case("routes")
+        })
+        .split("__")
 }
 
 /// Milliseconds from config to a `Duration`.
@@ -673,6 +766,23 @@ mod tests {
         access_key_id = "k"
         secret_access_key = "s"
     "#;
+
+    #[test]
+    fn risky_combinations_are_named_and_a_plain_config_has_none() {
+        let plain = Config::from_toml(MINIMAL).unwrap();
+        assert!(plain.risks().is_empty(), "{:?}", plain.risks());
+        assert_eq!(plain.credentials[0].role, Role::Writer, "least privilege by default");
+        let dev = MINIMAL.replace("access_key_id = \"k\"", "access_key_id = \"fencegate-dev\"\nrole = \"issuer\"");
+        let risks = Config::from_toml(&dev).unwrap().risks();
+        assert!(risks.len() == 1 && risks[0].contains("development credential") && risks[0].contains("grant leases"));
+        let open = MINIMAL
+            .replace("listen = \"127.0.0.1:9000\"", "listen = \"0.0.0.0:9000\"")
+            .replace("admin_listen = \"127.0.0.1:9001\"", "admin_listen = \"0.0.0.0:9001\"\nadmin_token = \"t\"");
+        let risks = Config::from_toml(&open).unwrap().risks();
+        assert_eq!(risks.len(), 2, "{risks:?}");
+        assert!(risks.iter().any(|r| r.starts_with("server.admin_listen")));
+        assert!(risks.iter().any(|r| r.starts_with("server.listen") && r.contains("without TLS")));
+    }
 
     #[test]
     fn the_minimal_config_gets_documented_defaults() {

@@ -37,6 +37,12 @@ enum Command {
         #[arg(long, short, default_value = "config/fencegate.toml")]
         config: PathBuf,
     },
+    /// Ask a running fencegate's admin listener whether it is ready (`GET /readyz`): exit 0 if
+    /// it is, 1 otherwise. For container health checks.
+    Health {
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
     /// Check that the configured upstream enforces If-Match / If-None-Match, then exit.
     Probe {
         #[arg(long, short, default_value = "config/fencegate.toml")]
@@ -48,7 +54,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve { config } => load(&config).and_then(|c| runtime()?.block_on(serve(c))),
-        Command::CheckConfig { config } => load(&config).map(|c| println!("{c:#?}")),
+        Command::CheckConfig { config } => load(&config).map(|c| {
+            println!("{c:#?}");
+            for risk in c.risks() {
+                println!("risk: {risk}");
+            }
+        }),
+        Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))),
         Command::Probe { config } => load(&config).and_then(|c| {
             runtime()?.block_on(async {
                 let mut app = App::build(c).await?;
@@ -88,7 +100,27 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
+/// `GET /readyz` on the admin listener (on loopback when it listens on every address).
+async fn health(config: &Config) -> anyhow::Result<()> {
+    use http_body_util::Empty;
+    let mut addr = config.server.admin_listen;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(if addr.is_ipv4() { [127, 0, 0, 1].into() } else { std::net::Ipv6Addr::LOCALHOST.into() });
+    }
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<bytes::Bytes>>();
+    let uri: http::Uri = format!("http://{addr}/readyz").parse()?;
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), client.get(uri)).await;
+    let status = answer.map_err(|_| anyhow::anyhow!("{addr} did not answer within 5 s"))??.status();
+    anyhow::ensure!(status == http::StatusCode::OK, "not ready: /readyz answered {status}");
+    println!("ready");
+    Ok(())
+}
+
 async fn serve(config: Config) -> anyhow::Result<()> {
+    for risk in config.risks() {
+        tracing::warn!("{risk}");
+    }
     let mut app = App::build(config).await?;
     app.probe().await?;
     let (s3, admin) = app.bind().await?;

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -98,12 +98,21 @@ pub async fn run<S, B>(
         let (builder, service, tls, watcher) = (builder.clone(), service.clone(), tls.clone(), graceful.watcher());
         tokio::spawn(async move {
             let _permit = permit;
+            let accepted_at = tokio::time::Instant::now();
             let idle = idle_watch(activity, limits.idle_timeout);
+            // Timed from accept, whatever protocol the connection turns out to speak: hyper's
+            // own header timeout starts only once it has told HTTP/1 from HTTP/2, and a client
+            // that sends nothing, or half an HTTP/2 preface, never gets that far.
+            let seen = Arc::new(AtomicBool::new(false));
+            let first = first_request_watch(seen.clone(), accepted_at + limits.header_read_timeout);
+            let service = FirstRequest { inner: service, seen };
             match tls {
-                None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, peer).await,
+                None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, first, peer).await,
                 Some(acceptor) => {
                     match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
-                        Ok(Ok(stream)) => serve(&builder, TokioIo::new(stream), service, watcher, idle, peer).await,
+                        Ok(Ok(stream)) => {
+                            serve(&builder, TokioIo::new(stream), service, watcher, idle, first, peer).await;
+                        }
                         Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
@@ -117,13 +126,44 @@ pub async fn run<S, B>(
     }
 }
 
-/// Serves one connection until it ends, goes idle, or shutdown drains it.
+/// Resolves at `deadline` if no request head was complete by then; never otherwise.
+async fn first_request_watch(seen: Arc<AtomicBool>, deadline: tokio::time::Instant) {
+    tokio::time::sleep_until(deadline).await;
+    if seen.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The connection's service, noting that a request head arrived.
+#[derive(Clone)]
+struct FirstRequest<S> {
+    inner: S,
+    seen: Arc<AtomicBool>,
+}
+
+impl<S, R> Service<R> for FirstRequest<S>
+where
+    S: Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn call(&self, req: R) -> Self::Future {
+        self.seen.store(true, Ordering::Relaxed);
+        self.inner.call(req)
+    }
+}
+
+/// Serves one connection until it ends, goes idle, sends no complete request head in time
+/// (`first`), or shutdown drains it.
 async fn serve<I, S, B>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
     idle: impl Future<Output = ()>,
+    first: impl Future<Output = ()>,
     peer: std::net::SocketAddr,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -137,7 +177,9 @@ async fn serve<I, S, B>(
     let conn = watcher.watch(builder.serve_connection_with_upgrades(io, service).into_owned());
     tokio::pin!(conn);
     tokio::pin!(idle);
+    tokio::pin!(first);
     tokio::select! {
+        () = &mut first => tracing::debug!(%peer, "closing a connection that sent no complete request head in time"),
         result = conn.as_mut() => {
             if let Err(error) = result {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");

@@ -34,7 +34,7 @@ impl Process {
                  [store]\nkind = \"embedded\"\npath = \"{}\"\n\
                  [upstream]\nkind = \"local\"\npath = \"{}\"\n\
                  [fencing]\ninflight_deadline_ms = 1000\n\
-                 [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n\
+                 [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n\
                  [log]\nlevel = \"warn\"\n",
                 dir.join("fences").display(),
                 dir.join("objects").display()

@@ -1,6 +1,8 @@
 //! The lease service: `/_fencegate/v1/leases/{name}` on the main listener, authenticated like S3
 //! requests. Granting a lease raises its resource's fence in the same atomic store step, so
-//! every older token is rejected from the moment of the grant (SPEC section 9).
+//! every older token is rejected from the moment of the grant. `/_fencegate/v1/fences/{resource}`
+//! registers a token issued elsewhere (G7), like the admin API's. Both move fences, so only a
+//! credential with `role = "issuer"` may call them.
 
 use std::sync::Arc;
 
@@ -10,11 +12,16 @@ use http_body_util::{BodyExt, Limited};
 use s3s::{Body, S3Response};
 use serde::Deserialize;
 
-use crate::fence::{AdmitError, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
 use crate::metrics;
 
-/// The path prefix of the lease endpoints. No bucket name can start with `_`.
+/// The path prefix of fencegate's own endpoints on the main listener. No bucket name can start
+/// with `_`.
+const OWN_PREFIX: &str = "/_fencegate/v1/";
+/// The path prefix of the lease endpoints.
 pub const PATH_PREFIX: &str = "/_fencegate/v1/leases/";
+/// The path prefix of the registration endpoint.
+pub const FENCES_PREFIX: &str = "/_fencegate/v1/fences/";
 /// The pseudo-bucket s3s must accept so that these paths reach fencegate.
 pub const PSEUDO_BUCKET: &str = "_fencegate";
 
@@ -70,6 +77,12 @@ struct LeaseIdBody {
     lease_id: String,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegisterBody {
+    token: u64,
+}
+
 /// What went wrong with a lease call, mapped to a problem response in one place.
 #[derive(Debug, thiserror::Error)]
 enum LeaseError {
@@ -85,6 +98,8 @@ enum LeaseError {
     TokensExhausted,
     #[error("fence state unknown: {0}")]
     Unavailable(String),
+    #[error("leases and registrations need a credential with role = \"issuer\"; this one is a writer")]
+    NotIssuer,
 }
 
 impl LeaseService {
@@ -93,13 +108,50 @@ impl LeaseService {
     }
 
     pub fn handles(path: &str) -> bool {
-        path.starts_with(PATH_PREFIX)
+        path.starts_with(OWN_PREFIX)
     }
 
-    pub async fn handle(&self, method: &Method, path: &str, body: Body) -> S3Response<Body> {
-        match self.dispatch(method, path, body).await {
-            Ok(resp) => resp,
-            Err(error) => problem(&error),
+    /// `issuer`: the request was signed by a credential with `role = "issuer"`.
+    pub async fn handle(&self, method: &Method, path: &str, body: Body, issuer: bool) -> S3Response<Body> {
+        let answer = if !issuer {
+            Err(LeaseError::NotIssuer)
+        } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
+            self.register(method, resource, body).await
+        } else {
+            self.dispatch(method, path, body).await
+        };
+        answer.unwrap_or_else(|error| problem(&error))
+    }
+
+    /// `GET` a fence, or `PUT {"token": N}` to register a token (G7): 200 with the fence, 409
+    /// with the current one if the token is lower.
+    async fn register(&self, method: &Method, raw: &str, body: Body) -> Result<S3Response<Body>, LeaseError> {
+        let resource = decode(raw)?;
+        let fence = |status, token: FenceToken| {
+            json_response(
+                status,
+                "application/json",
+                &serde_json::json!({ "resource": resource.as_str(), "token": token.0 }),
+            )
+        };
+        match *method {
+            Method::GET => match self.gate.fence(&resource).await {
+                Ok(Some(token)) => Ok(fence(StatusCode::OK, token)),
+                Ok(None) => Err(LeaseError::NotFound),
+                Err(e) => Err(LeaseError::Unavailable(e.to_string())),
+            },
+            Method::PUT => {
+                let req: RegisterBody = read_json(body).await?;
+                match self.gate.advance(&resource, FenceToken(req.token)).await {
+                    Ok(token) => {
+                        tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
+                        Ok(fence(StatusCode::OK, token))
+                    }
+                    Err(AdmitError::Stale { current, .. }) => Ok(fence(StatusCode::CONFLICT, current)),
+                    Err(e) => Err(LeaseError::Unavailable(e.to_string())),
+                }
+            }
+            _ => Err(LeaseError::NotFound),
         }
     }
 
@@ -218,6 +270,7 @@ fn lease_json(status: StatusCode, name: &ResourceKey, lease: &LeaseRecord) -> S3
 fn problem(error: &LeaseError) -> S3Response<Body> {
     let (status, code) = match error {
         LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
+        LeaseError::NotIssuer => (StatusCode::FORBIDDEN, "AccessDenied"),
         LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
         LeaseError::Gone => (StatusCode::GONE, "LeaseGone"),

@@ -20,6 +20,10 @@ pub enum FrontError {
     InvalidToken(TokenParseError),
     #[error("the fencing token appears more than once in the {0} header")]
     RepeatedToken(&'static str),
+    #[error("a presigned request's {0} header counts only if the signature covers it: list it in X-Amz-SignedHeaders")]
+    UnsignedOnPresigned(String),
+    #[error("X-Amz-Expires must be at most 604800 seconds (7 days)")]
+    PresignTooLong,
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
     TokenMismatch { header: FenceToken, metadata: FenceToken },
     #[error("invalid fencing resource: {0}")]
@@ -95,7 +99,11 @@ impl FrontError {
     pub fn decision(&self) -> &'static str {
         match self {
             Self::MissingToken => "missing_token",
-            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => "invalid_token",
+            Self::InvalidToken(_)
+            | Self::RepeatedToken(_)
+            | Self::TokenMismatch { .. }
+            | Self::UnsignedOnPresigned(_)
+            | Self::PresignTooLong => "invalid_token",
             Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
             Self::Stale { .. } | Self::StaleWhileStreaming { .. } => "stale",
             Self::Unregistered { .. } => "unregistered",
@@ -110,9 +118,11 @@ impl FrontError {
         use StatusCode as S;
         match self {
             Self::MissingToken => (S::PRECONDITION_REQUIRED, "FencingTokenRequired"),
-            Self::InvalidToken(_) | Self::RepeatedToken(_) | Self::TokenMismatch { .. } => {
-                (S::BAD_REQUEST, "InvalidFencingToken")
-            }
+            Self::InvalidToken(_)
+            | Self::RepeatedToken(_)
+            | Self::TokenMismatch { .. }
+            | Self::UnsignedOnPresigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::PresignTooLong => (S::BAD_REQUEST, "AuthorizationQueryParametersError"),
             Self::InvalidResource(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
             Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::Stale { .. } | Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),

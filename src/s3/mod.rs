@@ -93,7 +93,13 @@ pub fn service(
     front.copy_by_read_and_put = front.gate.store().shared().is_some() && enforcement.is_some_and(|e| !e.copy_object);
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth);
-    builder.set_route(FencegateRoute { front: Arc::new(front), leases });
+    let issuers = config
+        .credentials
+        .iter()
+        .filter(|c| c.role == crate::config::Role::Issuer)
+        .map(|c| c.access_key_id.clone())
+        .collect();
+    builder.set_route(FencegateRoute { front: Arc::new(front), leases, issuers });
     builder.set_validation(BucketNames);
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
@@ -155,6 +161,8 @@ impl s3s::S3 for NoOperations {}
 struct FencegateRoute {
     front: Arc<Front>,
     leases: Arc<LeaseService>,
+    /// Access keys with `role = "issuer"`.
+    issuers: std::collections::HashSet<String>,
 }
 
 /// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
@@ -174,7 +182,8 @@ impl S3Route for FencegateRoute {
 
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
         if LeaseService::handles(req.uri.path()) {
-            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input).await);
+            let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
+            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, issuer).await);
         }
         // Detached: a client that disconnects does not end a write the upstream may still
         // commit (`fence::outcome`).
@@ -310,6 +319,7 @@ impl Front {
             // unfenced: an upstream may treat `put` as PUT.
             return Err(FrontError::MethodNotAllowed(req.method.to_string()));
         }
+        self.wire.check_presigned(req.uri.query(), &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());

@@ -57,6 +57,43 @@ impl WireContract {
     }
 }
 
+impl WireContract {
+    /// On a presigned request (query authentication) whoever holds the URL adds headers at
+    /// will: the fencing headers count only if the signature covers them, so one that is not
+    /// in `X-Amz-SignedHeaders` is refused. A header-signed request is its signer's own word.
+    pub fn check_presigned(&self, query: Option<&str>, headers: &HeaderMap) -> Result<(), FrontError> {
+        let Some(query) = query else { return Ok(()) };
+        let mut signed: Option<String> = None;
+        let mut presigned = false;
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            if name.eq_ignore_ascii_case("X-Amz-Signature") {
+                presigned = true;
+            } else if name.eq_ignore_ascii_case("X-Amz-SignedHeaders") {
+                signed = Some(value.to_ascii_lowercase());
+            } else if name.eq_ignore_ascii_case("X-Amz-Expires")
+                && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
+            {
+                return Err(FrontError::PresignTooLong);
+            }
+        }
+        if !presigned {
+            return Ok(());
+        }
+        let signed = signed.unwrap_or_default();
+        let covered = |name: &str| signed.split(';').any(|s| s == name);
+        let metadata = HeaderName::from_static(METADATA_TOKEN_HEADER);
+        for name in [&self.token_header, &self.resource_header, &metadata] {
+            if headers.contains_key(name) && !covered(name.as_str()) {
+                return Err(FrontError::UnsignedOnPresigned(name.as_str().to_owned()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// S3's longest presigned URL lifetime.
+const PRESIGN_EXPIRES_MAX_S: u64 = 604_800;
+
 fn single_token(headers: &HeaderMap, name: &HeaderName, what: &'static str) -> Result<Option<FenceToken>, FrontError> {
     let mut values = headers.get_all(name).iter();
     let Some(first) = values.next() else {
@@ -86,6 +123,32 @@ mod tests {
             h.append(*k, v.parse().unwrap());
         }
         h
+    }
+
+    #[test]
+    fn on_a_presigned_request_only_signed_fencing_headers_count() {
+        let c = contract(vec![]);
+        let token = headers(&[("fencing-token", "7")]);
+        let presigned = "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
+        assert!(
+            matches!(c.check_presigned(Some(presigned), &token), Err(FrontError::UnsignedOnPresigned(h)) if h == "fencing-token")
+        );
+        let resource = headers(&[("fencing-resource", "job:a")]);
+        assert!(c.check_presigned(Some(presigned), &resource).is_err());
+        let metadata = headers(&[(METADATA_TOKEN_HEADER, "7")]);
+        assert!(c.check_presigned(Some(presigned), &metadata).is_err());
+        // Covered by the signature (names compared without case): it counts.
+        let signed = "X-Amz-SignedHeaders=host%3BFencing-Token&X-Amz-Signature=ab";
+        assert!(c.check_presigned(Some(signed), &token).is_ok());
+        // Not presigned (header authentication), or no fencing header: nothing to check.
+        assert!(c.check_presigned(Some("uploads"), &token).is_ok());
+        assert!(c.check_presigned(None, &token).is_ok());
+        assert!(c.check_presigned(Some(presigned), &HeaderMap::new()).is_ok());
+        // S3's longest lifetime.
+        let long = "X-Amz-Expires=604801&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
+        assert!(matches!(c.check_presigned(Some(long), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
+        let week = "X-Amz-Expires=604800&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
+        assert!(c.check_presigned(Some(week), &HeaderMap::new()).is_ok());
     }
 
     #[test]

@@ -40,7 +40,7 @@ impl Fencegate {
     pub async fn start_configured(dir: &Path, store_toml: &str, upstream_toml: &str, extra: &str) -> Self {
         let toml = format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{store_toml}\n{upstream_toml}\n\
-             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}"
+             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n{extra}"
         );
         Self::start_from_toml(dir, &toml).await
     }
@@ -397,7 +397,7 @@ impl Fencegate {
         let toml = format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server_extra}\n\
              [store]\nkind = \"embedded\"\npath = \"{}\"\n{upstream_toml}\n\
-             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\n{extra}",
+             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n{extra}",
             dir.join("fences").display()
         );
         Self::start_from_toml(dir, &toml).await

@@ -294,7 +294,7 @@ def base_config(workdir: Path) -> dict:
         "server": {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"},
         "store": {"kind": "embedded", "path": str(workdir / "fences")},
         "upstream": {"kind": "local", "path": str(workdir / "objects")},
-        "credentials": [{"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}],
+        "credentials": [{"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"}],
         "fencing": {"require_token": True},
     }
 

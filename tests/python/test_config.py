@@ -87,3 +87,59 @@ def test_bad_config_fails_fast(tmp_path, extra, env, key, source):
     assert str(cfg) in p.stderr, f"the error does not name the file: {p.stderr!r}"
     if source is not None:
         assert source in p.stderr, f"the error does not name {source}: {p.stderr!r}"
+
+
+def _without_credentials(tmp_path):
+    cfg = base_config(tmp_path)
+    del cfg["credentials"]
+    path = tmp_path / "no-credentials.toml"
+    path.write_text(to_toml(cfg) + "\n")
+    return path
+
+
+def _check_config(path, env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    return subprocess.run([str(bin_path()), "check-config", "--config", str(path)],
+                          capture_output=True, text=True, timeout=30, env={**clean, **env})
+
+
+def test_credentials_come_from_the_environment_or_an_included_file(tmp_path):
+    """A container image carries no credential: they come from FENCEGATE_CREDENTIALS (inline
+    TOML) or a file named by FENCEGATE_INCLUDE, and without either fencegate refuses to start."""
+    path = _without_credentials(tmp_path)
+    refused = _check_config(path, {})
+    assert refused.returncode != 0 and "credentials" in refused.stderr, refused.stderr
+
+    from_env = _check_config(path, {
+        "FENCEGATE_CREDENTIALS": '[{access_key_id="env-key", secret_access_key="env-secret-value", role="issuer"}]'})
+    assert from_env.returncode == 0, from_env.stderr
+    assert 'access_key_id: "env-key"' in from_env.stdout and "role: Issuer" in from_env.stdout
+    assert "env-secret-value" not in from_env.stdout + from_env.stderr
+
+    included = tmp_path / "secrets.toml"
+    included.write_text('[[credentials]]\naccess_key_id = "file-key"\nsecret_access_key = "file-secret-value"\n')
+    from_file = _check_config(path, {"FENCEGATE_INCLUDE": str(included)})
+    assert from_file.returncode == 0, from_file.stderr
+    assert 'access_key_id: "file-key"' in from_file.stdout and "role: Writer" in from_file.stdout
+    assert "file-secret-value" not in from_file.stdout + from_file.stderr
+
+    missing = _check_config(path, {"FENCEGATE_INCLUDE": str(tmp_path / "absent.toml")})
+    assert missing.returncode != 0 and "absent.toml" in missing.stderr, missing.stderr
+
+
+def test_health_answers_from_readyz(fencegate, tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fg = fencegate(config={"server": {"admin_listen": f"127.0.0.1:{port}"}})
+    ok = subprocess.run([str(bin_path()), "health", "--config", str(fg.config_path)],
+                        capture_output=True, text=True, timeout=30)
+    assert (ok.returncode, ok.stdout.strip()) == (0, "ready"), ok.stderr
+    # Nothing listens there: not healthy.
+    cfg = base_config(tmp_path)
+    cfg["server"]["admin_listen"] = "127.0.0.1:9"
+    down = tmp_path / "down.toml"
+    down.write_text(to_toml(cfg) + "\n")
+    bad = subprocess.run([str(bin_path()), "health", "--config", str(down)], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1, (bad.stdout, bad.stderr)
