@@ -50,6 +50,11 @@ pub enum FrontError {
     TooLarge { bytes: u64, max: u64 },
     #[error("object keys with `.` or `..` path segments are refused")]
     UnsafeKey,
+    #[error(
+        "the local upstream stores objects as files: a key with an empty path segment (`a//b`, `/a`) would be the \
+         same file as another key, so it is refused"
+    )]
+    EmptySegmentOnLocal,
     #[error("{0} is not supported through fencegate yet")]
     NotSupported(&'static str),
     #[error("malformed XML body: {0}")]
@@ -132,7 +137,7 @@ impl FrontError {
                 (S::SERVICE_UNAVAILABLE, "SlowDown")
             }
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
-            Self::UnsafeKey => (S::BAD_REQUEST, "InvalidArgument"),
+            Self::UnsafeKey | Self::EmptySegmentOnLocal => (S::BAD_REQUEST, "InvalidArgument"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),

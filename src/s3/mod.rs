@@ -321,6 +321,13 @@ impl Front {
         }
         self.wire.check_presigned(req.uri.query(), &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
+        if self.upstream.kind() == "local"
+            && target.key.as_deref().is_some_and(|k| k.starts_with('/') || k.contains("//"))
+        {
+            // Two names, one file: `a//b` would be fenced as its own resource while it
+            // overwrites `a/b`.
+            return Err(FrontError::EmptySegmentOnLocal);
+        }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
         let content_length = content_length(&req.headers);

@@ -54,6 +54,12 @@ pub enum OpenError {
     Open { path: PathBuf, source: redb::DatabaseError },
     #[error("cannot initialise the fence store {path}")]
     Init { path: PathBuf, source: Box<dyn std::error::Error + Send + Sync> },
+    /// Starting on it would start with no fences (G1 broken): the operator decides.
+    #[error(
+        "the fence store {path} exists but is not one fencegate wrote ({why}); refusing to start with no fences. \
+         Restore the file, or move it away to start with an empty store on purpose"
+    )]
+    NotOurs { path: PathBuf, why: &'static str },
 }
 
 /// A change for the writer thread, with the channel its outcome goes back on.
@@ -122,6 +128,12 @@ pub struct EmbeddedStore {
     opened_clean: bool,
 }
 
+/// Whether the database has the fences table (a fencegate store, not some other redb file).
+fn has_fences_table(db: &Database) -> bool {
+    use redb::ReadableDatabase;
+    db.begin_read().is_ok_and(|txn| txn.open_table(FENCES).is_ok())
+}
+
 impl EmbeddedStore {
     /// Opens (or creates) the store in directory `dir`, recovering it if the last process
     /// died mid-commit.
@@ -134,10 +146,19 @@ impl EmbeddedStore {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir { path: dir.into(), source })?;
         let path = dir.join(FILE_NAME);
         let created = !path.exists();
+        // redb would initialise an empty file as a new database: a crash during creation, a
+        // failed restore or a truncation would silently drop every fence.
+        if !created && std::fs::metadata(&path).is_ok_and(|m| m.len() == 0) {
+            return Err(OpenError::NotOurs { path, why: "it is empty" });
+        }
         let db = Database::builder()
             .set_cache_size(cache_bytes)
             .create(&path)
             .map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        // Every file fencegate creates has its tables from the first commit on.
+        if !created && !has_fences_table(&db) {
+            return Err(OpenError::NotOurs { path, why: "it has no fences table" });
+        }
         let init = || -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
@@ -470,6 +491,36 @@ mod tests {
     use super::*;
     use crate::fence::IdempotencyOutcome;
     use redb::ReadableTableMetadata;
+
+    #[tokio::test]
+    async fn a_file_fencegate_cannot_prove_is_its_own_is_refused() {
+        // Empty (a crash during creation, a truncated restore): no silent fresh start.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FILE_NAME), b"").unwrap();
+        assert!(matches!(EmbeddedStore::open(dir.path()), Err(OpenError::NotOurs { why: "it is empty", .. })));
+        // Some other redb database.
+        let other = tempfile::tempdir().unwrap();
+        drop(redb::Database::create(other.path().join(FILE_NAME)).unwrap());
+        assert!(matches!(EmbeddedStore::open(other.path()), Err(OpenError::NotOurs { .. })));
+        // Its own file reopens with its fences.
+        let ours = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(ours.path()).unwrap();
+        let r = ResourceKey::new("r").unwrap();
+        store.advance(&r, FenceToken(9)).await.unwrap();
+        store.mark_clean_shutdown().unwrap();
+        drop(store);
+        let mut reopened = None;
+        for _ in 0..200 {
+            match EmbeddedStore::open(ours.path()) {
+                Ok(s) => {
+                    reopened = Some(s);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+            }
+        }
+        assert_eq!(reopened.expect("reopens").load(&r).await.unwrap(), Some(FenceToken(9)));
+    }
 
     fn record(claim: &str, expires_at_ms: u64) -> IdempotencyRecord {
         IdempotencyRecord {

@@ -97,6 +97,19 @@ impl LocalUpstream {
     }
 }
 
+/// Whether a bucket's directory holds any file (an object), at any depth.
+async fn holds_objects(dir: std::path::PathBuf) -> bool {
+    fn walk(dir: &Path) -> bool {
+        let Ok(entries) = std::fs::read_dir(dir) else { return false };
+        entries.flatten().any(|entry| match entry.file_type() {
+            Ok(t) if t.is_dir() => walk(&entry.path()),
+            Ok(_) => true,
+            Err(_) => true, // unknown: keep the bucket
+        })
+    }
+    tokio::task::spawn_blocking(move || walk(&dir)).await.unwrap_or(true)
+}
+
 #[async_trait]
 impl Upstream for LocalUpstream {
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
@@ -109,6 +122,16 @@ impl Upstream for LocalUpstream {
         if addresses_bucket && !creates_bucket && !self.bucket_exists(path).await {
             let error =
                 s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchBucket, "The specified bucket does not exist");
+            return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
+        let deletes_bucket =
+            *req.method() == Method::DELETE && key.is_empty() && req.uri().query().is_none_or(str::is_empty);
+        if addresses_bucket && deletes_bucket && holds_objects(self.root.join(bucket)).await {
+            // s3s-fs would remove the directory and every object in it; S3 refuses.
+            let error = s3s::S3Error::with_message(
+                s3s::S3ErrorCode::BucketNotEmpty,
+                "The bucket you tried to delete is not empty",
+            );
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
         let _object_lock = if is_object_write {

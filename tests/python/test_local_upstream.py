@@ -1,0 +1,70 @@
+"""Do no harm on the local upstream (the shipped default): one object has one name, a non-empty
+bucket is not deleted, and a fence store file fencegate cannot prove is its own is refused.
+
+Before: `PUT /bkt/a//b` was fenced as its own resource while it wrote the file of `a/b`, so a
+stale token overwrote a fenced object; `DeleteBucket` on a non-empty bucket deleted every
+object; an empty `fences.redb` started as an empty store (every fence gone).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import bin_path, signed_raw_request
+
+
+def _stamp_and_body(fg, bucket, key):
+    got = fg.client().get_object(Bucket=bucket, Key=key)
+    return got["Metadata"].get("fencing-token"), got["Body"].read()
+
+
+@pytest.mark.parametrize("path", ["/bkt/a//b", "/bkt/a%2F%2Fb", "/bkt//a/b", "/bkt/a/%2Fb"])
+def test_a_key_with_an_empty_segment_cannot_overwrite_another_key(fencegate, path):
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="bkt")
+    fg.client(token=5).put_object(Bucket="bkt", Key="a/b", Body=b"five")
+    stale = signed_raw_request(fg, "PUT", path, headers={"Fencing-Token": "1"}, body=b"stale")
+    assert stale.status == 400 and b"<Code>InvalidArgument</Code>" in stale.body, (stale.status, stale.body)
+    assert _stamp_and_body(fg, "bkt", "a/b") == ("5", b"five")
+    # Nothing was fenced under the other name either.
+    assert fg.get_fence("bkt/a//b").status_code == 404
+    listed = [o["Key"] for o in fg.client().list_objects_v2(Bucket="bkt").get("Contents", [])]
+    assert listed == ["a/b"]
+
+
+def test_a_non_empty_bucket_is_not_deleted(fencegate):
+    fg = fencegate()
+    c = fg.client()
+    c.create_bucket(Bucket="keep")
+    for i in range(3):
+        fg.client(token=1).put_object(Bucket="keep", Key=f"dir/obj-{i}", Body=b"x")
+    with pytest.raises(ClientError) as refused:
+        c.delete_bucket(Bucket="keep")
+    err = refused.value.response
+    assert (err["ResponseMetadata"]["HTTPStatusCode"], err["Error"]["Code"]) == (409, "BucketNotEmpty")
+    assert sorted(o["Key"] for o in c.list_objects_v2(Bucket="keep")["Contents"]) == [
+        "dir/obj-0", "dir/obj-1", "dir/obj-2"]
+    for i in range(3):
+        fg.client(token=1).delete_object(Bucket="keep", Key=f"dir/obj-{i}")
+    assert c.delete_bucket(Bucket="keep")["ResponseMetadata"]["HTTPStatusCode"] == 204
+    with pytest.raises(ClientError) as gone:
+        c.head_bucket(Bucket="keep")
+    assert gone.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+def test_an_empty_fence_store_file_is_refused_at_start(fencegate):
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="bkt")
+    fg.client(token=7).put_object(Bucket="bkt", Key="k", Body=b"x")
+    fg.stop()
+    store = fg.workdir / "fences" / "fences.redb"
+    assert store.stat().st_size > 0
+    store.write_bytes(b"")  # a crash during creation, a truncated restore
+    p = subprocess.run([str(bin_path()), "serve", "--config", str(fg.config_path)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0
+    assert "fences.redb" in p.stderr and "not one fencegate wrote" in p.stderr and "empty" in p.stderr, p.stderr
+    assert store.stat().st_size == 0, "the file was left as it was"
