@@ -100,6 +100,10 @@ enum LeaseError {
     Unavailable(String),
     #[error("leases and registrations need a credential with role = \"issuer\"; this one is a writer")]
     NotIssuer,
+    #[error("leases and registrations are signed in their headers: a presigned URL leaves the body unsigned")]
+    Presigned,
+    #[error("no token was ever accepted for this resource")]
+    NoSuchFence,
 }
 
 impl LeaseService {
@@ -111,10 +115,20 @@ impl LeaseService {
         path.starts_with(OWN_PREFIX)
     }
 
-    /// `issuer`: the request was signed by a credential with `role = "issuer"`.
-    pub async fn handle(&self, method: &Method, path: &str, body: Body, issuer: bool) -> S3Response<Body> {
+    /// `issuer`: the request was signed by a credential with `role = "issuer"`; `presigned`:
+    /// by its query, which leaves the body (the token, the holder) unsigned, so it is refused.
+    pub async fn handle(
+        &self,
+        method: &Method,
+        path: &str,
+        body: Body,
+        issuer: bool,
+        presigned: bool,
+    ) -> S3Response<Body> {
         let answer = if !issuer {
             Err(LeaseError::NotIssuer)
+        } else if presigned {
+            Err(LeaseError::Presigned)
         } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
             self.register(method, resource, body).await
         } else {
@@ -137,7 +151,7 @@ impl LeaseService {
         match *method {
             Method::GET => match self.gate.fence(&resource).await {
                 Ok(Some(token)) => Ok(fence(StatusCode::OK, token)),
-                Ok(None) => Err(LeaseError::NotFound),
+                Ok(None) => Err(LeaseError::NoSuchFence),
                 Err(e) => Err(LeaseError::Unavailable(e.to_string())),
             },
             Method::PUT => {
@@ -270,7 +284,8 @@ fn lease_json(status: StatusCode, name: &ResourceKey, lease: &LeaseRecord) -> S3
 fn problem(error: &LeaseError) -> S3Response<Body> {
     let (status, code) = match error {
         LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
-        LeaseError::NotIssuer => (StatusCode::FORBIDDEN, "AccessDenied"),
+        LeaseError::NotIssuer | LeaseError::Presigned => (StatusCode::FORBIDDEN, "AccessDenied"),
+        LeaseError::NoSuchFence => (StatusCode::NOT_FOUND, "NoSuchFence"),
         LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
         LeaseError::Gone => (StatusCode::GONE, "LeaseGone"),

@@ -50,6 +50,10 @@ pub enum FrontError {
     TooLarge { bytes: u64, max: u64 },
     #[error("object keys with `.` or `..` path segments are refused")]
     UnsafeKey,
+    #[error("At least one of the pre-conditions you specified did not hold")]
+    ClientPrecondition,
+    #[error("The specified key does not exist.")]
+    ClientNoSuchKey,
     #[error(
         "the local upstream stores objects as files: a key with an empty path segment (`a//b`, `/a`) would be the \
          same file as another key, so it is refused"
@@ -138,6 +142,8 @@ impl FrontError {
             }
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
             Self::UnsafeKey | Self::EmptySegmentOnLocal => (S::BAD_REQUEST, "InvalidArgument"),
+            Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
+            Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),

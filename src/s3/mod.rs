@@ -28,7 +28,7 @@ pub use self::error::{CURRENT_TOKEN_HEADER, FrontError};
 pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 
 use self::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
-use self::objects::{EtagCache, ObjectState};
+use self::objects::{ClientCondition, ConditionFailed, EtagCache, ObjectState};
 use crate::config::{Config, millis};
 use crate::fence::outcome::{Bounded, bounded_call, detached, hold_for};
 use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
@@ -183,7 +183,8 @@ impl S3Route for FencegateRoute {
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
         if LeaseService::handles(req.uri.path()) {
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
-            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, issuer).await);
+            let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
+            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, issuer, presigned).await);
         }
         // Detached: a client that disconnects does not end a write the upstream may still
         // commit (`fence::outcome`).
@@ -494,7 +495,9 @@ impl Front {
     async fn put_object(&self, mut request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().expect("object write");
         let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
+        let condition = ClientCondition::of(&request.headers);
         let state = self.object_state(&request.target, &object, retainable, &admitted).await?;
+        let state = self.client_condition(&condition, &request.target, &object, state, &admitted).await?;
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
         let mut headers = upstream_headers(&request.headers, &self.wire);
@@ -514,6 +517,7 @@ impl Front {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+        refuse_client_condition(&condition, &fresh)?;
         let Some(chunks) = report.retained() else {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
@@ -535,7 +539,9 @@ impl Front {
             return self.copy_by_read_and_put(request, admitted).await;
         }
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+        let condition = ClientCondition::of(&request.headers);
         let state = self.object_state(&request.target, &object, true, &admitted).await?;
+        let state = self.client_condition(&condition, &request.target, &object, state, &admitted).await?;
         let replaces = request
             .headers
             .get("x-amz-metadata-directive")
@@ -558,6 +564,7 @@ impl Front {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+        refuse_client_condition(&condition, &fresh)?;
         if fresh == state && has_copy_source_conditions(&request.headers) {
             // The destination is as it was: the client's own condition on the source failed.
             return Ok(client_response(resp));
@@ -585,7 +592,9 @@ impl Front {
             .headers
             .get("x-amz-metadata-directive")
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
-        let mut state = self.object_state(&request.target, &object, true, &admitted).await?;
+        let condition = ClientCondition::of(&request.headers);
+        let state = self.object_state(&request.target, &object, true, &admitted).await?;
+        let mut state = self.client_condition(&condition, &request.target, &object, state, &admitted).await?;
         for attempt in 0..2 {
             let mut read_headers = HeaderMap::new();
             for (from, to) in COPY_SOURCE_CONDITIONS {
@@ -643,6 +652,7 @@ impl Front {
                 return Ok(client_response(resp));
             }
             state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+            refuse_client_condition(&condition, &state)?;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)
@@ -657,11 +667,13 @@ impl Front {
         let path = request.path_and_query();
         let mut headers = upstream_headers(&request.headers, &self.wire);
         // A cached `Absent` is not trusted here: another writer may have created the object.
-        let mut state = match self.etags.get(&object) {
+        let condition = ClientCondition::of(&request.headers);
+        let state = match self.etags.get(&object) {
             Some(cached @ ObjectState::Present { .. }) => cached,
             _ => self.head(&request.target).await?,
         };
         self.refuse_newer_stamp(&object, &state, &admitted)?;
+        let mut state = self.client_condition(&condition, &request.target, &object, state, &admitted).await?;
         for attempt in 0..2 {
             let ObjectState::Present { .. } = &state else {
                 if versioned {
@@ -693,6 +705,7 @@ impl Front {
                 return Ok(client_response(resp));
             }
             state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+            refuse_client_condition(&condition, &state)?;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)
@@ -703,7 +716,9 @@ impl Front {
     /// parts list was read before admission.
     async fn complete_multipart(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+        let condition = ClientCondition::of(&request.headers);
         let state = self.object_state(&request.target, &object, true, &admitted).await?;
+        let state = self.client_condition(&condition, &request.target, &object, state, &admitted).await?;
         let path = request.path_and_query();
         let parts = request.body.bytes().unwrap_or_default();
         let mut headers = upstream_headers(&request.headers, &self.wire);
@@ -719,6 +734,7 @@ impl Front {
             return Ok(client_response(resp));
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+        refuse_client_condition(&condition, &fresh)?;
         set_precondition(&mut headers, &fresh);
         let body = WriteBody::InMemory(Body::from(parts));
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers, body).await?;
@@ -936,6 +952,28 @@ impl Front {
             return Err(FrontError::Stale { presented: admitted.token, current: newer });
         }
         Ok(())
+    }
+
+    /// The client's own condition (`If-Match` / `If-None-Match`) judged on `state`. A failure on
+    /// a cached state is looked at again on a fresh read before it is answered (fencegate's
+    /// cache may be behind). Returns the state the write goes ahead on: fencegate's precondition
+    /// then names exactly that state, so the upstream enforces both conditions at once.
+    async fn client_condition(
+        &self,
+        condition: &ClientCondition,
+        target: &Target,
+        object: &str,
+        state: ObjectState,
+        admitted: &Admitted,
+    ) -> Result<ObjectState, FrontError> {
+        if condition.is_none() || condition.failure(&state).is_none() {
+            return Ok(state);
+        }
+        self.etags.forget(object);
+        let fresh = self.head(target).await?;
+        self.refuse_newer_stamp(object, &fresh, admitted)?;
+        refuse_client_condition(condition, &fresh)?;
+        Ok(fresh)
     }
 
     /// The upstream's answer if the target's bucket does not exist (a bounded `HEAD /bucket`).
@@ -1166,6 +1204,16 @@ fn trailer_check(request: &Request) -> Option<TrailerCheck> {
 /// The stamp every object write carries (G4).
 fn stamp(headers: &mut HeaderMap, token: FenceToken) {
     headers.insert(METADATA_TOKEN_HEADER, HeaderValue::from(token.0));
+}
+
+/// The client's condition failed on a fresh read: answered as S3 would, never retried, never
+/// counted as fencegate's own lost race.
+fn refuse_client_condition(condition: &ClientCondition, state: &ObjectState) -> Result<(), FrontError> {
+    match condition.failure(state) {
+        None => Ok(()),
+        Some(ConditionFailed::Precondition) => Err(FrontError::ClientPrecondition),
+        Some(ConditionFailed::NoSuchKey) => Err(FrontError::ClientNoSuchKey),
+    }
 }
 
 fn set_precondition(headers: &mut HeaderMap, state: &ObjectState) {

@@ -37,6 +37,63 @@ impl ObjectState {
     }
 }
 
+/// The client's own precondition on the object it writes (`If-Match`, `If-None-Match`). It is
+/// composed with fencegate's, never replaced: the client's is checked against the state
+/// fencegate's own precondition names, so the upstream's enforcement of fencegate's covers both.
+#[derive(Debug, Clone, Default)]
+pub struct ClientCondition {
+    if_match: Option<HeaderValue>,
+    if_none_match: Option<HeaderValue>,
+}
+
+/// How a client's condition fails, answered as S3 does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConditionFailed {
+    /// 412 `PreconditionFailed`.
+    Precondition,
+    /// 404 `NoSuchKey`: `If-Match` on an object that does not exist.
+    NoSuchKey,
+}
+
+impl ClientCondition {
+    pub fn of(headers: &http::HeaderMap) -> Self {
+        Self {
+            if_match: headers.get(http::header::IF_MATCH).cloned(),
+            if_none_match: headers.get(http::header::IF_NONE_MATCH).cloned(),
+        }
+    }
+
+    pub fn is_none(&self) -> bool {
+        self.if_match.is_none() && self.if_none_match.is_none()
+    }
+
+    /// Whether the object as `state` fails the condition, and how.
+    pub fn failure(&self, state: &ObjectState) -> Option<ConditionFailed> {
+        if let Some(wanted) = &self.if_match {
+            match state {
+                ObjectState::Absent => return Some(ConditionFailed::NoSuchKey),
+                ObjectState::Present { etag, .. } if !etag_listed(wanted, etag) => {
+                    return Some(ConditionFailed::Precondition);
+                }
+                ObjectState::Present { .. } => {}
+            }
+        }
+        if let (Some(unwanted), ObjectState::Present { etag, .. }) = (&self.if_none_match, state)
+            && etag_listed(unwanted, etag)
+        {
+            return Some(ConditionFailed::Precondition);
+        }
+        None
+    }
+}
+
+/// Whether `etag` is in the header's list (`*` is every ETag); quotes and weak markers aside.
+fn etag_listed(list: &HeaderValue, etag: &HeaderValue) -> bool {
+    let bare = |s: &str| s.trim().trim_start_matches("W/").trim_matches('"').to_owned();
+    let etag = bare(etag.to_str().unwrap_or(""));
+    list.to_str().unwrap_or("").split(',').any(|item| item.trim() == "*" || bare(item) == etag)
+}
+
 /// A bounded map of the ETags fencegate last saw per object.
 pub struct EtagCache {
     entries: Mutex<HashMap<String, ObjectState>>,
@@ -92,4 +149,30 @@ pub fn state_from_headers(headers: &http::HeaderMap) -> Option<ObjectState> {
     let etag = headers.get(http::header::ETAG)?.clone();
     let stamp = headers.get(METADATA_TOKEN_HEADER).and_then(|v| FenceToken::parse(v.as_bytes()).ok());
     Some(ObjectState::Present { etag, stamp })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clients_condition_is_judged_as_s3_does() {
+        let present = ObjectState::Present { etag: HeaderValue::from_static("\"abc\""), stamp: None };
+        let cond = |name: http::HeaderName, value: &'static str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(name, HeaderValue::from_static(value));
+            ClientCondition::of(&h)
+        };
+        let create_only = cond(http::header::IF_NONE_MATCH, "*");
+        assert_eq!(create_only.failure(&present), Some(ConditionFailed::Precondition));
+        assert_eq!(create_only.failure(&ObjectState::Absent), None);
+        let swap = cond(http::header::IF_MATCH, "\"abc\"");
+        assert_eq!(swap.failure(&present), None);
+        assert_eq!(cond(http::header::IF_MATCH, "abc").failure(&present), None, "quotes aside");
+        assert_eq!(cond(http::header::IF_MATCH, "\"x\", \"abc\"").failure(&present), None, "a list");
+        assert_eq!(cond(http::header::IF_MATCH, "\"other\"").failure(&present), Some(ConditionFailed::Precondition));
+        assert_eq!(swap.failure(&ObjectState::Absent), Some(ConditionFailed::NoSuchKey));
+        assert_eq!(cond(http::header::IF_MATCH, "*").failure(&present), None);
+        assert!(ClientCondition::of(&http::HeaderMap::new()).is_none());
+    }
 }

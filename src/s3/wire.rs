@@ -63,24 +63,12 @@ impl WireContract {
     /// in `X-Amz-SignedHeaders` is refused. A header-signed request is its signer's own word.
     pub fn check_presigned(&self, query: Option<&str>, headers: &HeaderMap) -> Result<(), FrontError> {
         let Some(query) = query else { return Ok(()) };
-        let mut signed: Option<String> = None;
-        let mut presigned = false;
-        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
-            if name.eq_ignore_ascii_case("X-Amz-Signature") {
-                presigned = true;
-            } else if name.eq_ignore_ascii_case("X-Amz-SignedHeaders") {
-                signed = Some(value.to_ascii_lowercase());
-            } else if name.eq_ignore_ascii_case("X-Amz-Expires")
-                && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
-            {
-                return Err(FrontError::PresignTooLong);
-            }
-        }
-        if !presigned {
-            return Ok(());
-        }
-        let signed = signed.unwrap_or_default();
-        let covered = |name: &str| signed.split(';').any(|s| s == name);
+        let Some(presign) = Presign::of(query)? else { return Ok(()) };
+        let covered = |name: &str| match &presign {
+            Presign::V4 { signed } => signed.split(';').any(|s| s == name),
+            // SigV2 signs the `x-amz-*` headers and no other.
+            Presign::V2 => name.starts_with("x-amz-"),
+        };
         let metadata = HeaderName::from_static(METADATA_TOKEN_HEADER);
         for name in [&self.token_header, &self.resource_header, &metadata] {
             if headers.contains_key(name) && !covered(name.as_str()) {
@@ -93,6 +81,49 @@ impl WireContract {
 
 /// S3's longest presigned URL lifetime.
 const PRESIGN_EXPIRES_MAX_S: u64 = 604_800;
+
+/// A request authenticated by its query (a presigned URL), and what its signature covers.
+pub enum Presign {
+    /// SigV4: the headers named in `X-Amz-SignedHeaders` (lowercase, `;`-separated).
+    V4 { signed: String },
+    /// SigV2 (`AWSAccessKeyId`, `Signature`, `Expires`).
+    V2,
+}
+
+impl Presign {
+    /// `None` for a request not authenticated by its query. A lifetime beyond S3's longest is
+    /// refused (SigV4's `X-Amz-Expires` in seconds, SigV2's `Expires` as a Unix time).
+    pub fn of(query: &str) -> Result<Option<Self>, FrontError> {
+        let (mut v4, mut v2, mut signed) = (false, false, String::new());
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            if name.eq_ignore_ascii_case("X-Amz-Signature") {
+                v4 = true;
+            } else if name.eq_ignore_ascii_case("Signature") {
+                v2 = true;
+            } else if name.eq_ignore_ascii_case("X-Amz-SignedHeaders") {
+                signed = value.to_ascii_lowercase();
+            } else if name.eq_ignore_ascii_case("X-Amz-Expires")
+                && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
+            {
+                return Err(FrontError::PresignTooLong);
+            } else if name.eq_ignore_ascii_case("Expires")
+                && let Ok(at) = value.parse::<u64>()
+            {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                if at > now.as_secs() + PRESIGN_EXPIRES_MAX_S {
+                    return Err(FrontError::PresignTooLong);
+                }
+            }
+        }
+        Ok(if v4 {
+            Some(Self::V4 { signed })
+        } else if v2 {
+            Some(Self::V2)
+        } else {
+            None
+        })
+    }
+}
 
 fn single_token(headers: &HeaderMap, name: &HeaderName, what: &'static str) -> Result<Option<FenceToken>, FrontError> {
     let mut values = headers.get_all(name).iter();
@@ -149,6 +180,13 @@ mod tests {
         assert!(matches!(c.check_presigned(Some(long), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
         let week = "X-Amz-Expires=604800&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
         assert!(c.check_presigned(Some(week), &HeaderMap::new()).is_ok());
+        // SigV2 query authentication signs `x-amz-*` headers only.
+        let v2 = "AWSAccessKeyId=k&Signature=ab&Expires=1";
+        assert!(c.check_presigned(Some(v2), &token).is_err());
+        assert!(c.check_presigned(Some(v2), &resource).is_err());
+        assert!(c.check_presigned(Some(v2), &metadata).is_ok());
+        let v2_far = "AWSAccessKeyId=k&Signature=ab&Expires=99999999999";
+        assert!(matches!(c.check_presigned(Some(v2_far), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
     }
 
     #[test]

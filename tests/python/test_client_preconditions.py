@@ -1,0 +1,116 @@
+"""A client's own precondition is composed with fencegate's, never replaced (do no harm): on
+every fenced write the client's `If-Match` / `If-None-Match` is judged on the state fencegate's
+own precondition names, so the upstream enforces both at once; a failure is answered as S3
+answers it (412 `PreconditionFailed`, 404 `NoSuchKey` for `If-Match` on a missing key), nothing
+is written, and nothing is retried.
+
+Before: fencegate dropped the client's headers and sent its own, so a create-only PUT
+(`If-None-Match: *`) overwrote an existing object, a compare-and-swap with a wrong ETag
+succeeded, and `If-Match` on a missing key created it: compare-and-swap stopped working exactly
+for the clients that use fencing. Each case is also run directly against moto_server, and both
+must answer the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import unique
+
+
+def _start(fencegate, moto_server, bucket):
+    moto_server.client().create_bucket(Bucket=bucket)
+    config = {"upstream": {**moto_server.upstream_config(), "probe_bucket": bucket}}
+    return fencegate(config=config)
+
+
+def _answer(call):
+    try:
+        resp = call()
+        return resp["ResponseMetadata"]["HTTPStatusCode"], None
+    except ClientError as e:
+        return e.response["ResponseMetadata"]["HTTPStatusCode"], e.response["Error"]["Code"]
+
+
+def _body(client, bucket, key):
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as e:
+        return e.response["Error"]["Code"]
+
+
+def test_put_conditions_are_kept_and_answered_as_s3(fencegate, moto_server):
+    bucket = unique("pre")
+    fg = _start(fencegate, moto_server, bucket)
+    direct, fenced = moto_server.client(), fg.client(token=5)
+    direct_bucket = unique("pre-direct")
+    direct.create_bucket(Bucket=direct_bucket)
+    for c, b in ((fenced, bucket), (direct, direct_bucket)):
+        c.put_object(Bucket=b, Key="k", Body=b"first")
+    etag = fenced.head_object(Bucket=bucket, Key="k")["ETag"]
+    direct_etag = direct.head_object(Bucket=direct_bucket, Key="k")["ETag"]
+    assert etag == direct_etag
+
+    cases = [
+        ("create-only on an existing key", {"Key": "k", "IfNoneMatch": "*"}, (412, "PreconditionFailed")),
+        ("compare-and-swap, wrong ETag", {"Key": "k", "IfMatch": '"0123"'}, (412, "PreconditionFailed")),
+        ("If-Match on a missing key", {"Key": "missing", "IfMatch": etag}, (404, "NoSuchKey")),
+    ]
+    for what, args, expected in cases:
+        through = _answer(lambda: fenced.put_object(Bucket=bucket, Body=b"overwrite", **args))
+        straight = _answer(lambda: direct.put_object(Bucket=direct_bucket, Body=b"overwrite", **args))
+        assert through == expected, (what, through)
+        assert straight == expected, (what, "moto itself", straight)
+    assert _body(fenced, bucket, "k") == b"first", "nothing was overwritten"
+    assert _body(fenced, bucket, "missing") == "NoSuchKey", "nothing was created"
+
+    # Conditions that hold: the write goes ahead, stamped.
+    assert _answer(lambda: fenced.put_object(Bucket=bucket, Key="k", Body=b"second", IfMatch=etag)) == (200, None)
+    assert _answer(lambda: fenced.put_object(Bucket=bucket, Key="new", Body=b"n", IfNoneMatch="*")) == (200, None)
+    head = fenced.head_object(Bucket=bucket, Key="k")
+    assert (_body(fenced, bucket, "k"), head["Metadata"]["fencing-token"]) == (b"second", "5")
+    # The old ETag no longer holds: a second compare-and-swap from it fails, as on S3.
+    assert _answer(lambda: fenced.put_object(Bucket=bucket, Key="k", Body=b"third", IfMatch=etag)) == (
+        412, "PreconditionFailed")
+    assert _body(fenced, bucket, "k") == b"second"
+
+
+def test_a_stale_token_is_refused_before_any_client_condition(fencegate, moto_server):
+    bucket = unique("pre")
+    fg = _start(fencegate, moto_server, bucket)
+    fg.client(token=9).put_object(Bucket=bucket, Key="k", Body=b"nine")
+    answer = _answer(lambda: fg.client(token=3).put_object(Bucket=bucket, Key="k", Body=b"x", IfNoneMatch="*"))
+    assert answer == (409, "FencingTokenStale")
+
+
+def test_delete_and_copy_keep_the_clients_condition(fencegate, moto_server):
+    bucket = unique("pre")
+    fg = _start(fencegate, moto_server, bucket)
+    c = fg.client(token=4)
+    c.put_object(Bucket=bucket, Key="src", Body=b"source")
+    c.put_object(Bucket=bucket, Key="dst", Body=b"destination")
+    dst_etag = c.head_object(Bucket=bucket, Key="dst")["ETag"]
+    assert _answer(lambda: c.delete_object(Bucket=bucket, Key="dst", IfMatch='"0123"')) == (412, "PreconditionFailed")
+    assert _body(c, bucket, "dst") == b"destination"
+    copy = dict(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"})
+    assert _answer(lambda: c.copy_object(IfNoneMatch="*", **copy)) == (412, "PreconditionFailed")
+    assert _body(c, bucket, "dst") == b"destination"
+    assert _answer(lambda: c.copy_object(IfMatch=dst_etag, **copy)) == (200, None)
+    assert _body(c, bucket, "dst") == b"source"
+    new_etag = c.head_object(Bucket=bucket, Key="dst")["ETag"]
+    assert _answer(lambda: c.delete_object(Bucket=bucket, Key="dst", IfMatch=new_etag)) == (204, None)
+    assert _body(c, bucket, "dst") == "NoSuchKey"
+
+
+def test_a_multipart_completion_keeps_the_clients_condition(fencegate, moto_server):
+    bucket = unique("pre")
+    fg = _start(fencegate, moto_server, bucket)
+    c = fg.client(token=6)
+    c.put_object(Bucket=bucket, Key="big", Body=b"already here")
+    upload = c.create_multipart_upload(Bucket=bucket, Key="big")["UploadId"]
+    part = c.upload_part(Bucket=bucket, Key="big", UploadId=upload, PartNumber=1, Body=b"p" * 5)
+    parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+    complete = dict(Bucket=bucket, Key="big", UploadId=upload, MultipartUpload=parts)
+    assert _answer(lambda: c.complete_multipart_upload(IfNoneMatch="*", **complete)) == (412, "PreconditionFailed")
+    assert _body(c, bucket, "big") == b"already here"

@@ -1,0 +1,839 @@
+"""Who may move a fence, and what a client may hold (README "Who can move a fence", "Leases",
+`server.header_read_timeout_ms`, `check-config`), each test as an attack and its answer:
+
+- credential roles: only `role = "issuer"` grants, renews or releases leases and registers
+  tokens on the S3 listener; a writer gets 403 `AccessDenied` and nothing moves;
+- presigned URLs (SigV4, and SigV2, which s3s also accepts): a fencing header counts only if
+  the URL's signature covers it; `X-Amz-Expires` above seven days is refused;
+- connections: one that sends no complete request head within `header_read_timeout_ms` is
+  closed, whatever it speaks, and a flood of them does not keep other clients out;
+- `check-config` prints one `risk:` line per risky combination, and `serve` logs the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from botocore.auth import HmacV1QueryAuth, S3SigV4QueryAuth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import (
+    ACCESS_KEY,
+    REGION,
+    REPO_ROOT,
+    SECRET_KEY,
+    base_config,
+    bin_path,
+    build_head,
+    connect_any,
+    head_status,
+    quote_resource,
+    raw_request,
+    read_object,
+    read_response,
+    s3_client,
+    s3_client_ex,
+    s3_error_code,
+    sign_headers,
+    signed_raw_request,
+    start_fencegate,
+    to_toml,
+)
+
+MAX = 2**64 - 1
+BUCKET = "trust"
+# Two writers: one with no `role` (the default), one that says so.
+WRITER = ("trust-writer", "trust-writer-secret-0123")
+WRITER_EXPLICIT = ("trust-writer-2", "trust-writer-secret-4567")
+HEADER_READ_TIMEOUT_MS = 500
+TIMEOUT_S = HEADER_READ_TIMEOUT_MS / 1000
+# How late after its deadline a silent connection may be closed. A build without the timer
+# keeps it open for `server.idle_timeout_ms` (310 s by default).
+SLACK_S = 2.0
+# A connection closed much earlier than its deadline was closed by something else.
+EARLY_S = TIMEOUT_S - 0.05
+HTTP_TIMEOUT_S = 15
+
+
+def trust_config(**server) -> dict:
+    return {
+        "server": {"header_read_timeout_ms": HEADER_READ_TIMEOUT_MS, **server},
+        "credentials": [
+            {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"},
+            {"access_key_id": WRITER[0], "secret_access_key": WRITER[1]},
+            {"access_key_id": WRITER_EXPLICIT[0], "secret_access_key": WRITER_EXPLICIT[1], "role": "writer"},
+        ],
+    }
+
+
+@pytest.fixture
+def fg(fencegate):
+    return fencegate(config=trust_config(), local_buckets=(BUCKET,))
+
+
+def fence_of(fg, resource: str):
+    """The fence read through the admin API; None when there is none."""
+    r = fg.get_fence(resource)
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, (r.status_code, r.text)
+    return r.json()["token"]
+
+
+def own_call(fg, method: str, path: str, body: dict | None = None, key=(ACCESS_KEY, SECRET_KEY)):
+    """A SigV4-signed call to one of fencegate's own endpoints on the S3 listener."""
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    return signed_raw_request(fg, method, path, headers, data, access_key=key[0], secret_key=key[1])
+
+
+def assert_access_denied(resp, what: str):
+    assert resp.status == 403, (what, resp.status, resp.body)
+    assert resp.headers.get("content-type") == "application/problem+json", (what, resp.headers)
+    problem = json.loads(resp.body)
+    assert problem["title"] == "AccessDenied", (what, problem)
+    assert problem["status"] == 403, (what, problem)
+    assert problem["type"].endswith("AccessDenied"), (what, problem)
+
+
+# --------------------------------------------------------------------------------------------
+# credential roles
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_writer_cannot_grant_renew_release_or_register(fg):
+    """Before: any `[[credentials]]` signer could grant a lease on any resource (each grant
+    raising its fence and shutting out the holder's token), and release or renew another
+    holder's lease; the new registration endpoint would let it pick 2^64-1 and lock the
+    resource for good. Now a writer (no `role`, or `role = "writer"`) gets 403 `AccessDenied`
+    from each, and no fence or lease changes; it still writes with the token it was given."""
+    lease_path = "/_fencegate/v1/leases/" + quote_resource("job:roles")
+    fence_path = "/_fencegate/v1/fences/" + quote_resource("job:roles")
+    for writer in (WRITER, WRITER_EXPLICIT):
+        r = own_call(fg, "POST", lease_path, {"holder": "intruder", "ttl_ms": 30000}, key=writer)
+        assert_access_denied(r, f"grant by {writer[0]}")
+        r = own_call(fg, "PUT", fence_path, {"token": MAX}, key=writer)
+        assert_access_denied(r, f"registration by {writer[0]}")
+        r = own_call(fg, "GET", fence_path, key=writer)
+        assert_access_denied(r, f"fence read by {writer[0]}")
+    assert fence_of(fg, "job:roles") is None, "no grant and no registration moved the fence"
+
+    # The issuer's grant is the first one: the writers' attempts left nothing behind.
+    r = own_call(fg, "POST", lease_path, {"holder": "worker-a", "ttl_ms": 30000})
+    assert r.status == 201, r.body
+    lease = json.loads(r.body)
+    assert (lease["holder"], lease["token"]) == ("worker-a", 1), lease
+    lease_id = lease["lease_id"]
+
+    for writer in (WRITER, WRITER_EXPLICIT):
+        r = own_call(fg, "POST", lease_path + "/renew", {"lease_id": lease_id}, key=writer)
+        assert_access_denied(r, f"renewal by {writer[0]}")
+        r = own_call(fg, "DELETE", lease_path, {"lease_id": lease_id}, key=writer)
+        assert_access_denied(r, f"release by {writer[0]}")
+        r = own_call(fg, "PUT", fence_path, {"token": MAX}, key=writer)
+        assert_access_denied(r, f"registration over a lease by {writer[0]}")
+    assert fence_of(fg, "job:roles") == 1
+
+    # The lease was neither released nor taken over: still held by worker-a.
+    r = own_call(fg, "POST", lease_path, {"holder": "worker-b", "ttl_ms": 30000})
+    assert r.status == 409, r.body
+    assert json.loads(r.body)["holder"] == "worker-a"
+    r = own_call(fg, "POST", lease_path + "/renew", {"lease_id": lease_id})
+    assert r.status == 200, r.body
+    assert json.loads(r.body)["token"] == 1
+
+    # A writer still writes with the token it was given (what the role is for).
+    writer = s3_client(fg.s3_url, token=1, resource="job:roles", access_key=WRITER[0], secret_key=WRITER[1])
+    writer.put_object(Bucket=BUCKET, Key="roles", Body=b"written by the holder")
+    assert read_object(fg.client(), BUCKET, "roles") == b"written by the holder"
+    assert fence_of(fg, "job:roles") == 1
+
+
+def test_unsigned_or_missigned_calls_reach_no_endpoint(fg):
+    """A guard (it held before too): an unsigned call, one signed with a wrong secret or an
+    unknown access key never reaches the lease or registration endpoints: 403 from the
+    signature check, nothing moved."""
+    fence_path = "/_fencegate/v1/fences/" + quote_resource("job:anon")
+    host, port = fg.s3_addr
+    body = json.dumps({"token": MAX}).encode()
+    r = raw_request(fg.s3_addr, "PUT", fence_path, [("Host", f"{host}:{port}"), ("Content-Type", "application/json"),
+                                                    ("Content-Length", str(len(body)))], body)
+    assert (r.status, r.code()) == (403, "AccessDenied"), (r.status, r.body)
+    r = own_call(fg, "PUT", fence_path, {"token": MAX}, key=(ACCESS_KEY, SECRET_KEY + "x"))
+    assert (r.status, r.code()) == (403, "SignatureDoesNotMatch"), (r.status, r.body)
+    r = own_call(fg, "POST", "/_fencegate/v1/leases/job%3Aanon", {"holder": "h", "ttl_ms": 1000},
+                 key=("no-such-key", "whatever-secret"))
+    assert (r.status, r.code()) == (403, "InvalidAccessKeyId"), (r.status, r.body)
+    assert fence_of(fg, "job:anon") is None
+
+
+def test_an_issuer_registers_a_token_on_the_s3_listener(fg):
+    """The registration endpoint does for an issuer what the admin API's `PUT /v1/fences` does
+    (G7): 200 with the fence once registered, 409 with the current fence for a lower token,
+    `GET` 200 or 404; from then on an older token's write is refused."""
+    resource = "job:registered"
+    path = "/_fencegate/v1/fences/" + quote_resource(resource)
+    r = own_call(fg, "GET", path)
+    assert r.status == 404, r.body
+    r = own_call(fg, "PUT", path, {"token": 12})
+    assert (r.status, json.loads(r.body)) == (200, {"resource": resource, "token": 12}), r.body
+    r = own_call(fg, "PUT", path, {"token": 11})
+    assert (r.status, json.loads(r.body)) == (409, {"resource": resource, "token": 12}), r.body
+    r = own_call(fg, "PUT", path, {"token": 12})
+    assert (r.status, json.loads(r.body)) == (200, {"resource": resource, "token": 12}), r.body
+    r = own_call(fg, "GET", path)
+    assert (r.status, json.loads(r.body)) == (200, {"resource": resource, "token": 12}), r.body
+    assert fence_of(fg, resource) == 12, "the admin API sees the same fence"
+
+    stale = s3_client(fg.s3_url, token=11, resource=resource, access_key=WRITER[0], secret_key=WRITER[1])
+    with pytest.raises(ClientError) as exc_info:
+        stale.put_object(Bucket=BUCKET, Key="registered", Body=b"old holder")
+    assert exc_info.value.response["Error"]["Code"] == "FencingTokenStale"
+    assert head_status(fg.client(), BUCKET, "registered") == 404
+
+
+def test_a_presigned_registration_or_grant_is_refused(fg):
+    """Before: an issuer's presigned `PUT /_fencegate/v1/fences/{r}` left its body unsigned, so
+    whoever held the URL chose the token (2^64-1 locked the resource). Now fencegate's own
+    endpoints take header-signed requests only: 403 `AccessDenied`, the fence unchanged."""
+    resource = "job:presigned-registration"
+    path = "/_fencegate/v1/fences/" + quote_resource(resource)
+    for target in (path, "/_fencegate/v1/leases/" + quote_resource(resource)):
+        req = AWSRequest(method="PUT" if "fences" in target else "POST", url=f"{fg.s3_url}{target}", headers={})
+        S3SigV4QueryAuth(Credentials(ACCESS_KEY, SECRET_KEY), "s3", REGION, expires=300).add_auth(req)
+        body = json.dumps({"token": 18446744073709551615} if "fences" in target else {"holder": "h", "ttl_ms": 1000})
+        resp = send(req.method, req.url, {"Content-Type": "application/json"}, body.encode())
+        assert resp.status_code == 403 and resp.json()["title"] == "AccessDenied", (target, resp.status_code, resp.text)
+    assert fence_of(fg, resource) is None
+
+
+# --------------------------------------------------------------------------------------------
+# presigned URLs
+# --------------------------------------------------------------------------------------------
+
+
+def presign_v4(fg, method: str, key: str, headers: dict | None = None, expires: int = 300) -> str:
+    """A SigV4 query-authenticated URL whose signature covers `headers` (botocore's
+    SigV4QueryAuth, in its S3 form: UNSIGNED-PAYLOAD, no path normalisation)."""
+    req = AWSRequest(method=method, url=f"{fg.s3_url}/{BUCKET}/{key}", headers=dict(headers or {}))
+    S3SigV4QueryAuth(Credentials(ACCESS_KEY, SECRET_KEY), "s3", REGION, expires=expires).add_auth(req)
+    return req.url
+
+
+def send(method: str, url: str, headers: dict | None = None, data: bytes = b"") -> requests.Response:
+    return requests.request(method, url, headers=headers or {}, data=data, timeout=HTTP_TIMEOUT_S)
+
+
+def s3_code(resp: requests.Response) -> str:
+    return s3_error_code(resp.content)
+
+
+@pytest.fixture
+def held(fg):
+    """Object `held` written under token 5 (its resource's fence is 5)."""
+    fg.client(token=5).put_object(Bucket=BUCKET, Key="held", Body=b"original")
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    return fg
+
+
+UNSIGNED_CASES = {
+    # id: (method, key, headers the URL's signature covers, headers its holder adds)
+    "token-on-put": ("PUT", "held", {}, {"Fencing-Token": str(MAX)}),
+    "resource-on-put": ("PUT", "held", {"Fencing-Token": "5"}, {"Fencing-Token": "5", "Fencing-Resource": "job:victim"}),
+    "metadata-token-on-put": ("PUT", "fresh", {}, {"x-amz-meta-fencing-token": str(MAX)}),
+    "token-on-delete": ("DELETE", "held", {}, {"Fencing-Token": str(MAX)}),
+}
+
+
+@pytest.mark.parametrize("case", UNSIGNED_CASES, ids=list(UNSIGNED_CASES))
+def test_a_presigned_url_does_not_carry_unsigned_fencing_headers(held, case):
+    """Before: whoever held a presigned URL (given out for one write) could add
+    `Fencing-Token: 2^64-1` (or `Fencing-Resource`, or the metadata token) outside its
+    signature: fencegate counted it, raised the fence for good and forwarded the write. Now:
+    400 `InvalidFencingToken`, nothing forwarded, no fence moved."""
+    fg = held
+    method, key, signed, sent = UNSIGNED_CASES[case]
+    if signed:
+        url = presign_v4(fg, method, key, signed)
+    else:  # what users do: boto3's own presigner, which signs the host only
+        op = {"PUT": "put_object", "DELETE": "delete_object"}[method]
+        url = fg.client().generate_presigned_url(op, Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=300)
+    assert "X-Amz-SignedHeaders=" in url and "X-Amz-Signature=" in url, url
+    r = send(method, url, sent, b"attacker" if method == "PUT" else b"")
+    assert (r.status_code, s3_code(r)) == (400, "InvalidFencingToken"), (r.status_code, r.text)
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    assert fence_of(fg, f"{BUCKET}/fresh") is None
+    assert fence_of(fg, "job:victim") is None
+    assert read_object(fg.client(), BUCKET, "held") == b"original"
+    assert head_status(fg.client(), BUCKET, "fresh") == 404
+
+
+def test_a_presigned_url_that_signs_its_fencing_headers_counts(fg):
+    """The intended use: an issuer presigns a write with the token (and resource) in the
+    signature; sending exactly those headers is accepted (200) and moves the fence. Changing a
+    signed value breaks the signature (403 `SignatureDoesNotMatch`), and a second
+    `X-Amz-SignedHeaders` appended to claim coverage is refused (400 `InvalidRequest`): the
+    fence stays where the signed write put it."""
+    headers = {"Fencing-Token": "7", "Fencing-Resource": "job:signed"}
+    url = presign_v4(fg, "PUT", "signed", headers)
+    assert "fencing-resource%3Bfencing-token%3Bhost" in url, url
+    r = send("PUT", url, headers, b"signed write")
+    assert r.status_code == 200, (r.status_code, r.text)
+    assert fence_of(fg, "job:signed") == 7
+    assert read_object(fg.client(), BUCKET, "signed") == b"signed write"
+
+    r = send("PUT", url, {"Fencing-Token": str(MAX), "Fencing-Resource": "job:signed"}, b"raised")
+    assert (r.status_code, s3_code(r)) == (403, "SignatureDoesNotMatch"), (r.status_code, r.text)
+    r = send("PUT", url, {"Fencing-Token": "7", "Fencing-Resource": "job:other"}, b"moved")
+    assert (r.status_code, s3_code(r)) == (403, "SignatureDoesNotMatch"), (r.status_code, r.text)
+    host_only = fg.client().generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": "signed"},
+                                                   ExpiresIn=300)
+    r = send("PUT", host_only + "&X-Amz-SignedHeaders=host%3Bfencing-token", {"Fencing-Token": str(MAX)}, b"dup")
+    assert (r.status_code, s3_code(r)) == (400, "InvalidRequest"), (r.status_code, r.text)
+    assert fence_of(fg, "job:signed") == 7
+    assert fence_of(fg, f"{BUCKET}/signed") is None
+    assert read_object(fg.client(), BUCKET, "signed") == b"signed write"
+
+    # The metadata form, signed, counts too.
+    url = presign_v4(fg, "PUT", "meta", {"x-amz-meta-fencing-token": "9"})
+    r = send("PUT", url, {"x-amz-meta-fencing-token": "9"}, b"metadata write")
+    assert r.status_code == 200, (r.status_code, r.text)
+    assert fence_of(fg, f"{BUCKET}/meta") == 9
+
+
+def test_a_presigned_url_lives_at_most_seven_days(fg):
+    """Before: a URL with `X-Amz-Expires` of years was a standing right to write (and to raise
+    the fence it signs). Now above 604800 s fencegate answers 400
+    `AuthorizationQueryParametersError` (s3s does not check the bound: this is fencegate's own
+    answer, after the signature check) and forwards nothing; 604800 itself is accepted."""
+    headers = {"Fencing-Token": "3"}
+    r = send("PUT", presign_v4(fg, "PUT", "long", headers, expires=604801), headers, b"too long")
+    assert (r.status_code, s3_code(r)) == (400, "AuthorizationQueryParametersError"), (r.status_code, r.text)
+    assert "604800" in r.text
+    url = fg.client().generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": "long"},
+                                             ExpiresIn=10 * 365 * 86400)
+    r = send("PUT", url, {}, b"ten years")
+    assert (r.status_code, s3_code(r)) == (400, "AuthorizationQueryParametersError"), (r.status_code, r.text)
+    assert fence_of(fg, f"{BUCKET}/long") is None
+    assert head_status(fg.client(), BUCKET, "long") == 404
+
+    r = send("PUT", presign_v4(fg, "PUT", "long", headers, expires=604800), headers, b"one week")
+    assert r.status_code == 200, (r.status_code, r.text)
+    assert fence_of(fg, f"{BUCKET}/long") == 3
+
+
+def presign_v2(fg, method: str, key: str, expires: int = 300) -> str:
+    """A SigV2 query-authenticated URL (`AWSAccessKeyId`, `Signature`, `Expires`), which s3s
+    accepts. Its signature covers no header but `x-amz-*` ones, so it can never cover
+    `Fencing-Token` or `Fencing-Resource`."""
+    req = AWSRequest(method=method, url=f"{fg.s3_url}/{BUCKET}/{key}", headers={})
+    HmacV1QueryAuth(Credentials(ACCESS_KEY, SECRET_KEY), expires=expires).add_auth(req)
+    return req.url
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+def test_a_sigv2_presigned_url_does_not_carry_unsigned_fencing_headers(held, method):
+    """The same attack with a SigV2 presigned URL (query authentication without
+    `X-Amz-Signature`, which s3s accepts): its holder adds `Fencing-Token: 2^64-1` or
+    `Fencing-Resource`, which no SigV2 signature can cover. Expected as for SigV4: 400
+    `InvalidFencingToken`, nothing forwarded, no fence moved. (Fails on the build this was
+    written against: `check_presigned` only recognises `X-Amz-Signature`, so the header counts,
+    200/204 and the fence at 2^64-1.)"""
+    fg = held
+    url = presign_v2(fg, method, "held")
+    assert "AWSAccessKeyId=" in url and "Signature=" in url and "X-Amz-Signature" not in url, url
+    r = send(method, url, {"Fencing-Token": str(MAX)}, b"attacker" if method == "PUT" else b"")
+    assert (r.status_code, s3_code(r)) == (400, "InvalidFencingToken"), (r.status_code, r.text)
+    r = send(method, presign_v2(fg, method, "held"), {"Fencing-Token": "5", "Fencing-Resource": "job:victim"},
+             b"attacker" if method == "PUT" else b"")
+    assert (r.status_code, s3_code(r)) == (400, "InvalidFencingToken"), (r.status_code, r.text)
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    assert fence_of(fg, "job:victim") is None
+    assert read_object(fg.client(), BUCKET, "held") == b"original"
+
+
+# --------------------------------------------------------------------------------------------
+# connections that never send a request head
+# --------------------------------------------------------------------------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+SILENT_PAYLOADS = {
+    "nothing": b"",
+    "half-h2-preface": b"PRI * HTTP/2.0\r\n",
+    "h2-preface-and-settings-no-headers": H2_PREFACE + H2_EMPTY_SETTINGS,
+    "half-h1-request-line": b"GET /trust/k HT",
+    "h1-head-without-its-end": b"GET /trust/k HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+}
+
+
+def wait_closed(sock, deadline: float) -> float | None:
+    """Reads (and drops) whatever the server sends until it closes the connection; returns the
+    monotonic time of the close, or None if it was still open at `deadline`."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        sock.settimeout(remaining)
+        try:
+            data = sock.recv(65536)
+        except (socket.timeout, TimeoutError):
+            return None
+        except ssl.SSLError as exc:  # a TLS close without close_notify
+            if "timed out" in str(exc):
+                return None
+            return time.monotonic()
+        except OSError:  # reset
+            return time.monotonic()
+        if not data:
+            return time.monotonic()
+
+
+def assert_closed_in_time(sock, opened: float, what: str):
+    closed = wait_closed(sock, opened + TIMEOUT_S + SLACK_S)
+    assert closed is not None, f"{what}: still open {TIMEOUT_S + SLACK_S:.1f} s after connecting"
+    elapsed = closed - opened
+    assert elapsed >= EARLY_S, f"{what}: closed after {elapsed:.3f} s, before header_read_timeout"
+    return elapsed
+
+
+def normal_requests_work(fg, tag: str):
+    """A fenced write, a read and an admin call, each on a connection of its own."""
+    c = fg.client(token=1, resource=f"job:normal-{tag}")
+    c.put_object(Bucket=BUCKET, Key=f"normal-{tag}", Body=tag.encode())
+    assert read_object(c, BUCKET, f"normal-{tag}") == tag.encode()
+    assert fg.admin("GET", "/healthz").status_code == 200
+    assert fence_of(fg, f"job:normal-{tag}") == 1
+
+
+@pytest.fixture(scope="module")
+def plain_fg(tmp_path_factory):
+    fg = start_fencegate(tmp_path_factory.mktemp("trust-plain"), config=trust_config())
+    try:
+        fg.client().create_bucket(Bucket=BUCKET)
+        yield fg
+    finally:
+        fg.stop()
+        print(fg.log_tail(30))
+
+
+@pytest.fixture(scope="module")
+def tls_fg(tmp_path_factory, tls_files):
+    fg = start_fencegate(tmp_path_factory.mktemp("trust-tls"), config=trust_config(), https=tls_files)
+    try:
+        yield fg
+    finally:
+        fg.stop()
+        print(fg.log_tail(30))
+
+
+@pytest.mark.parametrize("listener", ["s3", "admin"])
+@pytest.mark.parametrize("payload", SILENT_PAYLOADS, ids=list(SILENT_PAYLOADS))
+def test_a_silent_connection_is_closed_after_header_read_timeout(plain_fg, listener, payload):
+    """Before: hyper's header timeout started only once it had told HTTP/1 from HTTP/2, so a
+    client that sent nothing, or half an HTTP/2 preface, (or the preface and no request) held a
+    connection, and its slot under `connections_max`, until `idle_timeout_ms` (310 s). Now it is
+    closed `header_read_timeout_ms` after accept (plus a bounded slack), while requests on
+    other connections go on. (Half an HTTP/1 head was closed in time before too, by hyper's
+    own timer: those cases guard it.)"""
+    fg = plain_fg
+    addr = fg.s3_addr if listener == "s3" else fg.admin_addr
+    opened = time.monotonic()
+    with socket.create_connection(addr, timeout=5) as sock:
+        if SILENT_PAYLOADS[payload]:
+            sock.sendall(SILENT_PAYLOADS[payload])
+        normal_requests_work(fg, f"{listener}-{payload}")
+        assert_closed_in_time(sock, opened, f"{listener} {payload}")
+    normal_requests_work(fg, f"{listener}-{payload}-after")
+
+
+def test_a_trickled_request_head_is_closed_after_header_read_timeout(plain_fg):
+    """A slow-loris client sends its head a byte every 50 ms, so the connection is never idle:
+    it is closed `header_read_timeout_ms` after accept all the same (a guard: it was before)."""
+    fg = plain_fg
+    head = b"PUT /trust/k HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 4096
+    opened = time.monotonic()
+    deadline = opened + TIMEOUT_S + SLACK_S
+    closed = None
+    with socket.create_connection(fg.s3_addr, timeout=5) as sock:
+        sock.settimeout(0.05)
+        for i in range(len(head)):
+            if time.monotonic() > deadline:
+                break
+            try:
+                sock.sendall(head[i : i + 1])
+                if not sock.recv(65536):
+                    closed = time.monotonic()
+                    break
+            except (socket.timeout, TimeoutError):
+                continue
+            except OSError:
+                closed = time.monotonic()
+                break
+    assert closed is not None, f"a trickling client was still connected after {TIMEOUT_S + SLACK_S:.1f} s"
+    assert closed - opened >= EARLY_S, closed - opened
+    normal_requests_work(fg, "trickle")
+
+
+def test_half_a_second_request_on_a_kept_alive_connection_is_closed(plain_fg):
+    """After one complete request, half of a second one holds the connection no longer than
+    `header_read_timeout_ms` either (a guard: hyper's own timer, as before)."""
+    fg = plain_fg
+    with socket.create_connection(fg.s3_addr, timeout=5) as sock:
+        host, port = fg.s3_addr
+        listing = sign_headers("GET", host, port, f"/{BUCKET}")
+        sock.sendall(build_head("GET", f"/{BUCKET}", listing))
+        first = read_response(sock, timeout=10)
+        assert first.status == 200, (first.status, first.body)
+        assert first.headers.get("connection", "").lower() != "close", first.headers
+        answered = time.monotonic()
+        sock.sendall(b"GET /trust/k HT")
+        assert_closed_in_time(sock, answered, "half a second request")
+    normal_requests_work(fg, "keepalive")
+
+
+TLS_CASES = ["tcp-only", "tls-handshake-then-nothing", "tls-then-half-h1", "tls-h2-then-half-preface"]
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_a_silent_tls_connection_is_closed_after_header_read_timeout(tls_fg, tls_files, case):
+    """On the TLS listener: no handshake at all, a handshake and then silence, or half a request
+    after it: closed `header_read_timeout_ms` after accept (the handshake's own timeout does not
+    restart the clock). Before, a completed handshake followed by silence or half an HTTP/2
+    preface held the connection until `idle_timeout_ms`; no handshake, or half an HTTP/1 head,
+    were closed in time already (guards)."""
+    fg = tls_fg
+    opened = time.monotonic()
+    if case == "tcp-only":
+        sock = socket.create_connection(fg.s3_addr, timeout=5)
+    else:
+        sock = connect_any(fg.s3_addr, ca=tls_files.ca, timeout=5,
+                           alpn=["h2"] if case.startswith("tls-h2") else ["http/1.1"])
+        if case == "tls-then-half-h1":
+            sock.sendall(b"GET /trust/k HT")
+        elif case == "tls-h2-then-half-preface":
+            sock.sendall(b"PRI * HTTP/2.0\r\n")
+    with sock:
+        c = s3_client_ex(fg.s3_url, verify=tls_files.ca)
+        assert c.list_buckets()["ResponseMetadata"]["HTTPStatusCode"] == 200
+        assert_closed_in_time(sock, opened, f"tls {case}")
+
+
+def open_silent(addr, count: int) -> list:
+    """`count` connections, each sending a different unfinished opening (or nothing)."""
+    payloads = list(SILENT_PAYLOADS.values())
+    socks = []
+    try:
+        for i in range(count):
+            s = socket.create_connection(addr, timeout=5)
+            socks.append(s)
+            if payloads[i % len(payloads)]:
+                s.sendall(payloads[i % len(payloads)])
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def test_a_hundred_silent_connections_do_not_keep_clients_out(fencegate):
+    """Before: 100 connections that sent nothing (or half a preface) took every slot of
+    `server.connections_max` and of the admin listener (64, fixed) until `idle_timeout_ms`:
+    no S3 client and no health probe got in for 310 s. Now each is closed
+    `header_read_timeout_ms` after it is accepted, so with 20 (S3) and 25 (admin) slots the
+    100 are gone within ceil(100 / slots) timeouts (plus slack), a client queued behind them is
+    served, and clients after them are served at once."""
+    connections_max, admin_max, flood = 20, 25, 100
+    fg = fencegate(config=trust_config(connections_max=connections_max, admin_connections_max=admin_max),
+                   local_buckets=(BUCKET,))
+    started = time.monotonic()
+    s3_socks = open_silent(fg.s3_addr, flood)
+    admin_socks = []
+    try:
+        admin_socks = open_silent(fg.admin_addr, flood)
+        # Clients queued behind the flood: served once the silent ones are closed.
+        bound = TIMEOUT_S * (math.ceil(flood / min(connections_max, admin_max)) + 1) + SLACK_S
+        results = {}
+
+        def queued_write():
+            try:
+                c = s3_client(fg.s3_url, token=1, resource="job:queued", read_timeout=bound + 5)
+                c.put_object(Bucket=BUCKET, Key="queued", Body=b"queued")
+                results["s3"] = "ok"
+            except Exception as exc:  # noqa: BLE001 - reported below
+                results["s3"] = repr(exc)
+
+        def queued_probe():
+            try:
+                results["admin"] = requests.get(fg.admin_url + "/healthz", timeout=bound + 5).status_code
+            except Exception as exc:  # noqa: BLE001 - reported below
+                results["admin"] = repr(exc)
+
+        threads = [threading.Thread(target=queued_write), threading.Thread(target=queued_probe)]
+        for t in threads:
+            t.start()
+
+        for name, socks, slots in (("s3", s3_socks, connections_max), ("admin", admin_socks, admin_max)):
+            deadline = started + TIMEOUT_S * math.ceil(flood / slots) + SLACK_S
+            open_ones = [i for i, s in enumerate(socks) if wait_closed(s, deadline) is None]
+            assert not open_ones, f"{name}: {len(open_ones)} of {flood} silent connections still open"
+        for t in threads:
+            t.join(timeout=bound + 10)
+        assert not any(t.is_alive() for t in threads), "a queued client never finished"
+        assert results == {"s3": "ok", "admin": 200}, results
+        assert fence_of(fg, "job:queued") == 1
+        assert read_object(fg.client(), BUCKET, "queued") == b"queued"
+        normal_requests_work(fg, "after-flood")
+    finally:
+        for s in s3_socks + admin_socks:
+            s.close()
+
+
+def test_admin_connections_max_bounds_the_admin_listener(fencegate):
+    """`server.admin_connections_max` is the admin listener's own slot count: with 2 slots
+    taken by silent connections a health probe waits (the S3 listener does not), and is
+    answered once the header timeout closed them."""
+    fg = fencegate(config=trust_config(admin_connections_max=2), local_buckets=(BUCKET,))
+    opened = time.monotonic()
+    socks = open_silent(fg.admin_addr, 2)
+    try:
+        with socket.create_connection(fg.admin_addr, timeout=5) as probe:
+            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            probe.settimeout(0.2)
+            try:
+                early = probe.recv(65536)
+            except (socket.timeout, TimeoutError):
+                early = None
+            assert early is None, f"answered while both admin slots were held: {early!r}"
+            normal = fg.client(token=1, resource="job:admin-max")
+            normal.put_object(Bucket=BUCKET, Key="admin-max", Body=b"s3 is not held up")
+            resp = read_response(probe, timeout=TIMEOUT_S + SLACK_S)
+            assert resp.status == 200, (resp.status, resp.error)
+            assert time.monotonic() - opened >= EARLY_S
+        for s in socks:
+            assert wait_closed(s, opened + TIMEOUT_S + SLACK_S) is not None
+    finally:
+        for s in socks:
+            s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# check-config and serve: risky combinations
+# --------------------------------------------------------------------------------------------
+
+
+OWN_ISSUER = {"access_key_id": "ops-issuer", "secret_access_key": "a-secret-of-our-own-0123", "role": "issuer"}
+
+
+def clean_config(workdir: Path) -> dict:
+    """A config with none of the risks: loopback listeners, embedded store, a credential of its
+    own, a route with the default `advance`."""
+    cfg = base_config(workdir)
+    cfg["credentials"] = [dict(OWN_ISSUER)]
+    cfg["server"] = {"listen": "127.0.0.1:9000", "admin_listen": "127.0.0.1:9001"}
+    cfg["routes"] = [{"prefix": "/payments/", "upstream": "http://127.0.0.1:9/v1/", "resource": "payment:{1}",
+                      "mode": "fence-only"}]
+    return cfg
+
+
+def check_config(path: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    base_env.update(env or {})
+    return subprocess.run([str(bin_path()), "check-config", "--config", str(path)], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL, env=base_env, cwd=str(cwd or path.parent))
+
+
+def risk_lines(out: str) -> list:
+    return [line[len("risk: "):] for line in out.splitlines() if line.startswith("risk: ")]
+
+
+def write(tmp_path: Path, cfg: dict, name: str = "fencegate.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(to_toml(cfg) + "\n")
+    return path
+
+
+def test_check_config_flags_the_shipped_dev_credential(tmp_path):
+    """Before: `check-config` printed the shipped config as valid and nothing else; the public
+    `fencegate-dev` credential (an issuer there) went to production unnoticed. Now one line
+    says so; the printed config also shows `admin_connections_max` at its default, 64."""
+    p = check_config(REPO_ROOT / "config" / "fencegate.toml", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    risks = risk_lines(p.stdout)
+    assert len(risks) == 1, risks
+    assert risks[0].startswith('credentials "fencegate-dev": the development credential'), risks
+    assert "grant leases" in risks[0], "the shipped credential is an issuer"
+    assert re.search(r"\badmin_connections_max: 64,", p.stdout), p.stdout
+
+
+def test_check_config_prints_no_risk_for_a_clean_config(tmp_path):
+    p = check_config(write(tmp_path, clean_config(tmp_path)))
+    assert p.returncode == 0, p.stderr
+    assert "risk" not in p.stdout.lower(), p.stdout
+    assert risk_lines(p.stdout) == []
+
+
+def _admin_open(cfg):
+    cfg["server"].update(admin_listen="0.0.0.0:9001", admin_token="an-admin-token-of-our-own")
+
+
+def _dev_key(cfg):
+    cfg["credentials"].append({"access_key_id": "fencegate-dev", "secret_access_key": "not-the-dev-secret-9"})
+
+
+def _dev_secret(cfg):
+    cfg["credentials"].append({"access_key_id": "someone", "secret_access_key": "fencegate-dev-secret"})
+
+
+def _route_write(cfg):
+    cfg["routes"][0]["advance"] = "write"
+
+
+def _shared_store_slow_upstream(cfg):
+    cfg["store"] = {"kind": "redis", "url": "redis://127.0.0.1:6379"}
+    cfg["upstream"] = {"kind": "s3", "endpoint": "http://127.0.0.1:9100", "probe_bucket": "x",
+                       "access_key_id": "up", "secret_access_key": "up-secret-0123", "request_timeout_ms": 40000}
+    cfg["fencing"]["inflight_deadline_ms"] = 30000
+
+
+def _etcd_slow_upstream(cfg):
+    cfg["store"] = {"kind": "etcd", "endpoints": ["http://127.0.0.1:2379"]}
+    cfg["upstream"]["request_timeout_ms"] = 40000
+    cfg["fencing"]["inflight_deadline_ms"] = 30000
+
+
+def _s3_open_plain(cfg):
+    cfg["server"]["listen"] = "0.0.0.0:9000"
+
+
+RISKS = {
+    # id: (change to the clean config, the start of the one risk line it must cause)
+    "admin-listener-not-loopback": (_admin_open, "server.admin_listen (0.0.0.0:9001) is reachable from other hosts"),
+    "dev-access-key": (_dev_key, 'credentials "fencegate-dev": the development credential'),
+    "dev-secret-key": (_dev_secret, 'credentials "someone": the development credential'),
+    "route-advance-write": (_route_write, 'routes "/payments/": advance = "write"'),
+    "redis-timeout-above-inflight-deadline": (
+        _shared_store_slow_upstream, "upstream.request_timeout_ms (40000) is above fencing.inflight_deadline_ms (30000)"),
+    "etcd-timeout-above-inflight-deadline": (
+        _etcd_slow_upstream, "upstream.request_timeout_ms (40000) is above fencing.inflight_deadline_ms (30000)"),
+    "s3-listener-not-loopback-no-tls": (_s3_open_plain, "server.listen (0.0.0.0:9000) is reachable from other hosts"),
+}
+
+
+@pytest.mark.parametrize("risk", RISKS, ids=list(RISKS))
+def test_check_config_prints_each_risk_once(tmp_path, risk):
+    """Each risky combination, alone in an otherwise clean config, gives exactly its own line
+    (none of these stops fencegate from starting: they are warnings)."""
+    change, expected = RISKS[risk]
+    cfg = clean_config(tmp_path)
+    change(cfg)
+    p = check_config(write(tmp_path, cfg))
+    assert p.returncode == 0, p.stderr
+    risks = risk_lines(p.stdout)
+    assert len(risks) == 1 and risks[0].startswith(expected), risks
+
+
+def test_check_config_prints_every_risk_together(tmp_path):
+    cfg = clean_config(tmp_path)
+    for change, _ in RISKS.values():
+        if change is not _etcd_slow_upstream:
+            change(cfg)
+    p = check_config(write(tmp_path, cfg))
+    assert p.returncode == 0, p.stderr
+    risks = risk_lines(p.stdout)
+    expected = [e for k, (_, e) in RISKS.items() if k != "etcd-timeout-above-inflight-deadline"]
+    assert len(risks) == len(expected), risks
+    for e in expected:
+        assert sum(r.startswith(e) for r in risks) == 1, (e, risks)
+
+
+def test_check_config_near_misses_are_not_risks(tmp_path, tls_files):
+    """What is not a risk: a slow upstream with the embedded store (no shared registration to
+    expire), a shared store whose deadline covers the upstream timeout, a non-loopback S3
+    listener with TLS, a route with `advance = "registration"` said out loud."""
+    variants = {}
+    cfg = clean_config(tmp_path)
+    cfg["upstream"]["request_timeout_ms"] = 40000
+    cfg["fencing"]["inflight_deadline_ms"] = 30000
+    variants["embedded-slow-upstream"] = cfg
+    cfg = clean_config(tmp_path)
+    _shared_store_slow_upstream(cfg)
+    cfg["upstream"]["request_timeout_ms"] = 30000
+    variants["redis-timeout-equal-to-deadline"] = cfg
+    cfg = clean_config(tmp_path)
+    cfg["server"].update(listen="0.0.0.0:9000", tls_cert_path=str(tls_files.cert), tls_key_path=str(tls_files.key))
+    variants["s3-listener-with-tls"] = cfg
+    cfg = clean_config(tmp_path)
+    cfg["routes"][0]["advance"] = "registration"
+    variants["route-advance-registration"] = cfg
+    for name, cfg in variants.items():
+        p = check_config(write(tmp_path, cfg, f"{name}.toml"))
+        assert p.returncode == 0, (name, p.stderr)
+        assert risk_lines(p.stdout) == [], (name, p.stdout[-500:])
+
+
+def test_check_config_judges_the_effective_config(tmp_path):
+    """An environment override that opens the admin listener is flagged like the file would be."""
+    path = write(tmp_path, clean_config(tmp_path))
+    p = check_config(path, env={"FENCEGATE_SERVER__ADMIN_LISTEN": "0.0.0.0:9001",
+                                "FENCEGATE_SERVER__ADMIN_TOKEN": "an-admin-token-of-our-own"})
+    assert p.returncode == 0, p.stderr
+    risks = risk_lines(p.stdout)
+    assert len(risks) == 1 and risks[0].startswith("server.admin_listen (0.0.0.0:9001)"), risks
+
+
+@pytest.mark.parametrize("role", ["admin", "Issuer", ""])
+def test_an_unknown_role_is_a_config_error(tmp_path, role):
+    """A misspelt role is refused, never read as writer or issuer."""
+    cfg = clean_config(tmp_path)
+    cfg["credentials"][0]["role"] = role
+    p = check_config(write(tmp_path, cfg))
+    assert p.returncode != 0, p.stdout[-300:]
+    assert "credentials" in p.stderr and "role" in p.stderr and "issuer" in p.stderr, p.stderr
+
+
+def test_zero_admin_connections_is_a_config_error(tmp_path):
+    cfg = clean_config(tmp_path)
+    cfg["server"]["admin_connections_max"] = 0
+    p = check_config(write(tmp_path, cfg))
+    assert p.returncode != 0, p.stdout[-300:]
+    assert "server.admin_connections_max" in p.stderr, p.stderr
+
+
+WARN_RE = re.compile(r"\sWARN fencegate: (.*)$")
+
+
+def warnings_of(fg) -> list:
+    text = fg.logs[-1].read_text(errors="replace")
+    return [m.group(1) for line in text.splitlines() if (m := WARN_RE.search(line))]
+
+
+def test_serve_logs_the_risks_check_config_prints(fencegate):
+    """`serve` logs each risk `check-config` prints for the same file, as a warning, and still
+    starts; a clean config logs none."""
+    cfg = trust_config()
+    cfg["routes"] = [{"prefix": "/payments/", "upstream": "http://127.0.0.1:9/v1/", "resource": "payment:{1}",
+                      "mode": "fence-only", "advance": "write"}]
+    risky = fencegate(config=cfg, local_buckets=(BUCKET,))
+    expected = risk_lines(check_config(risky.config_path).stdout)
+    assert len(expected) == 2, expected  # the dev credential (an issuer) and the route
+    assert warnings_of(risky) == expected, (warnings_of(risky), expected)
+    assert risky.admin("GET", "/healthz").status_code == 200
+
+    clean = fencegate(config={"credentials": [OWN_ISSUER]})
+    assert risk_lines(check_config(clean.config_path).stdout) == []
+    assert warnings_of(clean) == [], warnings_of(clean)
+    assert clean.admin("GET", "/healthz").status_code == 200
