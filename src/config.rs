@@ -346,6 +346,14 @@ pub struct RouteConfig {
     /// Largest upstream response recorded for replay.
     #[serde(default = "defaults::route_response_bytes_max")]
     pub response_bytes_max: usize,
+    /// Request bodies this route buffers at once (`idempotency-key` mode reads each whole
+    /// before it is sent), in total; a request that would go beyond gets 503.
+    #[serde(default = "defaults::route_buffered_bytes_max")]
+    pub buffered_bytes_max: usize,
+    /// The request header that identifies the caller; idempotency records are kept per caller
+    /// (a hash of its value), so a replay reaches only the caller that made the request.
+    #[serde(default = "defaults::route_caller_header")]
+    pub caller_header: String,
     /// PEM file of the CA certificates that verify an `https` upstream, instead of the public
     /// web PKI roots (a private CA of an internal API).
     #[serde(default)]
@@ -405,6 +413,12 @@ mod defaults {
     }
     pub fn idle_timeout_ms() -> u64 {
         310_000
+    }
+    pub fn route_buffered_bytes_max() -> usize {
+        64 * 1024 * 1024
+    }
+    pub fn route_caller_header() -> String {
+        "authorization".into()
     }
     pub fn admin_connections_max() -> usize {
         64
@@ -692,6 +706,9 @@ impl Config {
         for route in &self.routes {
             if !route.prefix.starts_with('/') || !route.prefix.ends_with('/') {
                 return Err(("routes.prefix", format!("{:?} must start and end with '/'", route.prefix)));
+            }
+            if route.buffered_bytes_max < route.body_bytes_max {
+                return Err(("routes.buffered_bytes_max", "must be at least routes.body_bytes_max".into()));
             }
             if route.prefix.starts_with("/_fencegate/") {
                 return Err(("routes.prefix", "/_fencegate/ is reserved for fencegate's own endpoints".into()));

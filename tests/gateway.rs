@@ -41,6 +41,8 @@ enum Script {
     StallThenExecute(Duration),
     /// Executes, then closes the connection without answering.
     ExecuteThenDrop,
+    /// Answers this status without executing (an API refusing the caller).
+    Refuse(StatusCode),
 }
 
 /// A write the API received complete (and so executed or refused).
@@ -105,6 +107,11 @@ impl FakeApi {
 
     fn script(&self, path: &str, script: Script) {
         self.state.lock().unwrap().scripts.entry(path.to_owned()).or_default().push_back(script);
+    }
+
+    /// Scripted answers not used yet (a request takes its path's next one as it arrives).
+    fn scripts_left(&self) -> usize {
+        self.state.lock().unwrap().scripts.values().map(VecDeque::len).sum()
     }
 
     fn ledger(&self) -> Vec<Received> {
@@ -176,6 +183,10 @@ async fn handle(
         Some(Script::ExecuteThenDrop) => {
             execute(&state, received);
             Err(std::io::Error::other("connection dropped on purpose"))
+        }
+        Some(Script::Refuse(status)) => {
+            state.lock().unwrap().ledger.push(received);
+            Ok(response(status, &[], Bytes::from_static(b"{\"error\":\"refused\"}")))
         }
     }
 }
@@ -397,6 +408,74 @@ async fn retried_requests_execute_once(api: &FakeApi, c: &Caller) {
     let reused = c.write("POST", "/pay/42/other", 6, Some("k1"), "{}").await;
     assert_eq!((reused.status, reused.code().as_str()), (422, "IdempotencyKeyReused"));
     assert_eq!(api.ledger().len(), before);
+}
+
+/// Idempotency records are kept per caller (a hash of its `Authorization`): another caller that
+/// sends the same key and body is its own request, never answered from the first caller's
+/// record; and a 401 or 403 from the API is passed on but not recorded, so whoever sends a
+/// request first without credentials cannot decide what the real caller's retry gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_reaches_only_its_caller_and_a_refused_caller_is_not_recorded() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_local(dir.path(), &routes(&api)).await;
+    let c = Caller::new(&fg);
+    let as_caller = |auth: &'static str| {
+        let c = c.clone();
+        async move {
+            let headers = [("fencing-token", "5"), ("authorization", auth), ("idempotency-key", "same")];
+            c.send("POST", "/pay/7/charges", &headers, "{\"amount\":1}").await
+        }
+    };
+    let alice = as_caller("Bearer alice").await;
+    assert_eq!(alice.status, 201);
+    let mallory = as_caller("Bearer mallory").await;
+    assert_eq!(mallory.status, 201);
+    assert_eq!(mallory.header("idempotent-replayed"), None, "not alice's recorded answer");
+    assert_eq!(api.received("/v1/payments/7/charges").len(), 2, "each caller's request is its own");
+    let again = as_caller("Bearer alice").await;
+    assert_eq!((again.status, again.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(api.received("/v1/payments/7/charges").len(), 2);
+
+    api.script("/v1/payments/8/charges", Script::Refuse(StatusCode::UNAUTHORIZED));
+    let headers = [("fencing-token", "5"), ("authorization", "Bearer alice"), ("idempotency-key", "k8")];
+    let refused = c.send("POST", "/pay/8/charges", &headers, "{}").await;
+    assert_eq!(refused.status, 401, "the API's refusal is passed on");
+    let retried = c.send("POST", "/pay/8/charges", &headers, "{}").await;
+    assert_eq!((retried.status, retried.header("idempotent-replayed")), (201, None), "the retry executes");
+    assert_eq!(api.received("/v1/payments/8/charges").len(), 2);
+}
+
+/// A route holds at most `routes.buffered_bytes_max` of request bodies at once: beyond, 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_buffers_a_bounded_number_of_bodies() {
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let route = format!(
+        "[[routes]]\nprefix = \"/pay/\"\nupstream = \"{}\"\nresource = \"payment:{{1}}\"\nmode = \"idempotency-key\"\n\
+         advance = \"write\"\nbody_bytes_max = 1024\nbuffered_bytes_max = 2048\n",
+        api.url("http", "/v1/payments/")
+    );
+    let fg = Fencegate::start_local(dir.path(), &route).await;
+    let c = Caller::new(&fg);
+    // Two calls the API holds take the whole budget; a third is refused at once.
+    api.script("/v1/payments/1/a", Script::StallThenExecute(Duration::from_millis(1500)));
+    api.script("/v1/payments/1/b", Script::StallThenExecute(Duration::from_millis(1500)));
+    let (c1, c2) = (c.clone(), c.clone());
+    let a = tokio::spawn(async move { c1.write("POST", "/pay/1/a", 5, Some("a"), "{}").await });
+    let b = tokio::spawn(async move { c2.write("POST", "/pay/1/b", 5, Some("b"), "{}").await });
+    let mut third = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if api.scripts_left() == 0 {
+            third = Some(c.write("POST", "/pay/1/c", 5, Some("c"), "{}").await);
+            break;
+        }
+    }
+    let third = third.expect("both held calls reached the API");
+    assert_eq!((third.status, third.code().as_str()), (503, "SlowDown"));
+    assert_eq!((a.await.unwrap().status, b.await.unwrap().status), (201, 201));
+    assert_eq!(c.write("POST", "/pay/1/c", 5, Some("c"), "{}").await.status, 201, "room again once they ended");
 }
 
 /// While the first request is still in flight a duplicate gets 409 (and does not execute);

@@ -37,6 +37,8 @@ pub enum GatewayError {
     DrainTimeout { waited_ms: u64 },
     #[error("{max} writes are already in flight on the resource; retry")]
     TooManyInflight { max: usize },
+    #[error("this route holds as many request bodies as routes.buffered_bytes_max allows; retry")]
+    BufferFull,
     #[error("the body is larger than routes.body_bytes_max ({max} bytes)")]
     BodyTooLarge { max: usize },
     #[error("the client's body ended early or failed; nothing was forwarded complete")]
@@ -121,6 +123,7 @@ impl GatewayError {
             Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
             Self::DrainTimeout { .. } => (S::SERVICE_UNAVAILABLE, "FencingDrainTimeout"),
             Self::TooManyInflight { .. } => (S::SERVICE_UNAVAILABLE, "TooManyInflightWrites"),
+            Self::BufferFull => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "RequestTooLarge"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
             Self::InvalidIdempotencyKey { .. } => (S::BAD_REQUEST, "InvalidIdempotencyKey"),

@@ -281,17 +281,24 @@ impl Gateway {
             Decision::Stale { current } => Some(current),
             _ => None,
         };
+        // Records are kept per caller: a replay reaches only the caller that made the request.
+        let caller = route.caller(&parts.headers);
+        let record_key =
+            |request_id: &str| IdempotencyKey::new(resource.clone(), format!("{caller}\n{request_id}").as_bytes());
         if let (Some(current), Some(client_key)) = (stale, &client_key) {
-            let key = IdempotencyKey::new(resource.clone(), client_key.as_bytes());
+            let key = record_key(client_key);
             if self.store_call(store.idempotency_get(&key, now_ms)).await?.is_none() {
                 return Err(GatewayError::Stale { presented: token, current });
             }
         }
+        // The body is held whole until the call ends: bounded per route across requests.
+        let reserve = u32::try_from(route.body_bytes_max).unwrap_or(u32::MAX);
+        let _buffered = route.buffered.clone().try_acquire_many_owned(reserve).map_err(|_| GatewayError::BufferFull)?;
         let body = read_body(body, route.body_bytes_max).await?;
         let path_and_query = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
         let fingerprint = fingerprint(&[parts.method.as_str().as_bytes(), path_and_query.as_bytes(), &body]);
         let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());
-        let key = IdempotencyKey::new(resource.clone(), request_id.as_bytes());
+        let key = record_key(request_id);
         if let Some(current) = stale {
             return match self.store_call(store.idempotency_get(&key, now_ms)).await? {
                 Some(record) => self.answer_from(route, &record, &fingerprint, now_ms),

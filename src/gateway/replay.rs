@@ -38,9 +38,17 @@ pub fn judge<'r>(
 }
 
 /// Whether a response is kept for replay. 429 and 503 say the API did not do the work and the
-/// client should come back: recording them would turn a short outage into a long one.
+/// client should come back: recording them would turn a short outage into a long one. 401 and
+/// 403 say the caller was not allowed: recording them would let whoever sends a request first,
+/// without credentials, decide what the real caller's retry is answered.
 pub fn is_recorded(status: StatusCode) -> bool {
-    status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE
+    !matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::UNAUTHORIZED
+            | StatusCode::FORBIDDEN
+    )
 }
 
 /// The record of a response head and (if it was kept) its body. Header values that are not
@@ -168,5 +176,6 @@ mod tests {
         assert_eq!(resp.headers()[REPLAYED_HEADER], "true");
         assert_eq!(resp.into_body().bytes().unwrap(), Bytes::from_static(b"{\"id\":1}"));
         assert!(!is_recorded(StatusCode::SERVICE_UNAVAILABLE) && is_recorded(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(!is_recorded(StatusCode::UNAUTHORIZED) && !is_recorded(StatusCode::FORBIDDEN));
     }
 }

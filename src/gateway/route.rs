@@ -28,6 +28,10 @@ pub struct Route {
     pub retention_ms: u64,
     /// Whether a write through this route may raise a fence (`routes.advance`).
     pub writes_advance: bool,
+    /// Bytes of request bodies this route may hold at once (`routes.buffered_bytes_max`).
+    pub buffered: Arc<tokio::sync::Semaphore>,
+    /// The header naming the caller (`routes.caller_header`).
+    pub caller_header: http::HeaderName,
 }
 
 impl Route {
@@ -43,7 +47,18 @@ impl Route {
             response_bytes_max: config.response_bytes_max,
             retention_ms: config.idempotency_retention_ms,
             writes_advance: config.advance.writes_advance(),
+            buffered: Arc::new(tokio::sync::Semaphore::new(config.buffered_bytes_max)),
+            caller_header: http::HeaderName::from_bytes(config.caller_header.as_bytes())
+                .map_err(|e| format!("routes.caller_header {:?}: {e}", config.caller_header))?,
         })
+    }
+
+    /// Who is calling, for the idempotency record's key: a hash of the caller header's value
+    /// (empty without one: every anonymous caller shares one scope).
+    pub fn caller(&self, headers: &http::HeaderMap) -> String {
+        use sha2::Digest;
+        let value = headers.get(&self.caller_header).map_or(&b""[..], |v| v.as_bytes());
+        sha2::Sha256::digest(value).iter().map(|b| format!("{b:02x}")).collect()
     }
 
     pub fn mode_name(&self) -> &'static str {
@@ -160,6 +175,8 @@ mod tests {
             request_timeout_ms: 1,
             body_bytes_max: 1,
             response_bytes_max: 1,
+            buffered_bytes_max: 1,
+            caller_header: "authorization".into(),
             ca_cert_path: None,
         };
         Route::new(&config, Arc::new(ApiClient::new(None, Duration::from_secs(1), 1).unwrap())).unwrap()
