@@ -206,6 +206,41 @@ pub fn spawn_redis(binary: &Path, dir: &Path) -> anyhow::Result<(Proc, SocketAdd
     Ok((proc, addr))
 }
 
+/// The environment that points fencegate at an etcd fence store.
+pub fn etcd_store_env(etcd: SocketAddr) -> Vec<(&'static str, String)> {
+    vec![("FENCEGATE_STORE__KIND", "etcd".into()), ("FENCEGATE_STORE__ENDPOINTS", format!("[\"http://{etcd}\"]"))]
+}
+
+/// The etcd binary (Debian's `etcd-server`), if installed.
+pub fn find_etcd() -> Option<PathBuf> {
+    ["/usr/bin/etcd", "/usr/local/bin/etcd"].iter().map(PathBuf::from).find(|p| p.is_file())
+}
+
+/// Starts a one-member etcd on 127.0.0.1 with its data (write-ahead log fsynced on every
+/// commit) in `dir`.
+pub fn spawn_etcd(binary: &Path, dir: &Path) -> anyhow::Result<(Proc, SocketAddr)> {
+    std::fs::create_dir_all(dir)?;
+    let (port, peer) = (free_port()?, free_port()?);
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let (client, peer) = (format!("http://{addr}"), format!("http://127.0.0.1:{peer}"));
+    let log = dir.join("etcd.log");
+    let child = Command::new(binary)
+        .args(["--name", "bench", "--listen-client-urls", &client, "--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", &format!("bench={peer}"), "--logger", "zap", "--log-level", "error"])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--log-outputs")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting etcd")?;
+    let mut proc = Proc { child, graceful_signal: None };
+    wait_listening(&mut proc, addr, &log).context("etcd")?;
+    Ok((proc, addr))
+}
+
 /// Waits until `addr` accepts connections, or the process exits (its log in the error).
 fn wait_listening(proc: &mut Proc, addr: SocketAddr, log: &Path) -> anyhow::Result<()> {
     let until = std::time::Instant::now() + READY_TIMEOUT;

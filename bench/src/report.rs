@@ -173,6 +173,7 @@ fn colour(path: &str) -> &'static str {
         "nginx" => "#3498db",
         "fencegate" => "#e67e22",
         "fencegate (redis store)" => "#8e44ad",
+        "fencegate (etcd store)" => "#16a085",
         _ => "#27ae60",
     }
 }

@@ -86,6 +86,9 @@ pub struct RunArgs {
     /// Skip the Redis fence store runs.
     #[arg(long)]
     no_redis: bool,
+    /// Skip the etcd fence store runs (they need a fencegate built with `--features etcd`).
+    #[arg(long)]
+    no_etcd: bool,
     /// Skip the 1k / 1M fence lookup comparison.
     #[arg(long)]
     no_lookup: bool,
@@ -123,6 +126,8 @@ struct Ctx {
     streams: Vec<(Method, StreamReport)>,
     /// Why the Redis store was not measured.
     redis_missing: Option<String>,
+    /// Why the etcd store was not measured.
+    etcd_missing: Option<String>,
     lookups: Vec<(u64, f64)>,
 }
 
@@ -175,6 +180,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         large: Vec::new(),
         streams: Vec::new(),
         redis_missing: None,
+        etcd_missing: None,
         lookups: Vec::new(),
         args,
     };
@@ -233,7 +239,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 
     if !ctx.args.no_redis {
-        redis_runs(&mut ctx, tmp.path(), upstream_addr).await?;
+        ctx.redis_missing = shared_store_runs(&mut ctx, tmp.path(), upstream_addr, SharedStore::Redis).await?;
+    }
+    if !ctx.args.no_etcd {
+        ctx.etcd_missing = shared_store_runs(&mut ctx, tmp.path(), upstream_addr, SharedStore::Etcd).await?;
     }
     if !ctx.args.no_lookup {
         lookup_runs(&mut ctx, tmp.path(), upstream_addr).await?;
@@ -486,33 +495,63 @@ fn stream_row(path: &str, method: &Method, size: u64, r: &StreamReport) -> Row {
     }
 }
 
-/// The same keep-alive runs on a fencegate whose fence store is Redis (fsync-always AOF).
-async fn redis_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow::Result<()> {
-    let Some(binary) = procs::find_redis() else {
-        ctx.redis_missing = Some("redis-server is not installed".into());
-        return Ok(());
+/// A fence store that runs as its own process.
+#[derive(Clone, Copy)]
+enum SharedStore {
+    /// fsync-always append-only file.
+    Redis,
+    /// One member, its write-ahead log fsynced on every commit.
+    Etcd,
+}
+
+impl SharedStore {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Redis => "fencegate (redis store)",
+            Self::Etcd => "fencegate (etcd store)",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Redis => "redis",
+            Self::Etcd => "etcd",
+        }
+    }
+}
+
+/// The same keep-alive runs on a fencegate whose fence store is `store`. Returns why it was not
+/// measured, if it was not.
+async fn shared_store_runs(
+    ctx: &mut Ctx,
+    dir: &Path,
+    upstream: SocketAddr,
+    store: SharedStore,
+) -> anyhow::Result<Option<String>> {
+    let spawned = match store {
+        SharedStore::Redis => procs::find_redis()
+            .map(|binary| procs::spawn_redis(&binary, &dir.join("redis")).map(|(p, a)| (p, procs::redis_store_env(a)))),
+        SharedStore::Etcd => procs::find_etcd()
+            .map(|binary| procs::spawn_etcd(&binary, &dir.join("etcd")).map(|(p, a)| (p, procs::etcd_store_env(a)))),
     };
-    let (redis, redis_addr) = procs::spawn_redis(&binary, &dir.join("redis"))?;
-    let env = procs::redis_store_env(redis_addr);
-    let started =
-        procs::spawn_fencegate(&ctx.args.fencegate_bin, &dir.join("fg-redis"), upstream, &ctx.fencegate_env(&env));
+    let Some(spawned) = spawned else { return Ok(Some(format!("the store for {} is not installed", store.path()))) };
+    let (server, env) = spawned?;
+    let fg_dir = dir.join(format!("fg-{}", store.name()));
+    let started = procs::spawn_fencegate(&ctx.args.fencegate_bin, &fg_dir, upstream, &ctx.fencegate_env(&env));
     let (mut fencegate, fg) = match started {
         Ok(started) => started,
-        Err(e) => {
-            ctx.redis_missing = Some(format!("fencegate did not start on the Redis store: {e:#}"));
-            return Ok(());
-        }
+        Err(e) => return Ok(Some(format!("{} did not start: {e:#}", store.path()))),
     };
-    let path = Endpoint { name: "fencegate (redis store)", addr: fg.s3, pid: Some(fencegate.pid()) };
+    let path = Endpoint { name: store.path(), addr: fg.s3, pid: Some(fencegate.pid()) };
     for scenario in [Scenario::Accepted, Scenario::Advancing, Scenario::Stale] {
         keep_alive_run(ctx, scenario, &path).await?;
         if let Some(status) = fencegate.exited() {
-            anyhow::bail!("fencegate (redis store) exited ({status}) during {}", scenario.name());
+            anyhow::bail!("{} exited ({status}) during {}", store.path(), scenario.name());
         }
     }
     drop(fencegate);
-    drop(redis);
-    Ok(())
+    drop(server);
+    Ok(None)
 }
 
 /// Stale writes over uniformly picked resources, on a fresh fencegate whose store holds the
