@@ -28,6 +28,9 @@ pub struct ObjectId {
     pub key: String,
     #[serde(rename = "VersionId", default)]
     pub version_id: Option<String>,
+    /// The client's own condition on this key (S3's conditional delete): kept and forwarded.
+    #[serde(rename = "ETag", default)]
+    pub etag: Option<String>,
 }
 
 /// Reads and parses the request body. A broken body is the client's fault (400), and nothing
@@ -53,6 +56,11 @@ pub fn forwarded_body(objects: &[ObjectId], quiet: Option<bool>) -> Bytes {
             xml.push_str("<VersionId>");
             xml.push_str(&escape(v));
             xml.push_str("</VersionId>");
+        }
+        if let Some(e) = &o.etag {
+            xml.push_str("<ETag>");
+            xml.push_str(&escape(e));
+            xml.push_str("</ETag>");
         }
         xml.push_str("</Object>");
     }
@@ -146,7 +154,11 @@ mod tests {
 
     #[test]
     fn refused_keys_are_merged_into_the_result() {
-        let refused = vec![error_entry(&ObjectId { key: "x<y".into(), version_id: None }, "FencingTokenStale", "old")];
+        let refused = vec![error_entry(
+            &ObjectId { key: "x<y".into(), version_id: None, etag: None },
+            "FencingTokenStale",
+            "old",
+        )];
         let merged = merge(Some(b"<DeleteResult><Deleted><Key>a</Key></Deleted></DeleteResult>"), &refused).unwrap();
         assert_eq!(
             std::str::from_utf8(&merged).unwrap(),

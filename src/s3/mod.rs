@@ -322,12 +322,8 @@ impl Front {
         }
         self.wire.check_presigned(req.uri.query(), &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
-        if self.upstream.kind() == "local"
-            && target.key.as_deref().is_some_and(|k| k.starts_with('/') || k.contains("//"))
-        {
-            // Two names, one file: `a//b` would be fenced as its own resource while it
-            // overwrites `a/b`.
-            return Err(FrontError::EmptySegmentOnLocal);
+        if let Some(key) = target.key.as_deref() {
+            self.check_key(key)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
@@ -775,6 +771,10 @@ impl Front {
             Default::default();
         let mut refused = Vec::new();
         for object in parsed.objects {
+            if let Err(error) = self.check_key(&object.key) {
+                refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
+                continue;
+            }
             match self.wire.resource(&request.headers, &bucket, &object.key) {
                 Ok(resource) => by_resource.entry(resource).or_default().push(object),
                 Err(error) => refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string())),
@@ -814,7 +814,16 @@ impl Front {
                     key: Some(object.key.clone()),
                 };
                 let name = format!("{bucket}/{}", object.key);
-                let checked = self.object_state(&target, &name, true, &write).await;
+                let mut checked = self.object_state(&target, &name, true, &write).await;
+                if let (Ok(state), Some(etag)) = (&checked, &object.etag) {
+                    // The client's condition on this key, judged as on a single delete.
+                    let mut headers = HeaderMap::new();
+                    if let Ok(value) = HeaderValue::from_str(etag) {
+                        headers.insert(http::header::IF_MATCH, value);
+                    }
+                    let condition = ClientCondition::of(&headers);
+                    checked = self.client_condition(&condition, &target, &name, state.clone(), &write).await;
+                }
                 (object, checked)
             }
         }))
@@ -950,6 +959,20 @@ impl Front {
         if let Some(newer) = state.newer_stamp(admitted.token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
             return Err(FrontError::Stale { presented: admitted.token, current: newer });
+        }
+        Ok(())
+    }
+
+    /// Keys no upstream may see, wherever they are named (the path, a DeleteObjects body): dot
+    /// segments always; on the local upstream, which keeps objects as files, an empty segment
+    /// (`a//b`, `/a`, `a/b/`), which would be the same file as another key fenced as another
+    /// resource.
+    fn check_key(&self, key: &str) -> Result<(), FrontError> {
+        if key.split('/').any(|segment| segment == "." || segment == "..") {
+            return Err(FrontError::UnsafeKey);
+        }
+        if self.upstream.kind() == "local" && key.split('/').any(str::is_empty) {
+            return Err(FrontError::EmptySegmentOnLocal);
         }
         Ok(())
     }

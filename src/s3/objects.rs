@@ -72,14 +72,14 @@ impl ClientCondition {
         if let Some(wanted) = &self.if_match {
             match state {
                 ObjectState::Absent => return Some(ConditionFailed::NoSuchKey),
-                ObjectState::Present { etag, .. } if !etag_listed(wanted, etag) => {
+                ObjectState::Present { etag, .. } if !etag_listed(wanted, etag, Comparison::Strong) => {
                     return Some(ConditionFailed::Precondition);
                 }
                 ObjectState::Present { .. } => {}
             }
         }
         if let (Some(unwanted), ObjectState::Present { etag, .. }) = (&self.if_none_match, state)
-            && etag_listed(unwanted, etag)
+            && etag_listed(unwanted, etag, Comparison::Weak)
         {
             return Some(ConditionFailed::Precondition);
         }
@@ -87,11 +87,23 @@ impl ClientCondition {
     }
 }
 
-/// Whether `etag` is in the header's list (`*` is every ETag); quotes and weak markers aside.
-fn etag_listed(list: &HeaderValue, etag: &HeaderValue) -> bool {
+/// RFC 9110, 8.8.3.2: `If-Match` compares strongly (a weak tag never matches), `If-None-Match`
+/// weakly.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Comparison {
+    Strong,
+    Weak,
+}
+
+/// Whether `etag` is in the header's list (`*` is every ETag). Quotes are optional, as S3
+/// takes them.
+fn etag_listed(list: &HeaderValue, etag: &HeaderValue, comparison: Comparison) -> bool {
     let bare = |s: &str| s.trim().trim_start_matches("W/").trim_matches('"').to_owned();
     let etag = bare(etag.to_str().unwrap_or(""));
-    list.to_str().unwrap_or("").split(',').any(|item| item.trim() == "*" || bare(item) == etag)
+    list.to_str().unwrap_or("").split(',').any(|item| {
+        let item = item.trim();
+        item == "*" || (bare(item) == etag && (comparison == Comparison::Weak || !item.starts_with("W/")))
+    })
 }
 
 /// A bounded map of the ETags fencegate last saw per object.
@@ -173,6 +185,11 @@ mod tests {
         assert_eq!(cond(http::header::IF_MATCH, "\"other\"").failure(&present), Some(ConditionFailed::Precondition));
         assert_eq!(swap.failure(&ObjectState::Absent), Some(ConditionFailed::NoSuchKey));
         assert_eq!(cond(http::header::IF_MATCH, "*").failure(&present), None);
+        assert_eq!(cond(http::header::IF_MATCH, "W/\"abc\"").failure(&present), Some(ConditionFailed::Precondition));
+        assert_eq!(
+            cond(http::header::IF_NONE_MATCH, "W/\"abc\"").failure(&present),
+            Some(ConditionFailed::Precondition)
+        );
         assert!(ClientCondition::of(&http::HeaderMap::new()).is_none());
     }
 }

@@ -115,10 +115,13 @@ impl Presign {
                 }
             }
         }
-        Ok(if v4 {
-            Some(Self::V4 { signed })
-        } else if v2 {
+        // The signature library checks a SigV2 `Signature` first, and a SigV2 signature covers
+        // no other query parameter: with both present, the request is SigV2 and an
+        // `X-Amz-SignedHeaders` beside it is the URL holder's word, not the signer's.
+        Ok(if v2 {
             Some(Self::V2)
+        } else if v4 {
+            Some(Self::V4 { signed })
         } else {
             None
         })
@@ -185,6 +188,10 @@ mod tests {
         assert!(c.check_presigned(Some(v2), &token).is_err());
         assert!(c.check_presigned(Some(v2), &resource).is_err());
         assert!(c.check_presigned(Some(v2), &metadata).is_ok());
+        // A SigV2 URL with SigV4 parameters appended by its holder is still SigV2.
+        let mixed =
+            "AWSAccessKeyId=k&Signature=ab&Expires=1&X-Amz-Signature=00&X-Amz-SignedHeaders=host%3Bfencing-token";
+        assert!(c.check_presigned(Some(mixed), &token).is_err());
         let v2_far = "AWSAccessKeyId=k&Signature=ab&Expires=99999999999";
         assert!(matches!(c.check_presigned(Some(v2_far), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
     }

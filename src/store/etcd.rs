@@ -615,6 +615,12 @@ impl RegistryCalls for EtcdCalls {
             }
             attempts.again()?;
         };
+        // The registrations withdrawn in this admission's transaction: their etcd leases go too.
+        for old in withdraw {
+            if let Some(id) = self.leases.lock().expect("leases lock").remove(&(resource.clone(), old.id)) {
+                revoke_in_background(&self.client, id);
+            }
+        }
         if let Some(lease) = granted {
             let registered = matches!(answer, SharedAdmit::Admitted { .. });
             let previous = member.filter(|_| registered).and_then(|member| {

@@ -249,14 +249,16 @@ impl Changes {
     /// connection (a `WAIT` counts the writes of its own connection only, so it cannot be sent
     /// apart: after a reconnect it would count nothing). The script is loaded in the same
     /// pipeline, so a Redis that does not know it yet (just promoted) costs no second `WAIT`.
-    /// `wrote` tells from the answer whether the script changed anything; a change that fewer
-    /// replicas confirmed than asked fails closed: a failover now could lose it.
+    /// `claims` tells from the answer whether it tells the caller something a failover must
+    /// not lose (an admission, a fence, a grant), whether or not this call changed it: a retry
+    /// of a change that an earlier call made but fewer replicas confirmed still finds it
+    /// unconfirmed. Such an answer that fewer replicas confirmed than asked fails closed.
     async fn run<T: redis::FromRedisValue>(
         &self,
         shared: &Connection,
         script: &Script,
         inv: &redis::ScriptInvocation<'_>,
-        wrote: impl FnOnce(&T) -> bool,
+        claims: impl FnOnce(&T) -> bool,
     ) -> Result<T, StoreError> {
         let Some(wait) = self.wait.filter(|_| !self.waiting.is_empty()) else {
             return shared.invoke(inv).await.map_err(backend);
@@ -265,7 +267,7 @@ impl Changes {
         let mut pipe = redis::pipe();
         pipe.load_script(script).invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
         let (_sha, answer, confirmed): (String, T, u32) = connection.pipeline(&pipe).await.map_err(backend)?;
-        if wrote(&answer) && confirmed < wait.replicas {
+        if claims(&answer) && confirmed < wait.replicas {
             metrics::store_wait_failed();
             let detail = format!(
                 "{confirmed} of the {} Redis replicas asked for (store.wait_replicas) confirmed a change within {} ms",
@@ -406,11 +408,10 @@ impl RegistryCalls for RedisCalls {
         for old in withdraw {
             inv.arg(member_of(&self.replica_id, *old));
         }
-        let registering = member.is_some();
         let (outcome, advanced, value, repaired, had): (String, i64, String, i64, String) = self
             .changes
-            .run(&self.connection, &self.admit, &inv, |(outcome, advanced, _, repaired, _)| {
-                *advanced == 1 || *repaired == 1 || (registering && outcome == "ok")
+            .run(&self.connection, &self.admit, &inv, |(outcome, ..): &(String, i64, String, i64, String)| {
+                outcome == "ok"
             })
             .await?;
         let advanced = advanced == 1;
@@ -520,7 +521,7 @@ impl FenceStore for RedisStore {
         let mut inv = self.advance.key(key(resource, "fence"));
         inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
         let (advanced, previous): (i64, String) =
-            self.changes.run(&self.connection, &self.advance, &inv, |(advanced, _)| *advanced == 1).await?;
+            self.changes.run(&self.connection, &self.advance, &inv, |_| true).await?;
         let previous = parse_token(&previous)?;
         Ok(match (advanced, previous) {
             (1, previous) => AdvanceOutcome::Advanced { previous },
@@ -547,7 +548,8 @@ impl FenceStore for RedisStore {
         inv.key(key(resource, "lease"));
         inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
         inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
-        let granted = |reply: &Vec<Value>| reply.first().map(as_string).as_deref() == Some("granted");
+        let granted =
+            |reply: &Vec<Value>| matches!(reply.first().map(as_string).as_deref(), Some("granted" | "renewed"));
         let reply: Vec<Value> = match self.changes.run(&self.connection, &self.lease, &inv, granted).await {
             Ok(reply) => reply,
             Err(e) => {

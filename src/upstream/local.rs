@@ -62,7 +62,7 @@ impl LocalUpstream {
         let delete = *req.method() == Method::DELETE;
         let conditional = req.headers().contains_key(http::header::IF_MATCH)
             || req.headers().contains_key(http::header::IF_NONE_MATCH);
-        if !(copy || delete) || !conditional || !query.is_empty() {
+        if !(copy || delete) || !conditional || names_sub_resource(Some(query)) {
             return Ok(None); // part copies, version or upload ids, sub-resources: as s3s-fs does
         }
         let head = http::Request::builder()
@@ -97,6 +97,17 @@ impl LocalUpstream {
     }
 }
 
+/// Whether a query names something other than the object or bucket itself (a version, an
+/// upload, a sub-resource such as `?tagging` or `?cors`). SDKs add `x-id=<Operation>`, which
+/// names nothing.
+fn names_sub_resource(query: Option<&str>) -> bool {
+    query.is_some_and(|q| {
+        q.split('&')
+            .filter(|pair| !pair.is_empty())
+            .any(|pair| pair.split('=').next().is_some_and(|name| name != "x-id"))
+    })
+}
+
 /// Whether a bucket's directory holds any file (an object), at any depth.
 async fn holds_objects(dir: std::path::PathBuf) -> bool {
     fn walk(dir: &Path) -> bool {
@@ -125,7 +136,7 @@ impl Upstream for LocalUpstream {
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
         let deletes_bucket =
-            *req.method() == Method::DELETE && key.is_empty() && req.uri().query().is_none_or(str::is_empty);
+            *req.method() == Method::DELETE && key.is_empty() && !names_sub_resource(req.uri().query());
         if addresses_bucket && deletes_bucket && holds_objects(self.root.join(bucket)).await {
             // s3s-fs would remove the directory and every object in it; S3 refuses.
             let error = s3s::S3Error::with_message(
@@ -135,7 +146,9 @@ impl Upstream for LocalUpstream {
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
         let _object_lock = if is_object_write {
-            let stripe = self.hasher.hash_one(req.uri().path()) as usize % OBJECT_LOCK_STRIPES;
+            // By the decoded path: `/b/k` and `/b/%6B` are one object.
+            let object = crate::percent::decode(req.uri().path()).unwrap_or_else(|| req.uri().path().to_owned());
+            let stripe = self.hasher.hash_one(object) as usize % OBJECT_LOCK_STRIPES;
             Some(self.object_locks[stripe].lock().await)
         } else {
             None

@@ -276,7 +276,8 @@ def test_delete_objects_checks_each_key(fg, bucket):
 
 
 def test_presigned_put(fg, bucket):
-    """Presigned URLs work; the token rides as a header (signed metadata or plain Fencing-Token)."""
+    """Presigned URLs work; the token rides as signed metadata (a `Fencing-Token` header the
+    signature does not cover counts for nothing: 400)."""
     import requests
 
     signer = fg.client()
@@ -287,11 +288,17 @@ def test_presigned_put(fg, bucket):
     r = requests.put(url_12, data=b"B via presigned", headers={"x-amz-meta-fencing-token": "12"}, timeout=30)
     assert r.status_code == 200, r.text
 
-    url = signer.generate_presigned_url("put_object", Params={"Bucket": bucket, "Key": "pre"}, ExpiresIn=300)
-    r = requests.put(url, data=b"A late", headers={"Fencing-Token": "11"}, timeout=30)
+    url_11 = signer.generate_presigned_url(
+        "put_object", Params={"Bucket": bucket, "Key": "pre", "Metadata": {"fencing-token": "11"}},
+        ExpiresIn=300,
+    )
+    r = requests.put(url_11, data=b"A late", headers={"x-amz-meta-fencing-token": "11"}, timeout=30)
     assert r.status_code == 409, r.text
     assert "FencingTokenStale" in r.text
     assert r.headers.get("Fencing-Token-Current") == "12"
+    url = signer.generate_presigned_url("put_object", Params={"Bucket": bucket, "Key": "pre"}, ExpiresIn=300)
+    r = requests.put(url, data=b"A late", headers={"Fencing-Token": "13"}, timeout=30)
+    assert r.status_code == 400 and "InvalidFencingToken" in r.text, r.text
     r = requests.put(url, data=b"no token", timeout=30)
     assert r.status_code == 428, r.text
     assert read_object(fg.client(), bucket, "pre") == b"B via presigned"

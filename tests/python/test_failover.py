@@ -916,3 +916,19 @@ def test_wait_replicas_answers_every_write_and_grant_while_replication_flows(clu
         p99 = samples[math.ceil(0.99 * len(samples)) - 1]
         LATENCY[(kind, w)] = (len(samples), statistics.median(samples) * 1000, p99 * 1000, bad[(kind, w)],
                               wait_failures(fgs[w]) if w else "-", "every one" if w else "-")
+
+
+def test_wait_replicas_a_retried_registration_is_not_answered_until_confirmed(cluster):
+    """A registration refused for want of a replica left its fence on the primary: sent again,
+    it changes nothing there, but its answer still says "the fence is 7", so it still waits for
+    the replica (found by an adversarial review: it used to answer 200 the second time, and a
+    failover then let token 6 commit)."""
+    start, bucket, moto, failover = cluster
+    a = start("a", wait_replicas=1)
+    assert a.put_fence("job:wait-retry", 5).status_code == 200
+    failover.settle_and_freeze(["job:wait-retry"])
+    for attempt in range(2):
+        r = a.put_fence("job:wait-retry", 7)
+        assert r.status_code == 503, (attempt, r.status_code, r.text)
+    assert failover.primary.call("GET", fence_key("job:wait-retry")) == "7"
+    assert failover.replica.call("GET", fence_key("job:wait-retry")) == "5"

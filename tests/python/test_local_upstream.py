@@ -68,3 +68,61 @@ def test_an_empty_fence_store_file_is_refused_at_start(fencegate):
     assert p.returncode != 0
     assert "fences.redb" in p.stderr and "not one fencegate wrote" in p.stderr and "empty" in p.stderr, p.stderr
     assert store.stat().st_size == 0, "the file was left as it was"
+
+
+@pytest.mark.parametrize("key", ["a/b/", "a/b//"])
+def test_a_trailing_slash_cannot_alias_a_fenced_object(fencegate, key):
+    """`a/b/` is the file of `a/b` on the local upstream: refused on every write path, copy
+    and multipart completion included (found by an adversarial review)."""
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="bkt")
+    fg.client(token=10).put_object(Bucket="bkt", Key="a/b", Body=b"ten")
+    stale = fg.client(token=3)
+    with pytest.raises(ClientError) as put:
+        stale.put_object(Bucket="bkt", Key=key, Body=b"stale")
+    with pytest.raises(ClientError) as copy:
+        stale.copy_object(Bucket="bkt", Key=key, CopySource={"Bucket": "bkt", "Key": "a/b"})
+    with pytest.raises(ClientError) as upload:
+        stale.create_multipart_upload(Bucket="bkt", Key=key)
+    for refused in (put, copy, upload):
+        assert refused.value.response["Error"]["Code"] == "InvalidArgument"
+    assert _stamp_and_body(fg, "bkt", "a/b") == ("10", b"ten")
+
+
+def test_delete_objects_keys_are_checked_like_path_keys(fencegate):
+    """DeleteObjects names its keys in its body: `a//b`, `a/./b` and `../other/victim` are
+    refused per key there too, and nothing outside the named keys is deleted."""
+    fg = fencegate()
+    c = fg.client()
+    for bucket in ("bkt", "other"):
+        c.create_bucket(Bucket=bucket)
+    fg.client(token=10).put_object(Bucket="bkt", Key="a/b", Body=b"ten")
+    fg.client(token=1).put_object(Bucket="other", Key="victim", Body=b"v")
+    result = fg.client(token=3).delete_objects(Bucket="bkt", Delete={"Objects": [
+        {"Key": "a//b"}, {"Key": "a/./b"}, {"Key": "../other/victim"}]})
+    assert result.get("Deleted", []) == [], result
+    assert sorted(e["Key"] for e in result["Errors"]) == ["../other/victim", "a/./b", "a//b"]
+    assert {e["Code"] for e in result["Errors"]} == {"InvalidArgument"}
+    assert _stamp_and_body(fg, "bkt", "a/b") == ("10", b"ten")
+    assert c.get_object(Bucket="other", Key="victim")["Body"].read() == b"v"
+
+
+def test_delete_bucket_with_a_query_keeps_a_non_empty_bucket(fencegate):
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="keep2")
+    fg.client(token=1).put_object(Bucket="keep2", Key="obj", Body=b"x")
+    r = signed_raw_request(fg, "DELETE", "/keep2?x-id=DeleteBucket")
+    assert r.status == 409 and b"BucketNotEmpty" in r.body, (r.status, r.body)
+    assert fg.client().get_object(Bucket="keep2", Key="obj")["Body"].read() == b"x"
+
+
+def test_an_sdk_query_does_not_turn_off_the_local_preconditions(fencegate):
+    """aws-sdk-rust adds `?x-id=<Operation>`; the local upstream still enforces If-Match on
+    copies and deletes then."""
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="bkt")
+    fg.client(token=1).put_object(Bucket="bkt", Key="k", Body=b"one")
+    r = signed_raw_request(fg, "DELETE", "/bkt/k?x-id=DeleteObject",
+                           headers={"Fencing-Token": "1", "If-Match": '"not-the-etag"'})
+    assert r.status == 412, (r.status, r.body)
+    assert fg.client().get_object(Bucket="bkt", Key="k")["Body"].read() == b"one"

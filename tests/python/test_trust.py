@@ -837,3 +837,15 @@ def test_serve_logs_the_risks_check_config_prints(fencegate):
     assert risk_lines(check_config(clean.config_path).stdout) == []
     assert warnings_of(clean) == [], warnings_of(clean)
     assert clean.admin("GET", "/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+def test_sigv4_parameters_appended_to_a_sigv2_url_do_not_sign_a_fencing_header(held, method):
+    """A SigV2 signature covers no other query parameter: the holder of a SigV2 URL who appends
+    `X-Amz-Signature` and an `X-Amz-SignedHeaders` naming `fencing-token` is still SigV2, and
+    the header does not count (found by an adversarial review: it moved the fence to 2^64-1)."""
+    fg = held
+    url = presign_v2(fg, method, "held") + "&X-Amz-Signature=00&X-Amz-SignedHeaders=host%3Bfencing-token%3Bfencing-resource"
+    resp = send(method, url, {"Fencing-Token": str(2**64 - 1)}, b"attacker" if method == "PUT" else b"")
+    assert (resp.status_code, s3_code(resp)) == (400, "InvalidFencingToken"), resp.text
+    assert fence_of(fg, f"{BUCKET}/held") == 5
