@@ -591,7 +591,21 @@ async fn an_older_body_still_streaming_is_cut_off_by_a_newer_token() {
     let head = "POST /hook/6 HTTP/1.1\r\nhost: x\r\nfencing-token: 1\r\ncontent-length: 1000\r\n\r\n";
     slow.write_all(head.as_bytes()).await.unwrap();
     slow.write_all(&[b'a'; 400]).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The older write is admitted (its token is the fence) and streaming before the newer one
+    // comes: its 409 below can then only be a cut-off, not a refusal at admission.
+    let admin: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut admitted = false;
+    for _ in 0..250 {
+        let uri: http::Uri = format!("http://{}/v1/fences/hook:6", fg.admin).parse().unwrap();
+        let resp = admin.get(uri).await.unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        if body.as_ref() == br#"{"resource":"hook:6","token":1}"# {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(admitted, "the older write was admitted");
 
     let new = c.write("POST", "/hook/6", 2, None, "new").await;
     assert_eq!(new.status, 201);
