@@ -58,7 +58,9 @@ impl App {
         let store: Arc<dyn FenceStore> = match config.store.kind {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
-                Arc::new(EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?)
+                let store = EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?;
+                store.set_idempotency_records_max(config.store.idempotency_records_max);
+                Arc::new(store)
             }
             StoreKind::Redis => {
                 let urls = match &config.store.url {

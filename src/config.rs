@@ -112,6 +112,10 @@ pub struct StoreConfig {
     /// Seed nodes of a Redis Cluster, instead of `url`.
     #[serde(default)]
     pub cluster_urls: Vec<String>,
+    /// Embedded store: idempotency records kept at most (the API gateway's); beyond, those that
+    /// expire first are dropped, so route traffic cannot fill the disk under the fences.
+    #[serde(default = "defaults::store_idempotency_records_max")]
+    pub idempotency_records_max: usize,
     /// Redis: after every change of a fence, a grant or a registration, wait until this many
     /// Redis replicas have it (`WAIT`), and fail closed (503) when fewer confirm within
     /// `wait_timeout_ms`. 0: do not wait.
@@ -431,6 +435,9 @@ mod defaults {
     }
     pub fn store_timeout_ms() -> u64 {
         2_000
+    }
+    pub fn store_idempotency_records_max() -> usize {
+        crate::store::IDEMPOTENCY_RECORDS_MAX
     }
     pub fn store_wait_timeout_ms() -> u64 {
         500

@@ -99,6 +99,11 @@ pub fn store_rollback_repaired() {
     counter!("fencegate_store_rollbacks_repaired_total").increment(1);
 }
 
+/// Idempotency records dropped before their time (`store.idempotency_records_max`).
+pub fn idempotency_records_evicted(n: u64) {
+    counter!("fencegate_idempotency_records_evicted_total").increment(n);
+}
+
 /// A change fewer Redis replicas confirmed than `store.wait_replicas` asks (it failed closed).
 pub fn store_wait_failed() {
     counter!("fencegate_store_wait_failures_total").increment(1);

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -28,6 +28,9 @@ const IDEMPOTENCY_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::ne
 
 /// redb's page cache when none is configured (`store.cache_bytes_max`).
 pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Idempotency records kept at most when none is configured (`store.idempotency_records_max`).
+pub const IDEMPOTENCY_RECORDS_MAX: usize = 200_000;
 
 /// The database file inside `store.path`.
 pub const FILE_NAME: &str = "fences.redb";
@@ -126,6 +129,7 @@ pub struct EmbeddedStore {
     poisoned: Arc<AtomicBool>,
     /// Whether the last process that used the file shut down with no write in flight.
     opened_clean: bool,
+    records_max: Arc<AtomicUsize>,
 }
 
 /// Whether the database has the fences table (a fencegate store, not some other redb file).
@@ -175,12 +179,19 @@ impl EmbeddedStore {
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
         let (writes, queue) = mpsc::channel(WRITE_QUEUE_MAX);
-        let writer = Writer { db: db.clone(), poisoned: poisoned.clone() };
+        let records_max = Arc::new(AtomicUsize::new(IDEMPOTENCY_RECORDS_MAX));
+        let writer = Writer { db: db.clone(), poisoned: poisoned.clone(), records_max: records_max.clone() };
         std::thread::Builder::new()
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, writes, poisoned, opened_clean })
+        Ok(Self { db, writes, poisoned, opened_clean, records_max })
+    }
+
+    /// Bounds the idempotency records kept (`store.idempotency_records_max`): beyond, those that
+    /// expire first are dropped at the next claim.
+    pub fn set_idempotency_records_max(&self, max: usize) {
+        self.records_max.store(max, Ordering::Relaxed);
     }
 
     async fn submit<T>(
@@ -321,6 +332,8 @@ impl FenceStore for EmbeddedStore {
 struct Writer {
     db: Arc<Database>,
     poisoned: Arc<AtomicBool>,
+    /// `store.idempotency_records_max`.
+    records_max: Arc<AtomicUsize>,
 }
 
 impl Writer {
@@ -445,6 +458,17 @@ impl Writer {
             }
             if added > 0 {
                 sweep_expired(&mut records, &mut expiry, sweep_now_ms, SWEEP_PER_COMMIT_MIN.max(2 * added))?;
+                let max = self.records_max.load(Ordering::Relaxed) as u64;
+                let evicted = evict_beyond(&mut records, &mut expiry, max)?;
+                if evicted > 0 {
+                    crate::metrics::idempotency_records_evicted(evicted);
+                    tracing::warn!(
+                        evicted,
+                        max,
+                        "idempotency records beyond store.idempotency_records_max: the oldest were dropped early \
+                         (a retry of their request may execute again)"
+                    );
+                }
             }
         }
         txn.commit()?;
@@ -478,6 +502,31 @@ fn sweep_expired(
     Ok(swept)
 }
 
+/// Drops the records that expire first until at most `max` remain: the fence store's space for
+/// them is bounded, so a flood of route requests cannot fill the disk under the fences.
+fn evict_beyond(
+    records: &mut redb::Table<&str, (u64, &str, &[u8])>,
+    expiry: &mut redb::Table<(u64, &str), ()>,
+    max: u64,
+) -> Result<u64, redb::Error> {
+    use redb::ReadableTableMetadata;
+    let mut evicted = 0;
+    while records.len()? > max {
+        let Some((expires, name)) = expiry.first()?.map(|(k, _)| {
+            let (expires, name) = k.value();
+            (expires, name.to_owned())
+        }) else {
+            break;
+        };
+        expiry.remove((expires, name.as_str()))?;
+        if records.get(name.as_str())?.is_some_and(|v| v.value().0 == expires) {
+            records.remove(name.as_str())?;
+            evicted += 1;
+        }
+    }
+    Ok(evicted)
+}
+
 fn encode(record: &IdempotencyRecord) -> Vec<u8> {
     serde_json::to_vec(record).expect("an idempotency record serialises")
 }
@@ -491,6 +540,29 @@ mod tests {
     use super::*;
     use crate::fence::IdempotencyOutcome;
     use redb::ReadableTableMetadata;
+
+    #[tokio::test]
+    async fn idempotency_records_are_bounded_oldest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        store.set_idempotency_records_max(3);
+        let r = ResourceKey::new("r").unwrap();
+        for i in 0..5u64 {
+            let key = IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
+            let claim = record(&format!("c{i}"), 1_000_000 + i);
+            assert_eq!(store.idempotency_begin(&key, &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
+        }
+        let live = |i: u64| {
+            let store = &store;
+            let r = r.clone();
+            async move {
+                let key = IdempotencyKey::new(r, format!("req-{i}").as_bytes());
+                store.idempotency_get(&key, 1).await.unwrap().is_some()
+            }
+        };
+        assert!(!live(0).await && !live(1).await, "the two that expire first went");
+        assert!(live(2).await && live(3).await && live(4).await);
+    }
 
     #[tokio::test]
     async fn a_file_fencegate_cannot_prove_is_its_own_is_refused() {

@@ -8,7 +8,7 @@ mod redis;
 mod registrations;
 mod shared;
 
-pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, OpenError};
+pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, IDEMPOTENCY_RECORDS_MAX, OpenError};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
