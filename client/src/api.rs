@@ -145,7 +145,8 @@ impl LeaseClient {
         let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(IDLE_CONNECTIONS_MAX).build(https);
 
         let mut settings = SigningSettings::default();
-        // Signed like S3: the path as sent, `x-amz-content-sha256: UNSIGNED-PAYLOAD`.
+        // Signed like S3: the path as sent, `x-amz-content-sha256` the body's SHA-256 (fencegate
+        // takes its own endpoints with a signed body only).
         settings.percent_encoding_mode = PercentEncodingMode::Single;
         settings.uri_path_normalization_mode = UriPathNormalizationMode::Disabled;
         settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
@@ -246,7 +247,7 @@ impl LeaseClient {
             .uri(format!("{}{path}", self.base))
             .header(header::HOST, &self.authority)
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
+            .body(Full::new(body.clone()))
             .map_err(|e| invalid(&e))?;
         let params = v4::SigningParams::builder()
             .identity(&self.identity)
@@ -265,7 +266,7 @@ impl LeaseClient {
             .map_err(|e| invalid(&e))?;
         let uri = request.uri().to_string();
         let signable =
-            SignableRequest::new(request.method().as_str(), &uri, headers.into_iter(), SignableBody::UnsignedPayload)
+            SignableRequest::new(request.method().as_str(), &uri, headers.into_iter(), SignableBody::Bytes(&body))
                 .map_err(|e| invalid(&e))?;
         let (instructions, _signature) = sign(signable, &params).map_err(|e| invalid(&e))?.into_parts();
         instructions.apply_to_request_http1x(&mut request);

@@ -57,6 +57,16 @@ impl LeaseIds for RandomLeaseIds {
     }
 }
 
+/// Who calls fencegate's own endpoints.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    /// Signed by a credential with `role = "issuer"`.
+    pub issuer: bool,
+    /// Signed in its headers, body included (`x-amz-content-sha256` is the body's SHA-256): not
+    /// presigned, not `UNSIGNED-PAYLOAD`. The body names the token or the holder.
+    pub signed: bool,
+}
+
 pub struct LeaseService {
     gate: Arc<Gate>,
     clock: Arc<dyn Clock>,
@@ -100,8 +110,11 @@ enum LeaseError {
     Unavailable(String),
     #[error("leases and registrations need a credential with role = \"issuer\"; this one is a writer")]
     NotIssuer,
-    #[error("leases and registrations are signed in their headers: a presigned URL leaves the body unsigned")]
-    Presigned,
+    #[error(
+        "leases and registrations are signed in their headers with their body (x-amz-content-sha256: the body's \
+         SHA-256); a presigned URL or UNSIGNED-PAYLOAD leaves the body unsigned"
+    )]
+    UnsignedBody,
     #[error("no token was ever accepted for this resource")]
     NoSuchFence,
 }
@@ -115,20 +128,11 @@ impl LeaseService {
         path.starts_with(OWN_PREFIX)
     }
 
-    /// `issuer`: the request was signed by a credential with `role = "issuer"`; `presigned`:
-    /// by its query, which leaves the body (the token, the holder) unsigned, so it is refused.
-    pub async fn handle(
-        &self,
-        method: &Method,
-        path: &str,
-        body: Body,
-        issuer: bool,
-        presigned: bool,
-    ) -> S3Response<Body> {
-        let answer = if !issuer {
+    pub async fn handle(&self, method: &Method, path: &str, body: Body, caller: Caller) -> S3Response<Body> {
+        let answer = if !caller.issuer {
             Err(LeaseError::NotIssuer)
-        } else if presigned {
-            Err(LeaseError::Presigned)
+        } else if !caller.signed {
+            Err(LeaseError::UnsignedBody)
         } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
             self.register(method, resource, body).await
         } else {
@@ -264,7 +268,13 @@ async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, Leas
     let bytes = Limited::new(body, BODY_BYTES_MAX)
         .collect()
         .await
-        .map_err(|_| LeaseError::BadRequest(format!("the body must be a JSON object under {BODY_BYTES_MAX} bytes")))?
+        .map_err(|e| {
+            LeaseError::BadRequest(if e.is::<http_body_util::LengthLimitError>() {
+                format!("the body must be a JSON object under {BODY_BYTES_MAX} bytes")
+            } else {
+                "the body does not match its signed SHA-256 (x-amz-content-sha256), or ended early".into()
+            })
+        })?
         .to_bytes();
     serde_json::from_slice(&bytes).map_err(|e| LeaseError::BadRequest(format!("invalid JSON body: {e}")))
 }
@@ -284,7 +294,7 @@ fn lease_json(status: StatusCode, name: &ResourceKey, lease: &LeaseRecord) -> S3
 fn problem(error: &LeaseError) -> S3Response<Body> {
     let (status, code) = match error {
         LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
-        LeaseError::NotIssuer | LeaseError::Presigned => (StatusCode::FORBIDDEN, "AccessDenied"),
+        LeaseError::NotIssuer | LeaseError::UnsignedBody => (StatusCode::FORBIDDEN, "AccessDenied"),
         LeaseError::NoSuchFence => (StatusCode::NOT_FOUND, "NoSuchFence"),
         LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),

@@ -184,7 +184,15 @@ impl S3Route for FencegateRoute {
         if LeaseService::handles(req.uri.path()) {
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
             let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
-            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, issuer, presigned).await);
+            // The body names the token or the holder: it must be signed too (its SHA-256 in
+            // `x-amz-content-sha256`, which the signature covers and the library checks the
+            // body against), or whoever sees the request could resend it with another body.
+            let body_signed = req
+                .headers
+                .get("x-amz-content-sha256")
+                .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
+            let caller = crate::lease::Caller { issuer, signed: body_signed && !presigned };
+            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
         }
         // Detached: a client that disconnects does not end a write the upstream may still
         // commit (`fence::outcome`).

@@ -5,6 +5,7 @@ Everything here talks to 127.0.0.1 only, and every wait is bounded in time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -431,12 +432,15 @@ def sign_headers(
     headers: dict | None = None,
     access_key: str = ACCESS_KEY,
     secret_key: str = SECRET_KEY,
+    payload: bytes | None = None,
 ) -> list[tuple[str, str]]:
-    """Return the header list (Host first) of a SigV4-signed request with UNSIGNED-PAYLOAD.
+    """Return the header list (Host first) of a SigV4-signed request with UNSIGNED-PAYLOAD, or
+    with `payload`'s SHA-256 when given (fencegate's own endpoints take only signed bodies).
 
     `path` is sent and signed verbatim (it may hold a query string).
     """
-    hdrs = {"Host": f"{host}:{port}", "x-amz-content-sha256": "UNSIGNED-PAYLOAD"}
+    digest = "UNSIGNED-PAYLOAD" if payload is None else hashlib.sha256(payload).hexdigest()
+    hdrs = {"Host": f"{host}:{port}", "x-amz-content-sha256": digest}
     hdrs.update(headers or {})
     req = AWSRequest(method=method, url=f"http://{host}:{port}{path}", headers=hdrs)
     _S3PathSigV4(Credentials(access_key, secret_key), "s3", REGION).add_auth(req)
@@ -582,6 +586,8 @@ def signed_raw_request(
     h = dict(headers or {})
     if method in ("PUT", "POST") or body:
         h.setdefault("Content-Length", str(len(body)))
+    if path.startswith("/_fencegate/"):
+        sign_kw.setdefault("payload", body)
     hdrs = sign_headers(method, host, port, path, h, **sign_kw)
     return raw_request(fg.s3_addr, method, path, hdrs, body, timeout=timeout)
 

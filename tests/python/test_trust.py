@@ -849,3 +849,23 @@ def test_sigv4_parameters_appended_to_a_sigv2_url_do_not_sign_a_fencing_header(h
     resp = send(method, url, {"Fencing-Token": str(2**64 - 1)}, b"attacker" if method == "PUT" else b"")
     assert (resp.status_code, s3_code(resp)) == (400, "InvalidFencingToken"), resp.text
     assert fence_of(fg, f"{BUCKET}/held") == 5
+
+
+def test_an_unsigned_body_cannot_register_or_grant(fg):
+    """Before: an issuer's registration signed with `UNSIGNED-PAYLOAD` could be resent by anyone
+    who saw it with another body (2^64-1) while its signature was valid. Now fencegate's own
+    endpoints take a request only with its body signed (`x-amz-content-sha256` its SHA-256,
+    checked against the body): 403 `AccessDenied` otherwise, and a body that does not match the
+    signed hash is refused too."""
+    resource = "job:unsigned-body"
+    path = "/_fencegate/v1/fences/" + quote_resource(resource)
+    body = json.dumps({"token": MAX}).encode()
+    unsigned = signed_raw_request(fg, "PUT", path, {"Content-Type": "application/json"}, body, payload=None)
+    assert unsigned.status == 403 and json.loads(unsigned.body)["title"] == "AccessDenied", unsigned.body
+    # Signed for a token-7 body, sent with another: refused, nothing registered.
+    swapped = signed_raw_request(fg, "PUT", path, {"Content-Type": "application/json"},
+                                 body, payload=json.dumps({"token": 7}).encode())
+    assert swapped.status == 400 and b"signed SHA-256" in swapped.body, (swapped.status, swapped.body)
+    assert fence_of(fg, resource) is None
+    signed = own_call(fg, "PUT", path, {"token": 7})
+    assert signed.status == 200 and fence_of(fg, resource) == 7, signed.body

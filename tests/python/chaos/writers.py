@@ -56,7 +56,8 @@ def send(addr: tuple, method: str, path: str, headers: dict, body: bytes, mode: 
     h = dict(headers)
     if method in ("PUT", "POST"):
         h["Content-Length"] = str(len(body))
-    head = build_head(method, path, sign_headers(method, host, port, path, h))
+    payload = body if path.startswith(LEASE_PATH) else None  # fencegate's own endpoints: signed body
+    head = build_head(method, path, sign_headers(method, host, port, path, h, payload=payload))
     out = {"status": None, "error": None, "body_complete": False, "answer": b""}
     try:
         sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
