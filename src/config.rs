@@ -201,6 +201,9 @@ pub struct CredentialConfig {
     /// What requests signed with this credential may do.
     #[serde(default)]
     pub role: Role,
+    /// Where it may read and write: `"bucket"` or `"bucket/prefix"` entries; empty: everywhere.
+    #[serde(default)]
+    pub buckets: Vec<String>,
 }
 
 /// The credential shipped in `config/fencegate.toml` for development: public, so flagged.

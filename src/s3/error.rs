@@ -52,6 +52,8 @@ pub enum FrontError {
     UnsafeKey,
     #[error("At least one of the pre-conditions you specified did not hold")]
     ClientPrecondition,
+    #[error("this credential may not reach {0} (its [[credentials]] buckets)")]
+    OutOfScope(String),
     #[error("The specified key does not exist.")]
     ClientNoSuchKey,
     #[error(
@@ -143,6 +145,7 @@ impl FrontError {
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
             Self::UnsafeKey | Self::EmptySegmentOnLocal => (S::BAD_REQUEST, "InvalidArgument"),
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
+            Self::OutOfScope(_) => (S::FORBIDDEN, "AccessDenied"),
             Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),

@@ -220,6 +220,8 @@ pub struct Front {
     copy_by_read_and_put: bool,
     /// Whether a write may raise a fence (`fencing.advance`).
     writes_advance: bool,
+    /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
+    scopes: std::collections::HashMap<String, Scopes>,
 }
 
 /// What the handler knows of a request after classification.
@@ -279,6 +281,12 @@ impl Front {
             request_ids: RequestIds::new(),
             copy_by_read_and_put: false,
             writes_advance: config.fencing.advance.writes_advance(),
+            scopes: config
+                .credentials
+                .iter()
+                .filter(|c| !c.buckets.is_empty())
+                .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
+                .collect(),
         })
     }
 
@@ -332,6 +340,9 @@ impl Front {
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         if let Some(key) = target.key.as_deref() {
             self.check_key(key)?;
+        }
+        if let Some(scopes) = req.credentials.as_ref().and_then(|c| self.scopes.get(&c.access_key)) {
+            scopes.check(&req.method, &target, req.uri.query(), &req.headers)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
@@ -1235,6 +1246,66 @@ fn trailer_check(request: &Request) -> Option<TrailerCheck> {
 /// The stamp every object write carries (G4).
 fn stamp(headers: &mut HeaderMap, token: FenceToken) {
     headers.insert(METADATA_TOKEN_HEADER, HeaderValue::from(token.0));
+}
+
+/// Where a restricted credential may go: `(bucket, key prefix)` pairs, an empty prefix for the
+/// whole bucket.
+struct Scopes(Vec<(String, String)>);
+
+impl Scopes {
+    fn new(entries: &[String]) -> Self {
+        Self(
+            entries
+                .iter()
+                .map(|e| match e.split_once('/') {
+                    Some((bucket, prefix)) => (bucket.to_owned(), prefix.to_owned()),
+                    None => (e.clone(), String::new()),
+                })
+                .collect(),
+        )
+    }
+
+    fn covers(&self, bucket: &str, key: &str) -> bool {
+        self.0.iter().any(|(b, prefix)| b == bucket && key.starts_with(prefix.as_str()))
+    }
+
+    /// The object named, a bucket-wide call (allowed on a whole-bucket scope, or a listing
+    /// whose `prefix` is inside a scoped prefix), and a copy's source.
+    fn check(
+        &self,
+        method: &Method,
+        target: &Target,
+        query: Option<&str>,
+        headers: &HeaderMap,
+    ) -> Result<(), FrontError> {
+        let out = |what: String| Err(FrontError::OutOfScope(what));
+        let Some(bucket) = &target.bucket else {
+            return if *method == Method::GET { Ok(()) } else { out("the service".into()) };
+        };
+        match &target.key {
+            Some(key) if !self.covers(bucket, key) => return out(format!("{bucket}/{key}")),
+            Some(_) => {}
+            None => {
+                let whole = self.0.iter().any(|(b, prefix)| b == bucket && prefix.is_empty());
+                let listed_prefix = form_urlencoded::parse(query.unwrap_or("").as_bytes())
+                    .find(|(name, _)| name == "prefix")
+                    .map(|(_, value)| value.into_owned());
+                let listing_inside = *method == Method::GET && listed_prefix.is_some_and(|p| self.covers(bucket, &p));
+                if !whole && !listing_inside {
+                    return out(format!("bucket {bucket}"));
+                }
+            }
+        }
+        if let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) {
+            let source = source.split('?').next().unwrap_or("");
+            let source = crate::percent::decode(source.trim_start_matches('/')).unwrap_or_default();
+            let (b, k) = source.split_once('/').unwrap_or((source.as_str(), ""));
+            if !self.covers(b, k) {
+                return out(format!("the copy source {source}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The client's condition failed on a fresh read: answered as S3 would, never retried, never

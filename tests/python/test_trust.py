@@ -869,3 +869,41 @@ def test_an_unsigned_body_cannot_register_or_grant(fg):
     assert fence_of(fg, resource) is None
     signed = own_call(fg, "PUT", path, {"token": 7})
     assert signed.status == 200 and fence_of(fg, resource) == 7, signed.body
+
+
+SCOPED = ("trust-scoped", "trust-scoped-secret-8901")
+
+
+def test_a_credential_restricted_to_a_prefix_reaches_nothing_else(fencegate):
+    """`[[credentials]] buckets = ["reports/2026/"]`: that signer reads, writes, copies and lists
+    inside its prefix only; anything else gets 403 `AccessDenied` and changes nothing."""
+    config = trust_config()
+    config["credentials"].append({"access_key_id": SCOPED[0], "secret_access_key": SCOPED[1],
+                                  "buckets": ["reports/2026/"]})
+    fg = fencegate(config=config, local_buckets=("reports", "other"))
+    admin = fg.client(token=1)
+    admin.put_object(Bucket="reports", Key="2025/old.csv", Body=b"old")
+    admin.put_object(Bucket="other", Key="2026/x", Body=b"x")
+    scoped = s3_client(fg.s3_url, token=1, access_key=SCOPED[0], secret_key=SCOPED[1])
+
+    scoped.put_object(Bucket="reports", Key="2026/q1.csv", Body=b"q1")
+    assert scoped.get_object(Bucket="reports", Key="2026/q1.csv")["Body"].read() == b"q1"
+    listed = scoped.list_objects_v2(Bucket="reports", Prefix="2026/")
+    assert [o["Key"] for o in listed["Contents"]] == ["2026/q1.csv"]
+
+    def denied(call):
+        with pytest.raises(ClientError) as refused:
+            call()
+        return refused.value.response["Error"]["Code"]
+
+    assert denied(lambda: scoped.put_object(Bucket="reports", Key="2025/old.csv", Body=b"overwrite")) == "AccessDenied"
+    assert denied(lambda: scoped.put_object(Bucket="other", Key="2026/x", Body=b"overwrite")) == "AccessDenied"
+    assert denied(lambda: scoped.get_object(Bucket="reports", Key="2025/old.csv")) == "AccessDenied"
+    assert denied(lambda: scoped.list_objects_v2(Bucket="reports")) == "AccessDenied"
+    assert denied(lambda: scoped.copy_object(Bucket="reports", Key="2026/copy.csv",
+                                             CopySource={"Bucket": "reports", "Key": "2025/old.csv"})) == "AccessDenied"
+    assert denied(lambda: scoped.delete_objects(Bucket="reports", Delete={"Objects": [{"Key": "2025/old.csv"}]})) \
+        == "AccessDenied"
+    assert fg.client().get_object(Bucket="reports", Key="2025/old.csv")["Body"].read() == b"old"
+    assert fg.client().get_object(Bucket="other", Key="2026/x")["Body"].read() == b"x"
+    assert head_status(fg.client(), "reports", "2026/copy.csv") == 404
