@@ -210,21 +210,21 @@ impl EtcdStore {
         Ok(store)
     }
 
-    /// Runs `txn` within the store's timeout.
-    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
-        txn_on(&self.client, self.timeout, txn).await
+    /// Runs `txn` within the store's timeout (`read_only`: see [`txn_on`]).
+    async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
+        txn_on(&self.client, self.timeout, txn, read_only).await
     }
 
     /// Reads `keys` in one linearizable transaction.
     async fn read(&self, keys: &[&str]) -> Result<Vec<Read>, StoreError> {
         let ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get(*k, None)).collect();
-        let resp = self.txn(Txn::new().and_then(ops)).await?;
+        let resp = self.txn(Txn::new().and_then(ops), true).await?;
         Ok(gets(&resp).iter().map(|kvs| Read::of(kvs)).collect())
     }
 
     /// Runs `ops` if every compare holds; `false` if another writer came first.
     async fn commit(&self, when: Vec<Compare>, ops: Vec<TxnOp>) -> Result<bool, StoreError> {
-        Ok(self.txn(Txn::new().when(when).and_then(ops)).await?.succeeded())
+        Ok(self.txn(Txn::new().when(when).and_then(ops), false).await?.succeeded())
     }
 
     async fn grant_lease(&self, ttl: i64) -> Result<i64, StoreError> {
@@ -236,7 +236,29 @@ impl EtcdStore {
 /// machine: no connection to the member the client picked (a killed member, until the client
 /// stops choosing it), or a member without a leader (etcd applies nothing then). Anything else
 /// is returned: a call whose outcome is unknown is never repeated blindly here.
-async fn bounded<T, F, Fut>(timeout: Duration, mut call: F) -> Result<T, StoreError>
+async fn bounded<T, F, Fut>(timeout: Duration, call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    retrying(timeout, call, not_applied).await
+}
+
+/// A read that changes nothing: sent again after any failure of the connection it went on (a
+/// killed member's connection closes under it), within `timeout`.
+async fn read_bounded<T, F, Fut>(timeout: Duration, call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    retrying(timeout, call, |e| not_applied(e) || connection_failed(e)).await
+}
+
+async fn retrying<T, F, Fut>(
+    timeout: Duration,
+    mut call: F,
+    again: impl Fn(&etcd_client::Error) -> bool,
+) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
@@ -245,13 +267,24 @@ where
     loop {
         match tokio::time::timeout_at(until, call()).await {
             Ok(Ok(value)) => return Ok(value),
-            Ok(Err(e)) if not_applied(&e) && tokio::time::Instant::now() + NOT_APPLIED_PAUSE < until => {
+            Ok(Err(e)) if again(&e) && tokio::time::Instant::now() + NOT_APPLIED_PAUSE < until => {
                 tracing::debug!(error = %e, "etcd call not applied; trying again");
                 tokio::time::sleep(NOT_APPLIED_PAUSE).await;
             }
             Ok(Err(e)) => return Err(backend(e)),
             Err(_) => return Err(StoreError::Timeout { after_ms: crate::config::millis(timeout) }),
         }
+    }
+}
+
+/// Whether the connection a call went on failed (closed, cancelled, unreachable).
+fn connection_failed(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => {
+            matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown)
+        }
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        _ => false,
     }
 }
 
@@ -446,7 +479,7 @@ impl FenceStore for EtcdStore {
             let mut kv = self.client.kv_client();
             async move { kv.get(FENCES, Some(GetOptions::new().with_count_only())).await }
         };
-        bounded(self.timeout, count).await.map(|_| ())
+        read_bounded(self.timeout, count).await.map(|_| ())
     }
 
     fn shared(&self) -> Option<&dyn SharedRegistry> {
@@ -458,12 +491,20 @@ fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
     read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("idempotency record"))).transpose()
 }
 
-async fn txn_on(client: &Client, timeout: Duration, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
-    bounded(timeout, || {
+/// Runs `txn` within `timeout`. A transaction of reads only (`read_only`: no compare, no put or
+/// delete) changes nothing, so it is sent again after any connection failure; one that may
+/// change something only when etcd certainly did not apply it.
+async fn txn_on(
+    client: &Client,
+    timeout: Duration,
+    txn: Txn,
+    read_only: bool,
+) -> Result<etcd_client::TxnResponse, StoreError> {
+    let call = || {
         let (mut kv, txn) = (client.kv_client(), txn.clone());
         async move { kv.txn(txn).await }
-    })
-    .await
+    };
+    if read_only { read_bounded(timeout, call).await } else { bounded(timeout, call).await }
 }
 
 async fn grant_on(client: &Client, timeout: Duration, ttl: i64) -> Result<i64, StoreError> {
@@ -511,8 +552,8 @@ impl SharedRegistry for EtcdStore {
 }
 
 impl EtcdCalls {
-    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
-        txn_on(&self.client, self.timeout, txn).await
+    async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
+        txn_on(&self.client, self.timeout, txn, read_only).await
     }
 
     fn lease_of(&self, resource: &ResourceKey, member: Member) -> Option<i64> {
@@ -523,7 +564,7 @@ impl EtcdCalls {
     async fn read_member(&self, resource: &ResourceKey, member: Member) -> Result<(Read, Read), StoreError> {
         let (fkey, mkey) = (fence_key(resource), member_key(resource, &self.replica_id, member));
         let ops = vec![TxnOp::get(fkey, None), TxnOp::get(mkey, None)];
-        let resp = self.txn(Txn::new().and_then(ops)).await?;
+        let resp = self.txn(Txn::new().and_then(ops), true).await?;
         let mut reads = gets(&resp).iter().map(|kvs| Read::of(kvs)).collect::<Vec<_>>();
         let registration = reads.pop().ok_or_else(|| corrupt("transaction answer"))?;
         let fence = reads.pop().ok_or_else(|| corrupt("transaction answer"))?;
@@ -575,7 +616,7 @@ impl RegistryCalls for EtcdCalls {
                 TxnOp::get(fkey.as_str(), None),
                 TxnOp::get(prefix.as_str(), Some(GetOptions::new().with_prefix().with_keys_only())),
             ];
-            let resp = self.txn(Txn::new().and_then(reads)).await?;
+            let resp = self.txn(Txn::new().and_then(reads), true).await?;
             let revision = resp.header().map(|h| h.revision()).ok_or_else(|| corrupt("transaction answer"))?;
             let got = gets(&resp);
             let fence = Read::of(got.first().map_or(&[][..], Vec::as_slice));
@@ -609,7 +650,7 @@ impl RegistryCalls for EtcdCalls {
             if ops.is_empty() {
                 break answer;
             }
-            let resp = self.txn(Txn::new().when(when).and_then(ops)).await?;
+            let resp = self.txn(Txn::new().when(when).and_then(ops), false).await?;
             if resp.succeeded() {
                 break answer;
             }
