@@ -31,14 +31,12 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
     WatchOptions,
 };
-use tokio::sync::mpsc;
 
 use super::registrations::{Member, Renewal, Withdrawal};
 use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent,
-    apply_lease,
+    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry, StoreError, apply_lease,
 };
 use crate::metrics;
 
@@ -483,7 +481,7 @@ impl FenceStore for EtcdStore {
     }
 
     fn shared(&self) -> Option<&dyn SharedRegistry> {
-        Some(self)
+        Some(&self.shared)
     }
 }
 
@@ -522,33 +520,6 @@ fn revoke_in_background(client: &Client, lease: i64) {
         // If it fails, the lease expires by itself.
         let _ = leases.revoke(lease).await;
     });
-}
-
-#[async_trait]
-impl SharedRegistry for EtcdStore {
-    async fn admit(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-        floor: Option<FenceToken>,
-        register: bool,
-        may_advance: bool,
-        deadline_ms: u64,
-    ) -> Result<SharedAdmit, StoreError> {
-        self.shared.admit(resource, token, Ask { floor, may_advance, deadline_ms }, register).await
-    }
-
-    fn release(&self, resource: &ResourceKey, token: FenceToken) {
-        self.shared.release(resource, token);
-    }
-
-    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
-        self.shared.still_registered(resource, token)
-    }
-
-    fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
-        self.shared.take_events()
-    }
 }
 
 impl EtcdCalls {

@@ -24,7 +24,6 @@ use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
-use tokio::sync::mpsc;
 
 use super::registrations::{Member, Renewal, Withdrawal};
 use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
@@ -32,7 +31,7 @@ use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 use crate::config::millis;
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent,
+    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
 };
 use crate::metrics;
 
@@ -646,34 +645,7 @@ impl FenceStore for RedisStore {
     }
 
     fn shared(&self) -> Option<&dyn SharedRegistry> {
-        Some(self)
-    }
-}
-
-#[async_trait]
-impl SharedRegistry for RedisStore {
-    async fn admit(
-        &self,
-        resource: &ResourceKey,
-        token: FenceToken,
-        floor: Option<FenceToken>,
-        register: bool,
-        may_advance: bool,
-        deadline_ms: u64,
-    ) -> Result<SharedAdmit, StoreError> {
-        self.shared.admit(resource, token, Ask { floor, may_advance, deadline_ms }, register).await
-    }
-
-    fn release(&self, resource: &ResourceKey, token: FenceToken) {
-        self.shared.release(resource, token);
-    }
-
-    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
-        self.shared.still_registered(resource, token)
-    }
-
-    fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
-        self.shared.take_events()
+        Some(&self.shared)
     }
 }
 

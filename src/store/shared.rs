@@ -1,8 +1,9 @@
-//! The store-independent half of a shared in-flight registry (`SharedRegistry`): the admission
+//! The store-independent half of a shared in-flight registry: [`Shared`] is the
+//! `SharedRegistry` a shared store hands out. It does the admission
 //! of a registered write (plan, check or register, settle), the background renewal and
 //! revocation of registrations in use, their withdrawal when due, and what an announced
 //! advance does here. A store (Redis, etcd) supplies only its calls ([`RegistryCalls`]) and a
-//! listener that hands announced advances to [`Shared::announced`].
+//! listener that hands announced advances to [`Announcements::announced`].
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use async_trait::async_trait;
 use tokio::sync::{Notify, mpsc};
 
 use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
-use crate::fence::{FenceToken, ResourceKey, SharedAdmit, StoreError, StoreEvent};
+use crate::fence::{FenceToken, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent};
 use crate::metrics;
 
 /// Announcements not yet handled by the gate; beyond this, older ones are dropped (the store's
@@ -104,19 +105,24 @@ impl<C: RegistryCalls> Shared<C> {
             events: self.events_tx.clone(),
         }
     }
+}
 
-    /// `SharedRegistry::admit`.
-    pub async fn admit(
+#[async_trait]
+impl<C: RegistryCalls> SharedRegistry for Shared<C> {
+    async fn admit(
         &self,
         resource: &ResourceKey,
         token: FenceToken,
-        ask: Ask,
+        floor: Option<FenceToken>,
         register: bool,
+        may_advance: bool,
+        deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
+        let ask = Ask { floor, may_advance, deadline_ms };
         if !register {
             return self.calls.register(resource, token, &ask, None, &[]).await;
         }
-        let deadline = Duration::from_millis(ask.deadline_ms);
+        let deadline = Duration::from_millis(deadline_ms);
         let plan = self.registrations.begin(resource, token, deadline, Instant::now());
         // Dropped before the answer (the store call failed or timed out, the client went
         // away): the call may have registered, so withdraw unless other writes use the
@@ -124,7 +130,7 @@ impl<C: RegistryCalls> Shared<C> {
         let mut pending = PendingAdmission { shared: self, resource, plan: &plan, settled: false };
         let member = plan.member();
         let checked = match plan {
-            Plan::Check { .. } => self.calls.check(resource, token, ask.floor, member).await?,
+            Plan::Check { .. } => self.calls.check(resource, token, floor, member).await?,
             Plan::Register { .. } => None,
         };
         let (answer, registered_at) = match checked {
@@ -144,20 +150,17 @@ impl<C: RegistryCalls> Shared<C> {
         Ok(answer)
     }
 
-    /// `SharedRegistry::release`.
-    pub fn release(&self, resource: &ResourceKey, token: FenceToken) {
+    fn release(&self, resource: &ResourceKey, token: FenceToken) {
         if self.registrations.release(resource, token, Instant::now()) {
             self.withdraw_now.notify_one();
         }
     }
 
-    /// `SharedRegistry::still_registered`.
-    pub fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
+    fn still_registered(&self, resource: &ResourceKey, token: FenceToken) -> bool {
         self.registrations.still_registered(resource, token, Instant::now())
     }
 
-    /// `SharedRegistry::take_events`.
-    pub fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
+    fn take_events(&self) -> Option<mpsc::Receiver<StoreEvent>> {
         self.events.lock().expect("events lock").take()
     }
 }
