@@ -254,14 +254,19 @@ impl EtcdCluster {
     pub async fn start(n: usize) -> Self {
         let shm = std::path::Path::new("/dev/shm");
         let dir = if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.unwrap();
+        // Every port picked while the others are still held, so no two are the same.
+        let held: Vec<std::net::TcpListener> =
+            (0..2 * n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let port = |i: usize| held[i].local_addr().unwrap().port();
         let members: Vec<EtcdMember> = (0..n)
             .map(|i| EtcdMember {
                 name: format!("m{i}"),
-                client_port: free_port(),
-                peer_port: free_port(),
+                client_port: port(2 * i),
+                peer_port: port(2 * i + 1),
                 child: None,
             })
             .collect();
+        drop(held);
         let initial_cluster = members
             .iter()
             .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
