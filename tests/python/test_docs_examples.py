@@ -1,0 +1,560 @@
+"""Proves that the examples of README.md, docs/clients.md and docs/leases.md work as written: each
+marked block is read from the markdown file and run for real (shell blocks with bash -e, Python
+blocks with python3, fencegate TOML through `fencegate check-config` and `serve`) against
+fencegate on the shipped config/fencegate.toml, real redis-server, moto_server, boto3 and the aws
+CLI. What a test changes in an example: the docs' addresses (127.0.0.1:9000 and :9001) become
+the test instance's, and a `cargo build` line is left to scripts/test (a test never runs cargo);
+some Python examples get the test's own checks appended, run after them in the same process.
+Every check looks at what landed: exit codes, HTTP statuses, the objects and stamps at the
+upstream, the fences. And every code block of those files is either
+such an example or says, visibly, why it is untested (`docs_examples.py` says how blocks are
+marked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import requests
+from botocore.exceptions import ClientError
+
+from docs_examples import DOCS, REPO_ROOT, block, blocks, localize
+from fencegate_testlib import (
+    FenceGate,
+    bin_path,
+    code_of,
+    quote_resource,
+    s3_client,
+    s3_client_ex,
+    signed_raw_request,
+    status_of,
+)
+from test_redis_store import redis_server  # noqa: F401 - a fixture (a real redis-server)
+
+SHIPPED_CONFIG = REPO_ROOT / "config" / "fencegate.toml"
+EXAMPLE_TIMEOUT_S = 120  # one example, start to end
+WORKER_BIN = REPO_ROOT / "target" / "debug" / "fencegate-worker"  # built by scripts/test (cargo test --workspace)
+
+# (doc, example name) of every example a test below runs.
+RUN: set = set()
+
+
+def runs(doc: str, *names: str):
+    """Marks a test as the one that runs these examples of `doc`."""
+    for name in names:
+        RUN.add((doc, name))
+    return lambda fn: fn
+
+
+# --------------------------------------------------------------------------------------------
+# fencegate from a config file as it is (the shipped one, or one taken from the docs)
+# --------------------------------------------------------------------------------------------
+
+
+class FileFenceGate(FenceGate):
+    """fencegate on a config file used as it is; the environment overrides the listen addresses
+    (port 0). It runs in its own directory, so the file's relative paths (`data/...`) land there."""
+
+    file: Path = SHIPPED_CONFIG
+
+    @property
+    def config_path(self) -> Path:
+        return self.file
+
+    def write_config(self):
+        pass  # the file is used as it is
+
+    @property
+    def objects_dir(self) -> Path:
+        return self.workdir / tomllib.loads(self.file.read_text())["upstream"]["path"]
+
+
+LISTEN_ON_ANY_PORT = {"FENCEGATE_SERVER__LISTEN": "127.0.0.1:0", "FENCEGATE_SERVER__ADMIN_LISTEN": "127.0.0.1:0"}
+
+
+def tls_env(tls) -> dict:
+    return {"FENCEGATE_SERVER__TLS_CERT_PATH": str(tls.cert), "FENCEGATE_SERVER__TLS_KEY_PATH": str(tls.key)}
+
+
+@pytest.fixture
+def start(tmp_path):
+    """Factory: `start(file=..., env=..., tls=...)` runs fencegate on `file` (default: the shipped
+    config); every instance is stopped at teardown and its log tail printed."""
+    started: list[FileFenceGate] = []
+
+    def run(file: Path = SHIPPED_CONFIG, env: dict | None = None, tls=None) -> FileFenceGate:
+        workdir = tmp_path / f"fg{len(started)}"
+        workdir.mkdir()
+        fg = FileFenceGate(workdir=workdir, config={}, env={**LISTEN_ON_ANY_PORT, **(tls_env(tls) if tls else {}),
+                                                            **(env or {})})
+        fg.file = file
+        started.append(fg)
+        fg.start()
+        if tls:
+            fg.s3_url = fg.s3_url.replace("http://", "https://", 1)
+        return fg
+
+    try:
+        yield run
+    finally:
+        for fg in started:
+            try:
+                fg.stop()
+            except Exception:  # noqa: BLE001 - teardown must try every instance
+                fg.kill9()
+            print(fg.log_tail(40))
+
+
+# --------------------------------------------------------------------------------------------
+# running an example, and looking at what it did
+# --------------------------------------------------------------------------------------------
+
+
+def example_env(cwd: Path, extra: dict | None = None) -> dict:
+    """The environment of an example: the test's, with its own HOME (no ~/.aws, ~/.curlrc)."""
+    home = cwd / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    env.update(HOME=str(home), AWS_MAX_ATTEMPTS="1", AWS_PAGER="")
+    env.update(extra or {})
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def run_sh(code: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    script = cwd / "example.sh"
+    script.write_text(code)
+    return subprocess.run(["bash", "-e", "-o", "pipefail", str(script)], cwd=cwd, env=example_env(cwd, env),
+                          capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S)
+
+
+def run_python(code: str, cwd: Path, env: dict | None = None, check: str = "") -> subprocess.CompletedProcess:
+    """Runs the example with python3; `check` (the test's own code, using the example's names) runs
+    after it in the same process."""
+    script = cwd / "example.py"
+    script.write_text(code + ("\n# ---- the test's check, after the example ----\n" + check if check else ""))
+    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=example_env(cwd, env),
+                          capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S)
+
+
+def check_config(file: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(bin_path()), "check-config", "--config", str(file)]
+    return subprocess.run(cmd, cwd=file.parent, env=example_env(file.parent, env), capture_output=True, text=True,
+                          timeout=60)
+
+
+def risks(r: subprocess.CompletedProcess) -> list:
+    return [line for line in r.stdout.splitlines() if line.startswith("risk:")]
+
+
+def ok(r: subprocess.CompletedProcess):
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    return r
+
+
+def fence(fg: FenceGate, resource: str):
+    r = fg.get_fence(resource)
+    assert r.status_code in (200, 404), r.text
+    return r.json()["token"] if r.status_code == 200 else None
+
+
+def at_upstream(fg: FileFenceGate, bucket: str, key: str):
+    """The object's bytes in the local upstream's directory, or None."""
+    path = fg.objects_dir / bucket / key
+    return path.read_bytes() if path.is_file() else None
+
+
+def stamp(fg: FenceGate, bucket: str, key: str):
+    """The object's `fencing-token` metadata (read through fencegate: reads pass unfenced)."""
+    return s3_client(fg.s3_url).head_object(Bucket=bucket, Key=key)["Metadata"].get("fencing-token")
+
+
+def make_bucket(fg: FenceGate, name: str = "reports", verify=None):
+    s3_client_ex(fg.s3_url, verify=verify).create_bucket(Bucket=name)
+
+
+# Appended to the boto3 examples: their hook, on a SigV4 and a SigV2 client, must leave
+# presigned URLs usable by a caller that sends no header (a signed-in header breaks them).
+PRESIGNED_READ_CHECK = """
+import requests as _requests
+from botocore.config import Config as _Config
+
+for _version in ("s3v4", "s3"):
+    _signer = boto3.client("s3", endpoint_url=s3.meta.endpoint_url, region_name="us-east-1",
+                           config=_Config(signature_version=_version))
+    _signer.meta.events.register("before-sign.s3.*", add_fencing_token)
+    _url = _signer.generate_presigned_url("get_object", Params={"Bucket": _BUCKET, "Key": _KEY}, ExpiresIn=300)
+    assert "fencing-token" not in _url.lower(), _url
+    _r = _requests.get(_url, timeout=30)
+    assert _r.status_code == 200, (_version, _r.status_code, _r.text)
+    print(f"presigned {_version} read: {_r.status_code}")
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# README.md
+# --------------------------------------------------------------------------------------------
+
+
+@runs("README.md", "boto3")
+def test_readme_boto3(start, tmp_path):
+    """The boto3 hook writes with its token, and leaves presigned URLs usable without a header."""
+    fg = start()
+    code = localize(block("README.md", "boto3").code, fg.s3_addr, fg.admin_addr)
+    check = '_BUCKET, _KEY = "reports", "2026/11.csv"\n' + PRESIGNED_READ_CHECK
+    r = ok(run_python(code, tmp_path, env={"AWS_ACCESS_KEY_ID": "fencegate-dev",
+                                           "AWS_SECRET_ACCESS_KEY": "fencegate-dev-secret"}, check=check))
+    assert r.stdout.count("read: 200") == 2, r.stdout
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"..."
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+    assert fence(fg, "reports/2026/11.csv") == 12
+
+
+@runs("README.md", "aws-cli", "curl")
+def test_readme_aws_cli_and_curl(start, tmp_path):
+    """The aws CLI (token as metadata) and curl (token header) examples write and stamp the object."""
+    fg = start()
+    make_bucket(fg)  # as the boto3 example does
+    (tmp_path / "11.csv").write_bytes(b"from the aws CLI\n")
+    ok(run_sh(localize(block("README.md", "aws-cli").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"from the aws CLI\n"
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+
+    (tmp_path / "11.csv").write_bytes(b"from curl\n")
+    ok(run_sh(localize(block("README.md", "curl").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"from curl\n"
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+    assert fence(fg, "reports/2026/11.csv") == 12
+
+
+@runs("README.md", "register")
+def test_readme_register_a_token(start, tmp_path):
+    """The admin registration example raises the fence it names."""
+    fg = start()
+    r = ok(run_sh(localize(block("README.md", "register").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert json.loads(r.stdout) == {"resource": "job:invoices", "token": 13}
+    assert fence(fg, "job:invoices") == 13
+
+
+def replicas_file(directory: Path, text: str | None = None) -> Path:
+    path = directory / "replicas.toml"
+    path.write_text(text if text is not None else block("README.md", "redis-replicas").code)
+    return path
+
+
+@runs("README.md", "redis-replicas", "etcd-store")
+def test_readme_replica_configs_pass_check_config(tmp_path):
+    """The replicas file (Redis, and with the etcd [store]) passes check-config with no risk line,
+    and the timeout rule it states is the one check-config enforces."""
+    text = block("README.md", "redis-replicas").code
+    r = ok(check_config(replicas_file(tmp_path, text)))
+    assert "Redis" in r.stdout and risks(r) == [], r.stdout
+    # Its commented wait_replicas line, switched on, still passes (the wait stays below timeout_ms).
+    switched = text.replace("# wait_replicas = 1", "wait_replicas = 1")
+    assert switched != text
+    r = ok(check_config(replicas_file(tmp_path, switched)))
+    assert "wait_replicas: 1" in r.stdout and risks(r) == [], r.stdout
+    # The rule the README states is what keeps check-config quiet: without the line, a risk.
+    unruled = re.sub(r"\nrequest_timeout_ms = .*", "", text)
+    assert unruled != text
+    r = ok(check_config(replicas_file(tmp_path, unruled)))
+    assert any("request_timeout_ms" in line for line in risks(r)), r.stdout
+
+    # The etcd section: the same file with its [store] table.
+    etcd_store = block("README.md", "etcd-store").code
+    with_etcd = re.sub(r"\[store\]\n.*?(?=\n\[)", lambda _m: etcd_store.strip() + "\n", text, flags=re.S)
+    assert 'kind = "etcd"' in with_etcd and 'kind = "redis"' not in with_etcd
+    r = ok(check_config(replicas_file(tmp_path, with_etcd)))
+    assert "Etcd" in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
+
+
+def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):  # noqa: F811
+    """The README's replicas file, as it is, runs two replicas sharing Redis (what a real
+    deployment differs in comes from the environment: addresses, certificates, the upstream's
+    key), and they share the fence."""
+    file = replicas_file(tmp_path)
+    doc = tomllib.loads(file.read_text())
+    try:
+        moto_server.client().create_bucket(Bucket=doc["upstream"]["probe_bucket"])
+    except ClientError as exc:
+        assert code_of(exc) in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"), exc
+    env = {
+        **LISTEN_ON_ANY_PORT, **tls_env(tls_files),
+        "FENCEGATE_STORE__URL": redis_server.url,
+        "FENCEGATE_UPSTREAM__ENDPOINT": moto_server.url,
+        "FENCEGATE_UPSTREAM__ACCESS_KEY_ID": "testing",
+        "FENCEGATE_UPSTREAM__SECRET_ACCESS_KEY": "testing",
+    }
+    replicas = []
+    try:
+        for n in range(2):
+            (tmp_path / f"replica{n}").mkdir()
+            fg = FileFenceGate(workdir=tmp_path / f"replica{n}", config={}, env=env)
+            fg.file = file
+            replicas.append(fg)
+            fg.start()
+            fg.s3_url = fg.s3_url.replace("http://", "https://", 1)
+        cred = doc["credentials"][0]
+        bucket, key = doc["upstream"]["probe_bucket"], "replicas/one.txt"
+
+        def client(fg, token):
+            return s3_client_ex(fg.s3_url, token=token, verify=tls_files.ca,
+                                access_key=cred["access_key_id"], secret_key=cred["secret_access_key"])
+
+        client(replicas[0], 5).put_object(Bucket=bucket, Key=key, Body=b"token 5 on replica 0")
+        with pytest.raises(ClientError) as refused:
+            client(replicas[1], 4).put_object(Bucket=bucket, Key=key, Body=b"token 4 on replica 1")
+        assert (status_of(refused.value), code_of(refused.value)) == (409, "FencingTokenStale")
+        body = moto_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert body == b"token 5 on replica 0"
+    finally:
+        for fg in replicas:
+            fg.stop()
+            print(fg.log_tail(30))
+
+
+@runs("README.md", "route")
+def test_readme_route(start, tmp_path):
+    """The route block, added to the shipped config, passes check-config and is live: writes are
+    judged by the gate before anything is sent to the API (unregistered tokens cannot raise the
+    fence of a route by default)."""
+    route = tmp_path / "route.toml"
+    route.write_text(block("README.md", "route").code)
+    r = ok(check_config(SHIPPED_CONFIG, env={"FENCEGATE_INCLUDE": str(route)}))
+    assert 'prefix: "/payments/"' in r.stdout, r.stdout
+    fg = start(env={"FENCEGATE_INCLUDE": str(route)})
+    url = fg.s3_url + "/payments/42"
+    for headers, status, code in [({}, 428, "FencingTokenRequired"),
+                                  ({"Fencing-Token": "7"}, 409, "FencingTokenUnregistered")]:
+        resp = requests.post(url, data=b'{"amount": 1}', headers=headers, timeout=30)
+        assert resp.status_code == status, resp.text
+        assert resp.headers["content-type"].startswith("application/problem+json"), resp.headers
+        assert resp.json()["type"].endswith(code), resp.text
+    assert fence(fg, "payment:42") is None
+
+
+def test_readme_config_table_lists_every_key():
+    """Every key of src/config.rs's config structs has a row in the README's tables."""
+    src = (REPO_ROOT / "src" / "config.rs").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
+    sections = {"ServerConfig": "server", "StoreConfig": "store", "UpstreamConfig": "upstream",
+                "FencingConfig": "fencing", "LeasesConfig": "leases", "LogConfig": "log",
+                "RouteConfig": "routes", "CredentialConfig": "credentials", "RuleConfig": "fencing.rules"}
+    structs = dict(re.findall(r"pub struct (\w+) \{(.*?)\n\}", src, re.S))
+    assert set(sections) <= set(structs), sorted(structs)
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    missing = []
+    for struct, section in sections.items():
+        for field in re.findall(r"^\s*pub (\w+):", structs[struct], re.M):
+            if (struct, field) == ("FencingConfig", "rules"):
+                continue  # a table of its own: [[fencing.rules]]
+            if section in ("credentials", "fencing.rules"):  # rows like | `[[credentials]]` `role` |
+                found = any(row.startswith(f"| `[[{section}]]`") and f"`{field}`" in row.split("|")[1] for row in rows)
+            else:
+                found = any(row.startswith(f"| `{section}.{field}`") or f"`{section}.{field}`" in row.split("|")[1]
+                            for row in rows)
+            if not found:
+                missing.append(f"{section}.{field}")
+    assert missing == [], f"config keys without a row in README.md: {missing}"
+
+
+# --------------------------------------------------------------------------------------------
+# docs/clients.md
+# --------------------------------------------------------------------------------------------
+
+
+@runs("docs/clients.md", "boto3-hook", "boto3-presigned")
+def test_clients_boto3_hook_and_presigned_urls(start, tmp_path):
+    """The hook fences A off after B, the presigned write carries its token as signed metadata,
+    and the hook signs no header into presigned URLs (SigV4 and SigV2)."""
+    fg = start()
+    make_bucket(fg)
+    code = block("docs/clients.md", "boto3-hook").code + "\n" + block("docs/clients.md", "boto3-presigned").code
+    check = '_BUCKET, _KEY = bucket, key\nlease["token"] = 12\n' + PRESIGNED_READ_CHECK
+    r = ok(run_python(code, tmp_path, check=check, env={
+        "FENCEGATE_ENDPOINT": fg.s3_url,
+        "AWS_ACCESS_KEY_ID": "fencegate-dev", "AWS_SECRET_ACCESS_KEY": "fencegate-dev-secret",
+    }))
+    assert "lease lost: the fence is at 12" in r.stdout, r.stdout
+    assert "b\"B's next report\"" in r.stdout, r.stdout
+    assert r.stdout.count("read: 200") == 2, r.stdout
+    assert at_upstream(fg, "reports", "reports/2026/11.csv") == b"B's report"
+    assert stamp(fg, "reports", "reports/2026/11.csv") == "12"
+    assert at_upstream(fg, "reports", "reports/2026/12.csv") == b"B's next report"
+    assert stamp(fg, "reports", "reports/2026/12.csv") == "12"
+
+
+@runs("docs/clients.md", "aws-cli-metadata", "aws-cli-plugin", "aws-cli-plugin-config", "aws-cli-plugin-run")
+def test_clients_aws_cli_and_plugin(start, tmp_path):
+    """The aws CLI v1 examples in one shell, in order, with the plugin and ~/.aws/config exactly
+    as the page says (a config the CLI cannot load fails every command, so this fails too)."""
+    fg = start()
+    make_bucket(fg)
+    env = {"AWS_CONFIG_FILE": None}  # the CLI reads ~/.aws/config
+    (tmp_path / "11.csv").write_bytes(b"metadata token\n")
+    ok(run_sh(localize(block("docs/clients.md", "aws-cli-metadata").code, fg.s3_addr, fg.admin_addr), tmp_path,
+              env=env))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"metadata token\n"
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+
+    home = tmp_path / "home"
+    (home / ".aws" / "plugins").mkdir(parents=True)
+    (home / ".aws" / "plugins" / "fencing_token_plugin.py").write_text(block("docs/clients.md", "aws-cli-plugin").code)
+    (home / ".aws" / "config").write_text(block("docs/clients.md", "aws-cli-plugin-config").code)
+    big = os.urandom(9 * 1024 * 1024)  # above the CLI's 8 MiB multipart threshold
+    (tmp_path / "big.bin").write_bytes(big)
+    # The credentials come from the metadata example's `export`, as in one shell session.
+    script = block("docs/clients.md", "aws-cli-metadata").code.splitlines()[0] + "\n"
+    script += block("docs/clients.md", "aws-cli-plugin-run").code
+    ok(run_sh(localize(script, fg.s3_addr, fg.admin_addr), tmp_path, env=env))
+    assert at_upstream(fg, "reports", "big.bin") == big
+    assert stamp(fg, "reports", "big.bin") == "12"
+    assert fence(fg, "reports/2026/11.csv") == 12  # put with metadata, then deleted with the header
+    assert at_upstream(fg, "reports", "2026/11.csv") is None
+
+    # The header is the plugin's: an older token is refused, no token is refused.
+    cli = f"aws --endpoint-url {fg.s3_url} s3api delete-object --bucket reports --key big.bin"
+    plugin_env = {**env, "PYTHONPATH": str(home / ".aws" / "plugins"),
+                  "AWS_ACCESS_KEY_ID": "fencegate-dev", "AWS_SECRET_ACCESS_KEY": "fencegate-dev-secret",
+                  "AWS_DEFAULT_REGION": "us-east-1"}
+    r = run_sh(cli, tmp_path, env={**plugin_env, "FENCING_TOKEN": "11"})
+    assert r.returncode != 0 and "FencingTokenStale" in r.stderr, (r.stdout, r.stderr)
+    r = run_sh(cli, tmp_path, env=plugin_env)
+    assert r.returncode != 0 and "FencingTokenRequired" in r.stderr, (r.stdout, r.stderr)
+    assert at_upstream(fg, "reports", "big.bin") == big
+
+    # `aws s3 presign` with FENCING_TOKEN set, signing SigV4: the URL works without any header.
+    (home / ".aws" / "config").write_text(block("docs/clients.md", "aws-cli-plugin-config").code
+                                          + "\n[default]\ns3 =\n    signature_version = s3v4\n")
+    r = ok(run_sh(f"aws --endpoint-url {fg.s3_url} s3 presign s3://reports/big.bin", tmp_path,
+                  env={**plugin_env, "FENCING_TOKEN": "12"}))
+    url = r.stdout.strip()
+    assert "X-Amz-SignedHeaders=host" in url and "fencing-token" not in url.lower(), url
+    got = requests.get(url, timeout=60)
+    assert (got.status_code, got.content == big) == (200, True), got.text[:300]
+
+
+@runs("docs/clients.md", "curl-https")
+def test_clients_curl_https(start, tmp_path, tls_files):
+    """curl over HTTPS and HTTP/2, trusting the CA in ca.pem, writes with its token."""
+    fg = start(tls=tls_files)
+    make_bucket(fg, verify=tls_files.ca)
+    shutil.copy(tls_files.ca, tmp_path / "ca.pem")
+    (tmp_path / "11.csv").write_bytes(b"over HTTP/2\n")
+    ok(run_sh(localize(block("docs/clients.md", "curl-https").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"over HTTP/2\n"
+    assert fence(fg, "reports/2026/11.csv") == 12
+
+
+# --------------------------------------------------------------------------------------------
+# docs/leases.md
+# --------------------------------------------------------------------------------------------
+
+
+@runs("docs/leases.md", "client-dependency")
+def test_leases_client_dependency_names_the_crate():
+    """The dependency line (for a Cargo.toml, not runnable here) names the client crate where it
+    is, and the feature it mentions is that crate's default."""
+    dep = tomllib.loads(block("docs/leases.md", "client-dependency").code)["dependencies"]["fencegate-client"]
+    manifest = tomllib.loads((REPO_ROOT / dep["path"] / "Cargo.toml").read_text())
+    assert manifest["package"]["name"] == "fencegate-client"
+    assert "worker" in manifest["features"]["default"]
+
+
+@runs("docs/leases.md", "lease-http-api")
+def test_leases_http_api(start, tmp_path):
+    """The curl lease calls grant (and fence), renew and release: another holder gets it at once."""
+    fg = start()
+    r = ok(run_sh(localize(block("docs/leases.md", "lease-http-api").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    lines = r.stdout.splitlines()
+    grant = json.loads(lines[0])
+    assert (grant["name"], grant["holder"], grant["ttl_ms"]) == ("job:invoices", "w1", 10000), grant
+    renewed = json.loads(lines[1])
+    assert renewed["lease_id"] == grant["lease_id"], r.stdout
+    assert fence(fg, "job:invoices") == grant["token"]
+    # Released: another holder gets the lease at once, with a newer token.
+    body = json.dumps({"holder": "w2", "ttl_ms": 1000}).encode()
+    again = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:invoices"),
+                               {"Content-Type": "application/json"}, body)
+    assert again.status == 201, again.body
+    assert json.loads(again.body)["token"] > grant["token"]
+
+
+@runs("docs/leases.md", "classic-worker")
+def test_leases_classic_worker(start, tmp_path):
+    """The classic scenario as the page plays it, with the worker of this workspace's build (the
+    block's `cargo build` line is left to scripts/test: a test never runs cargo)."""
+    assert WORKER_BIN.is_file(), f"{WORKER_BIN} is missing: build the workspace (scripts/test does)"
+    fg = start()
+    make_bucket(fg)
+    (tmp_path / "target" / "debug").mkdir(parents=True)
+    (tmp_path / "target" / "debug" / "fencegate-worker").symlink_to(WORKER_BIN)
+    code = block("docs/leases.md", "classic-worker").code
+    assert code.startswith("cargo build -p fencegate-client --bin fencegate-worker\n"), code
+    code = code.split("\n", 1)[1]
+    r = ok(run_sh(localize(code, fg.s3_addr, fg.admin_addr), tmp_path))
+    print(r.stdout)
+    lines = r.stdout.splitlines()
+    assert "A exited with 4" in lines, r.stdout
+    a_story = lines[lines.index("A exited with 4") + 1:]
+    assert a_story[0].startswith("acquired name=job:report holder=a token=1 "), r.stdout
+    for line in ("lease lost reason=deadline",
+                 "write rejected key=report.csv status=409 code=FencingTokenStale current=2"):
+        assert line in a_story, r.stdout
+    assert at_upstream(fg, "reports", "report.csv") == b"B"
+    assert stamp(fg, "reports", "report.csv") == "2"
+
+
+@runs("docs/leases.md", "redis-lease")
+def test_leases_redis_issuer(start, tmp_path, redis_server):  # noqa: F811
+    """The Redis recipe against a real redis-server (`redis-cli` in PATH reaches it)."""
+    fg = start()
+    make_bucket(fg)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "redis-cli"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("redis-cli")} -p {redis_server.port} "$@"\n')
+    wrapper.chmod(0o755)
+    (tmp_path / "invoices.txt").write_bytes(b"invoices of the day\n")
+    env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    r = ok(run_sh(localize(block("docs/leases.md", "redis-lease").code, fg.s3_addr, fg.admin_addr), tmp_path, env))
+    assert r.stdout.splitlines()[-2:] == ["1", "1"], r.stdout  # renewed, released
+    counter = subprocess.run([str(wrapper), "GET", "fence:job:invoices"], capture_output=True, text=True, timeout=30)
+    token = int(counter.stdout.strip())
+    assert token >= 1 and fence(fg, "job:invoices") == token
+    assert at_upstream(fg, "reports", "invoices.txt") == b"invoices of the day\n"
+    assert stamp(fg, "reports", "invoices.txt") == str(token)
+    held = subprocess.run([str(wrapper), "EXISTS", "lease:job:invoices"], capture_output=True, text=True, timeout=30)
+    assert held.stdout.strip() == "0", held.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# every code block is run above or says why not
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_code_block_is_run_or_says_why_not(doc):
+    """Each code block is a marked example a test here runs, says "Untested here: WHY", or is a
+    `text` illustration; so a new, unmarked example fails this test."""
+    found = blocks(doc)
+    names = [b.name for b in found if b.name]
+    assert len(names) == len(set(names)), f"{doc}: an example name is used twice: {names}"
+    problems = []
+    for b in found:
+        if b.name:
+            if (doc, b.name) not in RUN:
+                problems.append(f"{b.where}: example {b.name!r} is marked, but no test runs it")
+        elif b.lang != "text" and not b.untested:
+            problems.append(f"{b.where}: a {b.lang or 'plain'} block that is neither a marked example "
+                            "(<!-- example: NAME -->) nor says 'Untested here: WHY' (a `text` block is an illustration)")
+    stale = sorted(name for d, name in RUN if d == doc and name not in names)
+    assert not stale, f"{doc}: tests run examples the page no longer has: {stale}"
+    assert not problems, "\n".join(problems)
