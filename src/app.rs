@@ -218,14 +218,22 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let metrics = crate::metrics::install();
+        let issuers = Arc::new(crate::lease::credentials::Issuers::from_config(&self.config));
         let leases = Arc::new(LeaseService::new(
             self.gate.clone(),
             Arc::new(SystemClock),
             Arc::new(RandomLeaseIds),
             self.config.leases.ttl_ms_max,
+            issuers.clone(),
         ));
-        let s3_service =
-            crate::s3::service(&self.config, self.gate.clone(), self.upstream.clone(), leases, self.enforcement)?;
+        let s3_service = crate::s3::service(
+            &self.config,
+            self.gate.clone(),
+            self.upstream.clone(),
+            leases,
+            issuers,
+            self.enforcement,
+        )?;
         let gateway = self.gateway.clone();
         let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let svc = s3_service.clone();

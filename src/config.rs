@@ -677,6 +677,16 @@ impl Config {
             if c.access_key_id.is_empty() || c.secret_access_key.is_empty() {
                 return Err(("credentials", "access_key_id and secret_access_key must not be empty".into()));
             }
+            if c.access_key_id.starts_with(crate::lease::credentials::ACCESS_KEY_PREFIX) {
+                return Err((
+                    "credentials.access_key_id",
+                    format!(
+                        "{:?}: ids starting with {:?} are lease credentials' (SPEC section 9)",
+                        c.access_key_id,
+                        crate::lease::credentials::ACCESS_KEY_PREFIX
+                    ),
+                ));
+            }
         }
         for (key, name) in [
             ("fencing.token_header", &self.fencing.token_header),

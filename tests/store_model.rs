@@ -221,6 +221,13 @@ async fn run_leases<H: Harness>(harness: &H, ops: Vec<LeaseOp>) {
         let got = untimed(store.lease(&key(r), command.clone(), now_ms).await.unwrap());
         assert_eq!(got, want, "{command:?} on {r}");
         assert_eq!(store.load(&key(r)).await.unwrap(), model.load(&key(r)).await.unwrap(), "fence of {r}");
+        // The stored lease, which lease credentials are checked against on every request.
+        let stored = |l: Option<fencegate::fence::LeaseRecord>| l.map(|l| (l.holder, l.lease_id, l.token, l.ttl_ms));
+        assert_eq!(
+            stored(store.lease_record(&key(r)).await.unwrap()),
+            stored(model.lease_record(&key(r)).await.unwrap()),
+            "lease of {r}"
+        );
     }
 }
 

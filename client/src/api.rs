@@ -54,6 +54,30 @@ pub struct Grant {
     pub lease_id: String,
     pub token: FencingToken,
     pub ttl_ms: u64,
+    /// Lease credentials, when asked for ([`LeaseOptions::with_credentials`]).
+    #[serde(default)]
+    pub credentials: Option<LeaseCredentials>,
+}
+
+/// Temporary S3 credentials bound to a lease: every request signed with them is a write with
+/// the lease's token on its resource (SPEC section 9). Hand them to any S3 tool with
+/// fencegate as its endpoint; no header needed.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+pub struct LeaseCredentials {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    pub session_token: String,
+    /// When the lease expires unless renewed (RFC 3339), as of the grant.
+    pub expiration: String,
+}
+
+impl fmt::Debug for LeaseCredentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseCredentials")
+            .field("access_key_id", &self.access_key_id)
+            .field("expiration", &self.expiration)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a lease call did not succeed. [`LeaseError::is_retryable`] says whether trying again
@@ -185,16 +209,42 @@ impl LeaseClient {
         let timing = options.timing(ttl)?;
         // The local deadline counts from when the request left, not from when the answer came.
         let sent = tokio::time::Instant::now();
-        let grant = self.try_acquire(name, holder, ttl).await?;
+        let grant = self.acquire_call(name, holder, ttl, options.credentials).await?;
         Ok(Lease::start(std::sync::Arc::new(self.clone()), grant, sent, timing))
     }
 
     /// One acquire call, no background renewal: `POST /_fencegate/v1/leases/{name}`.
     pub async fn try_acquire(&self, name: &str, holder: &str, ttl: Duration) -> Result<Grant, LeaseError> {
+        self.acquire_call(name, holder, ttl, false).await
+    }
+
+    /// [`Self::try_acquire`], answered with lease credentials too ([`Grant::credentials`]).
+    pub async fn try_acquire_with_credentials(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Grant, LeaseError> {
+        self.acquire_call(name, holder, ttl, true).await
+    }
+
+    async fn acquire_call(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+        credentials: bool,
+    ) -> Result<Grant, LeaseError> {
         let ttl_ms = u64::try_from(ttl.as_millis()).map_err(|_| LeaseError::Invalid("ttl too large".into()))?;
-        let body = serde_json::json!({ "holder": holder, "ttl_ms": ttl_ms });
+        let mut body = serde_json::json!({ "holder": holder, "ttl_ms": ttl_ms });
+        if credentials {
+            body["credentials"] = serde_json::Value::Bool(true);
+        }
         let (status, bytes) = self.call(Method::POST, &lease_path(name, "")?, &body).await?;
         let grant = expect_grant(status, StatusCode::CREATED, &bytes)?;
+        if credentials && grant.credentials.is_none() {
+            return Err(LeaseError::Protocol("the grant came without the credentials asked for".into()));
+        }
         metrics::acquired();
         Ok(grant)
     }

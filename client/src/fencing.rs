@@ -188,6 +188,7 @@ mod tests {
             lease_id: lease_id.into(),
             token: FencingToken(token),
             ttl_ms: 900,
+            credentials: None,
         }
     }
 

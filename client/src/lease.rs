@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{FencingToken, Grant, LeaseClient, LeaseError};
+use crate::api::{FencingToken, Grant, LeaseClient, LeaseCredentials, LeaseError};
 use crate::metrics;
 
 /// The smallest pause between two renewal attempts, whatever the TTL.
@@ -27,6 +27,7 @@ const RETRY_EVERY_MIN: Duration = Duration::from_millis(10);
 pub struct LeaseOptions {
     renew_every: Option<Duration>,
     retry_every: Option<Duration>,
+    pub(crate) credentials: bool,
 }
 
 impl LeaseOptions {
@@ -40,6 +41,12 @@ impl LeaseOptions {
     /// 5xx). Each attempt is also cut off after `renew_every`.
     pub fn retry_every(mut self, every: Duration) -> Self {
         self.retry_every = Some(every);
+        self
+    }
+
+    /// Also ask for lease credentials ([`Lease::credentials`]).
+    pub fn with_credentials(mut self) -> Self {
+        self.credentials = true;
         self
     }
 
@@ -127,6 +134,7 @@ pub(crate) struct Shared {
     pub(crate) holder: String,
     pub(crate) lease_id: String,
     pub(crate) token: FencingToken,
+    pub(crate) credentials: Option<LeaseCredentials>,
     /// Moves forward with every successful renewal; the state and the signals change together.
     deadline: Mutex<Instant>,
     status: watch::Sender<LeaseStatus>,
@@ -141,6 +149,7 @@ impl Shared {
             holder: grant.holder,
             lease_id: grant.lease_id,
             token: grant.token,
+            credentials: grant.credentials,
             deadline: Mutex::new(deadline),
             status: watch::Sender::new(LeaseStatus::Held),
             lost: CancellationToken::new(),
@@ -216,6 +225,12 @@ impl Lease {
 
     pub fn lease_id(&self) -> &str {
         &self.shared.lease_id
+    }
+
+    /// The lease credentials, when acquired with [`LeaseOptions::with_credentials`]. They stay
+    /// the same for the whole lease; renewals extend them.
+    pub fn credentials(&self) -> Option<&LeaseCredentials> {
+        self.shared.credentials.as_ref()
     }
 
     /// When the lease ends locally unless a renewal succeeds before.
@@ -416,6 +431,7 @@ mod tests {
             lease_id: lease_id.into(),
             token: FencingToken(7),
             ttl_ms: TTL.as_millis() as u64,
+            credentials: None,
         }
     }
 

@@ -32,7 +32,7 @@ pub mod fencing;
 pub mod lease;
 pub mod metrics;
 
-pub use api::{FencingToken, Grant, LeaseClient, LeaseError};
+pub use api::{FencingToken, Grant, LeaseClient, LeaseCredentials, LeaseError};
 pub use aws_credential_types::Credentials;
 pub use fencing::{FencingInterceptor, LeaseLostError};
 pub use lease::{Lease, LeaseOptions, LeaseStatus, LostReason};

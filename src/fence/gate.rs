@@ -12,8 +12,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, ResourceKey, SharedAdmit,
-    SharedRegistry, StoreError, StoreEvent, decide,
+    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
+    SharedAdmit, SharedRegistry, StoreError, StoreEvent, decide,
 };
 use crate::config::millis;
 use crate::metrics;
@@ -290,6 +290,11 @@ impl Gate {
         }
         self.load(&slot, resource).await?;
         Ok(slot.state().fence.flatten())
+    }
+
+    /// The lease stored on `resource` (live or expired), as the store has it now.
+    pub async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        self.store_call(self.store.lease_record(resource)).await
     }
 
     /// Loops until `token` is the fence and no older write is in flight, then (if `register`)

@@ -2,7 +2,10 @@
 
 use async_trait::async_trait;
 
-use super::{FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome, ResourceKey};
+use super::{
+    FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome, LeaseRecord,
+    ResourceKey,
+};
 
 /// The result of a check-and-advance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +50,10 @@ pub trait FenceStore: Send + Sync + 'static {
         command: LeaseCommand,
         now_ms: u64,
     ) -> Result<LeaseOutcome, StoreError>;
+
+    /// The lease stored on `resource`, live or expired (a released or superseded lease is
+    /// gone). Lease credentials are checked against it on every request.
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError>;
 
     /// Stores `claim` (an in-flight record) under `key` unless a live record is there, in
     /// which case that one is returned and nothing changes. A record whose `expires_at_ms` is

@@ -2,7 +2,10 @@
 //! requests. Granting a lease raises its resource's fence in the same atomic store step, so
 //! every older token is rejected from the moment of the grant. `/_fencegate/v1/fences/{resource}`
 //! registers a token issued elsewhere (G7), like the admin API's. Both move fences, so only a
-//! credential with `role = "issuer"` may call them.
+//! credential with `role = "issuer"` may call them. A grant can come with lease credentials
+//! (`credentials`): S3 credentials that carry the lease's token on its resource.
+
+pub mod credentials;
 
 use std::sync::Arc;
 
@@ -12,6 +15,7 @@ use http_body_util::{BodyExt, Limited};
 use s3s::{Body, S3Response};
 use serde::Deserialize;
 
+use self::credentials::Issuers;
 use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
 use crate::metrics;
 
@@ -58,8 +62,10 @@ impl LeaseIds for RandomLeaseIds {
 }
 
 /// Who calls fencegate's own endpoints.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Caller {
+    /// The access key id that signed the request.
+    pub access_key: String,
     /// Signed by a credential with `role = "issuer"`.
     pub issuer: bool,
     /// Signed in its headers, body included (`x-amz-content-sha256` is the body's SHA-256): not
@@ -72,6 +78,7 @@ pub struct LeaseService {
     clock: Arc<dyn Clock>,
     ids: Arc<dyn LeaseIds>,
     ttl_ms_max: u64,
+    issuers: Arc<Issuers>,
 }
 
 #[derive(Deserialize)]
@@ -79,12 +86,18 @@ pub struct LeaseService {
 struct AcquireBody {
     holder: String,
     ttl_ms: u64,
+    /// Also answer with lease credentials (`credentials::Issued`).
+    #[serde(default)]
+    credentials: bool,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LeaseIdBody {
     lease_id: String,
+    /// On a renewal: answer with the lease credentials again, with their new expiration.
+    #[serde(default)]
+    credentials: bool,
 }
 
 #[derive(Deserialize)]
@@ -120,8 +133,14 @@ enum LeaseError {
 }
 
 impl LeaseService {
-    pub fn new(gate: Arc<Gate>, clock: Arc<dyn Clock>, ids: Arc<dyn LeaseIds>, ttl_ms_max: u64) -> Self {
-        Self { gate, clock, ids, ttl_ms_max }
+    pub fn new(
+        gate: Arc<Gate>,
+        clock: Arc<dyn Clock>,
+        ids: Arc<dyn LeaseIds>,
+        ttl_ms_max: u64,
+        issuers: Arc<Issuers>,
+    ) -> Self {
+        Self { gate, clock, ids, ttl_ms_max, issuers }
     }
 
     pub fn handles(path: &str) -> bool {
@@ -136,7 +155,7 @@ impl LeaseService {
         } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
             self.register(method, resource, body).await
         } else {
-            self.dispatch(method, path, body).await
+            self.dispatch(method, path, body, &caller).await
         };
         answer.unwrap_or_else(|error| problem(&error))
     }
@@ -173,7 +192,13 @@ impl LeaseService {
         }
     }
 
-    async fn dispatch(&self, method: &Method, path: &str, body: Body) -> Result<S3Response<Body>, LeaseError> {
+    async fn dispatch(
+        &self,
+        method: &Method,
+        path: &str,
+        body: Body,
+        caller: &Caller,
+    ) -> Result<S3Response<Body>, LeaseError> {
         let rest = path.strip_prefix(PATH_PREFIX).ok_or(LeaseError::NotFound)?;
         let (name, renew) = match rest.strip_suffix("/renew") {
             Some(name) => (name, true),
@@ -208,7 +233,8 @@ impl LeaseService {
                             token = lease.token.0,
                             "lease granted"
                         );
-                        Ok(lease_json(StatusCode::CREATED, &name, &lease))
+                        let credentials = self.credentials(req.credentials, caller, &name, &lease);
+                        Ok(lease_json(StatusCode::CREATED, &name, &lease, credentials))
                     }
                     other => Err(refusal(other)),
                 }
@@ -218,7 +244,8 @@ impl LeaseService {
                 match self.apply(&name, LeaseCommand::Renew { lease_id: req.lease_id }, now_ms).await? {
                     LeaseOutcome::Renewed(lease) => {
                         metrics::lease_event("renewed");
-                        Ok(lease_json(StatusCode::OK, &name, &lease))
+                        let credentials = self.credentials(req.credentials, caller, &name, &lease);
+                        Ok(lease_json(StatusCode::OK, &name, &lease, credentials))
                     }
                     other => Err(refusal(other)),
                 }
@@ -237,6 +264,22 @@ impl LeaseService {
             }
             _ => Err(LeaseError::NotFound),
         }
+    }
+
+    /// The lease credentials of `lease`, when asked for. The caller is an issuer (checked
+    /// first), so its secret is there.
+    fn credentials(
+        &self,
+        asked: bool,
+        caller: &Caller,
+        name: &ResourceKey,
+        lease: &LeaseRecord,
+    ) -> Option<credentials::Issued> {
+        if !asked {
+            return None;
+        }
+        metrics::lease_event("credentials_issued");
+        self.issuers.issue(&caller.access_key, name, lease)
     }
 
     async fn apply(&self, name: &ResourceKey, command: LeaseCommand, now_ms: u64) -> Result<LeaseOutcome, LeaseError> {
@@ -279,14 +322,22 @@ async fn read_json<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, Leas
     serde_json::from_slice(&bytes).map_err(|e| LeaseError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-fn lease_json(status: StatusCode, name: &ResourceKey, lease: &LeaseRecord) -> S3Response<Body> {
-    let body = serde_json::json!({
+fn lease_json(
+    status: StatusCode,
+    name: &ResourceKey,
+    lease: &LeaseRecord,
+    credentials: Option<credentials::Issued>,
+) -> S3Response<Body> {
+    let mut body = serde_json::json!({
         "name": name.as_str(),
         "holder": lease.holder,
         "lease_id": lease.lease_id,
         "token": lease.token.0,
         "ttl_ms": lease.ttl_ms,
     });
+    if let Some(credentials) = credentials {
+        body["credentials"] = serde_json::to_value(credentials).expect("credentials serialise");
+    }
     json_response(status, "application/json", &body)
 }
 

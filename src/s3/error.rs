@@ -56,6 +56,14 @@ pub enum FrontError {
     OutOfScope(String),
     #[error("The specified key does not exist.")]
     ClientNoSuchKey,
+    #[error("the lease of this credential expired or was released")]
+    LeaseExpired,
+    #[error("a lease credential writes only the objects of its lease's resource {lease:?}; not {what}")]
+    OutsideLease { lease: String, what: String },
+    #[error("a request signed with a lease credential carries fencing token {presented}, not its lease's {lease}")]
+    LeaseTokenMismatch { presented: FenceToken, lease: FenceToken },
+    #[error("a request signed with a lease credential names resource {presented:?}, not its lease's {lease:?}")]
+    LeaseResourceMismatch { presented: String, lease: String },
     #[error(
         "the local upstream stores objects as files: a key with an empty path segment (`a//b`, `/a`) would be the \
          same file as another key, so it is refused"
@@ -115,7 +123,11 @@ impl FrontError {
             | Self::TokenMismatch { .. }
             | Self::UnsignedOnPresigned(_)
             | Self::PresignTooLong => "invalid_token",
-            Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
+            Self::LeaseTokenMismatch { .. } => "invalid_token",
+            Self::InvalidResource(_) | Self::ResourceMismatch { .. } | Self::LeaseResourceMismatch { .. } => {
+                "invalid_resource"
+            }
+            Self::LeaseExpired => "lease_expired",
             Self::Stale { .. } | Self::StaleWhileStreaming { .. } => "stale",
             Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
@@ -145,7 +157,10 @@ impl FrontError {
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
             Self::UnsafeKey | Self::EmptySegmentOnLocal => (S::BAD_REQUEST, "InvalidArgument"),
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
-            Self::OutOfScope(_) => (S::FORBIDDEN, "AccessDenied"),
+            Self::OutOfScope(_) | Self::OutsideLease { .. } => (S::FORBIDDEN, "AccessDenied"),
+            Self::LeaseExpired => (S::FORBIDDEN, "ExpiredToken"),
+            Self::LeaseTokenMismatch { .. } => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::LeaseResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),

@@ -33,6 +33,7 @@ use crate::config::{Config, millis};
 use crate::fence::outcome::{Bounded, bounded_call, detached, hold_for};
 use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
+use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issuers};
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
 use crate::upstream::{Enforcement, Upstream, UpstreamError, xml_element};
@@ -75,18 +76,24 @@ const STAMP_CHECKS_CONCURRENT: usize = 16;
 /// A CompleteMultipartUpload body lists at most 10,000 parts.
 const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
 
-/// Builds the S3 service: authentication from `[[credentials]]`, virtual hosts from
-/// `server.domain`, and fencegate's handler behind it.
+/// Builds the S3 service: authentication from `[[credentials]]` and lease credentials, virtual
+/// hosts from `server.domain`, and fencegate's handler behind it.
 pub fn service(
     config: &Config,
     gate: Arc<Gate>,
     upstream: Arc<dyn Upstream>,
     leases: Arc<LeaseService>,
+    issuers: Arc<Issuers>,
     enforcement: Option<Enforcement>,
-) -> anyhow::Result<S3Service> {
-    let auth = Credentials(
-        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect(),
-    );
+) -> anyhow::Result<Service> {
+    let auth = Credentials {
+        fixed: config
+            .credentials
+            .iter()
+            .map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned()))
+            .collect(),
+        issuers,
+    };
     let mut front = Front::new(config, gate, upstream)?;
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
@@ -104,7 +111,43 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(builder.build())
+    Ok(Service { inner: builder.build() })
+}
+
+/// The S3 front: s3s, called with what authentication needs of each request besides its
+/// access key (s3s asks for a secret by access key alone).
+#[derive(Clone)]
+pub struct Service {
+    inner: S3Service,
+}
+
+impl Service {
+    pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
+        let signed = Signed { session_token: session_token(&req), claims: std::sync::Mutex::new(None) };
+        SIGNED.scope(signed, self.inner.call(req)).await
+    }
+}
+
+/// What authentication learns of the request being served, on its task.
+struct Signed {
+    /// `x-amz-security-token` (or `X-Amz-Security-Token` in a presigned URL's query).
+    session_token: Option<String>,
+    /// The lease credential's claims, set once its secret is known; the signature is verified
+    /// before the route reads them.
+    claims: std::sync::Mutex<Option<Claims>>,
+}
+
+tokio::task_local! {
+    static SIGNED: Signed;
+}
+
+fn session_token(req: &http::Request<Body>) -> Option<String> {
+    if let Some(value) = req.headers().get("x-amz-security-token") {
+        return value.to_str().ok().map(str::to_owned);
+    }
+    form_urlencoded::parse(req.uri().query()?.as_bytes())
+        .find(|(name, _)| name.eq_ignore_ascii_case("X-Amz-Security-Token"))
+        .map(|(_, value)| value.into_owned())
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
@@ -134,19 +177,41 @@ impl s3s::host::S3Host for VirtualHosts {
     }
 }
 
-/// The `[[credentials]]` that may sign requests to fencegate.
-struct Credentials(std::collections::HashMap<String, String>);
+/// The `[[credentials]]` that may sign requests to fencegate, and the lease credentials made
+/// from the issuers' secrets.
+struct Credentials {
+    fixed: std::collections::HashMap<String, String>,
+    issuers: Arc<Issuers>,
+}
 
 #[async_trait::async_trait]
 impl s3s::auth::S3Auth for Credentials {
     async fn get_secret_key(&self, access_key: &str) -> S3Result<s3s::auth::SecretKey> {
-        match self.0.get(access_key) {
-            Some(secret) => Ok(secret.clone().into()),
-            None => Err(s3s::S3Error::with_message(
-                s3s::S3ErrorCode::InvalidAccessKeyId,
-                "The AWS access key ID you provided does not exist in fencegate's [[credentials]].",
-            )),
+        if let Some(secret) = self.fixed.get(access_key) {
+            return Ok(secret.clone().into());
         }
+        if access_key.starts_with(ACCESS_KEY_PREFIX) {
+            let session_token = SIGNED.try_with(|s| s.session_token.clone()).ok().flatten();
+            return match self.issuers.secret(access_key, session_token.as_deref()) {
+                Ok((secret, claims)) => {
+                    let _ = SIGNED.try_with(|s| *s.claims.lock().expect("claims lock") = Some(claims));
+                    Ok(secret.into())
+                }
+                Err(error) => {
+                    let (code, status) = match error {
+                        CredentialError::UnknownIssuer => (s3s::S3ErrorCode::InvalidAccessKeyId, StatusCode::FORBIDDEN),
+                        _ => (s3s::S3ErrorCode::InvalidToken, StatusCode::BAD_REQUEST),
+                    };
+                    let mut e = s3s::S3Error::with_message(code, error.to_string());
+                    e.set_status_code(status);
+                    Err(e)
+                }
+            };
+        }
+        Err(s3s::S3Error::with_message(
+            s3s::S3ErrorCode::InvalidAccessKeyId,
+            "The AWS access key ID you provided does not exist in fencegate's [[credentials]].",
+        ))
     }
 }
 
@@ -191,13 +256,25 @@ impl S3Route for FencegateRoute {
                 .headers
                 .get("x-amz-content-sha256")
                 .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
-            let caller = crate::lease::Caller { issuer, signed: body_signed && !presigned };
+            let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
+            let caller = crate::lease::Caller { access_key, issuer, signed: body_signed && !presigned };
             return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
         }
+        let lease = match req.credentials.as_ref() {
+            Some(c) if c.access_key.starts_with(ACCESS_KEY_PREFIX) => {
+                // Verified with the secret derived from these claims: they are the signer's.
+                let claims = SIGNED.try_with(|s| s.claims.lock().expect("claims lock").take()).ok().flatten();
+                match claims {
+                    Some(claims) => Some(claims),
+                    None => return Err(s3s::s3_error!(AccessDenied, "a lease credential without its claims")),
+                }
+            }
+            _ => None,
+        };
         // Detached: a client that disconnects does not end a write the upstream may still
         // commit (`fence::outcome`).
         let front = self.front.clone();
-        detached(async move { front.handle(req).await }).await
+        detached(async move { front.handle(req, lease).await }).await
     }
 }
 
@@ -240,6 +317,12 @@ impl Request {
     fn path_and_query(&self) -> String {
         format!("{}{}", self.target.raw_path, self.query)
     }
+}
+
+/// A lease credential's lease, standing: writes carry its token.
+struct LeaseStanding {
+    resource: ResourceKey,
+    token: FenceToken,
 }
 
 /// A write that the gate admitted.
@@ -290,7 +373,7 @@ impl Front {
         })
     }
 
-    async fn handle(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+    async fn handle(&self, req: S3Request<Body>, lease: Option<Claims>) -> S3Result<S3Response<Body>> {
         let request_id = self.request_ids.next();
         let span = tracing::info_span!(
             "s3",
@@ -305,7 +388,7 @@ impl Front {
             duration_ms = field::Empty,
         );
         let started = Instant::now();
-        let result = self.route(req).instrument(span.clone()).await;
+        let result = self.route(req, lease).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -330,7 +413,7 @@ impl Front {
         }
     }
 
-    async fn route(&self, req: S3Request<Body>) -> Result<S3Response<Body>, FrontError> {
+    async fn route(&self, req: S3Request<Body>, lease: Option<Claims>) -> Result<S3Response<Body>, FrontError> {
         if !S3_METHODS.contains(&req.method) {
             // A method S3 does not know (`put`, `Put`, `PATCH`...) is refused, never forwarded
             // unfenced: an upstream may treat `put` as PUT.
@@ -341,11 +424,20 @@ impl Front {
         if let Some(key) = target.key.as_deref() {
             self.check_key(key)?;
         }
-        if let Some(scopes) = req.credentials.as_ref().and_then(|c| self.scopes.get(&c.access_key)) {
+        // A lease credential may do what its issuer may, within its lease.
+        let signer = match &lease {
+            Some(claims) => Some(claims.parent.as_str()),
+            None => req.credentials.as_ref().map(|c| c.access_key.as_str()),
+        };
+        if let Some(scopes) = signer.and_then(|key| self.scopes.get(key)) {
             scopes.check(&req.method, &target, req.uri.query(), &req.headers)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
+        let lease = match &lease {
+            Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
+            None => None,
+        };
         let content_length = content_length(&req.headers);
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
@@ -364,7 +456,11 @@ impl Front {
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
         }
-        let Some(token) = self.wire.token(&request.headers)? else {
+        let presented = match &lease {
+            Some(lease) => Some(lease.token),
+            None => self.wire.token(&request.headers)?,
+        };
+        let Some(token) = presented else {
             if self.require_token {
                 return Err(FrontError::MissingToken);
             }
@@ -373,7 +469,7 @@ impl Front {
             return self.pass_through(request).await;
         };
         if op == Op::DeleteObjects {
-            return self.delete_objects(request, token).await;
+            return self.delete_objects(request, token, lease.map(|l| l.resource)).await;
         }
         if op == Op::PostObject {
             return Err(FrontError::NotSupported("POST Object (a browser form upload)"));
@@ -426,6 +522,71 @@ impl Front {
                 self.forward_admitted(request, admitted).await
             }
             _ => self.forward_admitted(request, admitted).await,
+        }
+    }
+
+    /// A request signed with a lease credential: the lease must still stand (else 403
+    /// `ExpiredToken`, or 409 for a write whose token a newer grant has passed), and a write
+    /// must be to an object of the lease's resource, with no other token or resource.
+    async fn lease_standing(
+        &self,
+        claims: &Claims,
+        method: &Method,
+        op: Op,
+        target: &Target,
+        headers: &HeaderMap,
+    ) -> Result<LeaseStanding, FrontError> {
+        let resource = ResourceKey::new(&claims.resource).map_err(FrontError::InvalidResource)?;
+        let write = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
+        let stored = self.gate.lease_record(&resource).await.map_err(FrontError::StoreUnavailable)?;
+        let now_ms = crate::lease::Clock::now_ms(&crate::lease::SystemClock);
+        let stands = stored.as_ref().is_some_and(|l| claims.names(l) && l.is_live(now_ms));
+        let token = FenceToken(claims.token);
+        if !stands {
+            if write
+                && let Some(current) = self.gate.fence(&resource).await.map_err(FrontError::StoreUnavailable)?
+                && current > token
+            {
+                return Err(FrontError::Stale { presented: token, current });
+            }
+            return Err(FrontError::LeaseExpired);
+        }
+        if !write {
+            return Ok(LeaseStanding { resource, token });
+        }
+        if !op.is_fenced_write() {
+            return Err(FrontError::OutsideLease {
+                lease: claims.resource.clone(),
+                what: "a bucket or service operation".into(),
+            });
+        }
+        if let Some(presented) = self.wire.token(headers)?
+            && presented != token
+        {
+            return Err(FrontError::LeaseTokenMismatch { presented, lease: token });
+        }
+        if let Some(presented) = headers.get(&self.wire.resource_header)
+            && presented.as_bytes() != claims.resource.as_bytes()
+        {
+            let presented = String::from_utf8_lossy(presented.as_bytes()).into_owned();
+            return Err(FrontError::LeaseResourceMismatch { presented, lease: claims.resource.clone() });
+        }
+        // DeleteObjects: each key on its own (`delete_objects`).
+        if op != Op::DeleteObjects {
+            let (Some(bucket), Some(key)) = (&target.bucket, &target.key) else {
+                return Err(FrontError::OutsideLease { lease: claims.resource.clone(), what: "a bucket".into() });
+            };
+            self.within_lease(&resource, bucket, key)?;
+        }
+        Ok(LeaseStanding { resource, token })
+    }
+
+    /// Whether `bucket/key` belongs to the lease's resource by the rules (or is it, for a
+    /// per-object lease), whatever the request's own `Fencing-Resource` says.
+    fn within_lease(&self, lease: &ResourceKey, bucket: &str, key: &str) -> Result<(), FrontError> {
+        match self.wire.resource(&HeaderMap::new(), bucket, key) {
+            Ok(resource) if resource == *lease => Ok(()),
+            _ => Err(FrontError::OutsideLease { lease: lease.as_str().to_owned(), what: format!("{bucket}/{key}") }),
         }
     }
 
@@ -782,7 +943,13 @@ impl Front {
     }
 
     /// DeleteObjects: each key against its own resource; stale keys become per-key errors.
-    async fn delete_objects(&self, request: Request, token: FenceToken) -> Result<S3Response<Body>, FrontError> {
+    /// `lease`: signed with a lease credential, whose resource every key must belong to.
+    async fn delete_objects(
+        &self,
+        request: Request,
+        token: FenceToken,
+        lease: Option<ResourceKey>,
+    ) -> Result<S3Response<Body>, FrontError> {
         let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
         let path = request.path_and_query();
         let parsed = delete_objects::read(request.body).await?;
@@ -791,6 +958,12 @@ impl Front {
         let mut refused = Vec::new();
         for object in parsed.objects {
             if let Err(error) = self.check_key(&object.key) {
+                refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
+                continue;
+            }
+            if let Some(lease) = &lease
+                && let Err(error) = self.within_lease(lease, &bucket, &object.key)
+            {
                 refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }

@@ -245,6 +245,18 @@ impl FenceStore for EmbeddedStore {
         self.submit(WriteRequest::Lease { resource: resource.clone(), command, now_ms, reply }, answer).await
     }
 
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        self.check_poisoned()?;
+        // In place, like `load`.
+        let read = || -> Result<Option<String>, redb::Error> {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(LEASES)?;
+            Ok(table.get(resource.as_str())?.map(|v| v.value().to_owned()))
+        };
+        let json = read().map_err(|e| StoreError::Backend(Box::new(e)))?;
+        json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
+    }
+
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,

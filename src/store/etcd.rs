@@ -393,6 +393,11 @@ impl FenceStore for EtcdStore {
         }
     }
 
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        let read = self.read(&[&lease_key(resource)]).await?.remove(0);
+        read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()
+    }
+
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,

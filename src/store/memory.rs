@@ -79,6 +79,11 @@ impl FenceStore for MemoryStore {
         Ok(t.outcome)
     }
 
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        self.check()?;
+        Ok(self.leases.lock().expect("memory store lock").get(resource).cloned())
+    }
+
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,

@@ -433,6 +433,7 @@ def sign_headers(
     access_key: str = ACCESS_KEY,
     secret_key: str = SECRET_KEY,
     payload: bytes | None = None,
+    session_token: str | None = None,
 ) -> list[tuple[str, str]]:
     """Return the header list (Host first) of a SigV4-signed request with UNSIGNED-PAYLOAD, or
     with `payload`'s SHA-256 when given (fencegate's own endpoints take only signed bodies).
@@ -443,7 +444,7 @@ def sign_headers(
     hdrs = {"Host": f"{host}:{port}", "x-amz-content-sha256": digest}
     hdrs.update(headers or {})
     req = AWSRequest(method=method, url=f"http://{host}:{port}{path}", headers=hdrs)
-    _S3PathSigV4(Credentials(access_key, secret_key), "s3", REGION).add_auth(req)
+    _S3PathSigV4(Credentials(access_key, secret_key, session_token), "s3", REGION).add_auth(req)
     return list(req.headers.items())
 
 

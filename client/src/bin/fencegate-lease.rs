@@ -1,0 +1,367 @@
+//! `fencegate-lease`: unmodified S3 tools fenced by a lease (SPEC section 9).
+//!
+//! ```text
+//! fencegate-lease run NAME [--ttl-ms N] -- COMMAND [ARGS...]
+//! fencegate-lease acquire NAME [--ttl-ms N] [--env]
+//! fencegate-lease renew NAME LEASE_ID
+//! fencegate-lease release NAME LEASE_ID
+//! ```
+//!
+//! `run` acquires lease NAME with lease credentials, runs COMMAND with `AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN` and `AWS_ENDPOINT_URL` set to them (and
+//! `FENCEGATE_LEASE_NAME`, `FENCEGATE_LEASE_TOKEN`), renews the lease every ttl/3, and when the
+//! lease is lost stops COMMAND (SIGTERM to its process group, SIGKILL after `--grace-ms`).
+//! SIGINT, SIGTERM and SIGHUP sent to `fencegate-lease` go on to COMMAND. The lease is released
+//! when COMMAND ends. Like `etcdctl lock NAME -- COMMAND`, but fenced at the storage: a write
+//! COMMAND sends after the lease was lost is refused by fencegate, whether or not it was
+//! stopped in time.
+//!
+//! fencegate's endpoint comes from `--endpoint` or `FENCEGATE_ENDPOINT`; the credential that
+//! asks for the lease (`role = "issuer"`) from `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`.
+//!
+//! Exit status of `run`: COMMAND's own (128 + N if a signal N ended it); 75 if the lease was lost
+//! while COMMAND ran (it was stopped); 69 if someone else holds the lease (after `--wait-ms`);
+//! 1 if fencegate refused or could not be reached; 2 for bad arguments. `acquire`, `renew` and
+//! `release` exit 0, 69 (held), 1 (refused, gone, unreachable) or 2.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use fencegate_client::{Credentials, Grant, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::process::Child;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::time::Instant;
+
+const EXIT_FAILED: u8 = 1;
+const EXIT_USAGE: u8 = 2;
+/// `EX_UNAVAILABLE`: the lease is someone else's.
+const EXIT_HELD: u8 = 69;
+/// `EX_TEMPFAIL`: the lease was lost under the command, which was stopped; try again.
+const EXIT_LOST: u8 = 75;
+
+/// The longest pause between two acquire attempts while someone else holds the lease.
+const ACQUIRE_RETRY_MAX: Duration = Duration::from_millis(500);
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fencegate-lease",
+    version,
+    about = "Run a command under a fencegate lease, fenced by lease credentials"
+)]
+struct Cli {
+    /// fencegate's S3 listener.
+    #[arg(long, env = "FENCEGATE_ENDPOINT", default_value = "http://127.0.0.1:9000")]
+    endpoint: String,
+    /// The signing region fencegate accepts.
+    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
+    region: String,
+    /// The issuer credential (`role = "issuer"`) that asks for the lease.
+    #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
+    access_key_id: String,
+    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
+    secret_access_key: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Debug)]
+struct AcquireArgs {
+    /// The lease, which is also the resource its credentials write to.
+    name: String,
+    #[arg(long, default_value_t = 30_000)]
+    ttl_ms: u64,
+    /// Who holds the lease, for humans and logs (default: host and process id).
+    #[arg(long)]
+    holder: Option<String>,
+    /// Keep trying this long while someone else holds the lease (0: try once).
+    #[arg(long, default_value_t = 0)]
+    wait_ms: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Acquire NAME with credentials, run COMMAND with them, renew, stop COMMAND if the lease is lost.
+    Run {
+        #[command(flatten)]
+        lease: AcquireArgs,
+        /// After SIGTERM, how long COMMAND has to end before SIGKILL.
+        #[arg(long, default_value_t = 10_000)]
+        grace_ms: u64,
+        /// The command and its arguments, after `--`.
+        #[arg(required = true, last = true)]
+        command: Vec<OsString>,
+    },
+    /// Acquire NAME with credentials; print the grant as JSON (or as shell `export` lines).
+    Acquire {
+        #[command(flatten)]
+        lease: AcquireArgs,
+        /// Print `export VAR='value'` lines for `eval` instead of JSON.
+        #[arg(long)]
+        env: bool,
+    },
+    /// Renew lease NAME held with LEASE_ID (extends its credentials too).
+    Renew { name: String, lease_id: String },
+    /// Release lease NAME held with LEASE_ID.
+    Release { name: String, lease_id: String },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let credentials = Credentials::new(&cli.access_key_id, &cli.secret_access_key, None, None, "fencegate-lease");
+    let client = match LeaseClient::new(&cli.endpoint, credentials, &cli.region) {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("fencegate-lease: {error}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let code = match cli.command {
+        Command::Run { ref lease, grace_ms, ref command } => {
+            run(&client, &cli, lease, Duration::from_millis(grace_ms), command).await
+        }
+        Command::Acquire { ref lease, env } => acquire_once(&client, lease, env).await,
+        Command::Renew { ref name, ref lease_id } => match client.renew(name, lease_id).await {
+            Ok(grant) => {
+                println!("{}", grant_json(&grant));
+                0
+            }
+            Err(error) => failed(&error),
+        },
+        Command::Release { ref name, ref lease_id } => match client.release(name, lease_id).await {
+            Ok(()) => 0,
+            Err(error) => failed(&error),
+        },
+    };
+    ExitCode::from(code)
+}
+
+async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duration, command: &[OsString]) -> u8 {
+    let options = LeaseOptions::default().with_credentials();
+    let ttl = Duration::from_millis(args.ttl_ms);
+    let holder = args.holder.clone().unwrap_or_else(default_holder);
+    let lease = match acquire(args, || client.acquire_with(&args.name, &holder, ttl, options.clone())).await {
+        Ok(lease) => lease,
+        Err(code) => return code,
+    };
+    let Some(credentials) = lease.credentials().cloned() else {
+        eprintln!("fencegate-lease: the grant came without credentials");
+        return EXIT_FAILED;
+    };
+    eprintln!(
+        "fencegate-lease: acquired {} token={} holder={} ttl_ms={}",
+        lease.name(),
+        lease.token(),
+        lease.holder(),
+        args.ttl_ms
+    );
+
+    let (program, rest) = command.split_first().expect("clap requires a command");
+    let mut child = tokio::process::Command::new(program);
+    child
+        .args(rest)
+        .env("AWS_ACCESS_KEY_ID", &credentials.access_key_id)
+        .env("AWS_SECRET_ACCESS_KEY", &credentials.secret_access_key)
+        .env("AWS_SESSION_TOKEN", &credentials.session_token)
+        .env("AWS_ENDPOINT_URL", &cli.endpoint)
+        .env("FENCEGATE_LEASE_NAME", lease.name())
+        .env("FENCEGATE_LEASE_TOKEN", lease.token().to_string())
+        // The older name of the session token variable: it must not be some other session's.
+        .env_remove("AWS_SECURITY_TOKEN")
+        // Its own process group: the whole tree is stopped together if the lease is lost.
+        .process_group(0);
+    for region in ["AWS_REGION", "AWS_DEFAULT_REGION"] {
+        if std::env::var_os(region).is_none() {
+            child.env(region, &cli.region);
+        }
+    }
+    let mut child = match child.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            eprintln!("fencegate-lease: cannot run {}: {error}", program.to_string_lossy());
+            release(lease).await;
+            return 127;
+        }
+    };
+    match supervise(&mut child, &lease).await {
+        Ok(status) => {
+            release(lease).await;
+            status.code().map_or_else(|| 128 + status.signal().unwrap_or(0) as u8, |c| c as u8)
+        }
+        Err(Lost) => {
+            let reason = match lease.status() {
+                LeaseStatus::Lost(reason) => reason.to_string(),
+                other => format!("{other:?}"),
+            };
+            eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
+            stop(&mut child, grace).await;
+            EXIT_LOST
+        }
+    }
+}
+
+struct Lost;
+
+/// Waits for the command to end, forwarding signals to it, unless the lease is lost first.
+async fn supervise(child: &mut Child, lease: &Lease) -> Result<std::process::ExitStatus, Lost> {
+    let group = child.id().map(|id| Pid::from_raw(id as i32));
+    let lost = lease.lost();
+    // Without a handler (it could not be installed) a signal acts on fencegate-lease as usual.
+    let (mut interrupt, mut terminate, mut hangup) =
+        (signal(SignalKind::interrupt()).ok(), signal(SignalKind::terminate()).ok(), signal(SignalKind::hangup()).ok());
+    let forward = |sig: Signal| {
+        if let Some(group) = group {
+            let _ = killpg(group, sig);
+        }
+    };
+    loop {
+        tokio::select! {
+            status = child.wait() => match status {
+                Ok(status) => return Ok(status),
+                Err(error) => {
+                    eprintln!("fencegate-lease: waiting for the command failed: {error}");
+                    return Ok(std::process::ExitStatus::from_raw(i32::from(EXIT_FAILED) << 8));
+                }
+            },
+            () = lost.cancelled() => return Err(Lost),
+            () = received(&mut interrupt) => forward(Signal::SIGINT),
+            () = received(&mut terminate) => forward(Signal::SIGTERM),
+            () = received(&mut hangup) => forward(Signal::SIGHUP),
+        }
+    }
+}
+
+/// The next delivery of a handled signal; never, for one without a handler.
+async fn received(handler: &mut Option<tokio::signal::unix::Signal>) {
+    let delivered = match handler {
+        Some(handler) => handler.recv().await.is_some(),
+        None => false,
+    };
+    if !delivered {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// SIGTERM to the command's process group, SIGKILL after `grace`.
+async fn stop(child: &mut Child, grace: Duration) {
+    let Some(group) = child.id().map(|id| Pid::from_raw(id as i32)) else { return };
+    let _ = killpg(group, Signal::SIGTERM);
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        eprintln!("fencegate-lease: the command did not stop within {} ms; killing it", grace.as_millis());
+        let _ = killpg(group, Signal::SIGKILL);
+        let _ = child.wait().await;
+    }
+}
+
+async fn release(lease: Lease) {
+    let name = lease.name().to_owned();
+    match lease.release().await {
+        Ok(()) => eprintln!("fencegate-lease: released {name}"),
+        Err(error) => eprintln!("fencegate-lease: release of {name}: {error}"),
+    }
+}
+
+/// Tries `attempt` until it succeeds or `--wait-ms` has passed; an exit status on failure.
+async fn acquire<T, F, Fut>(args: &AcquireArgs, attempt: F) -> Result<T, u8>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LeaseError>>,
+{
+    let until = Instant::now() + Duration::from_millis(args.wait_ms);
+    loop {
+        let pause = match attempt().await {
+            Ok(granted) => return Ok(granted),
+            Err(LeaseError::Held { holder, remaining_ms }) => {
+                if Instant::now() >= until {
+                    eprintln!("fencegate-lease: {} is held by {holder} for {remaining_ms} more ms", args.name);
+                    return Err(EXIT_HELD);
+                }
+                Duration::from_millis(remaining_ms).min(ACQUIRE_RETRY_MAX)
+            }
+            Err(error) if error.is_retryable() && Instant::now() < until => ACQUIRE_RETRY_MAX,
+            Err(error) => return Err(failed(&error)),
+        };
+        tokio::time::sleep(pause.min(until.saturating_duration_since(Instant::now())).max(Duration::from_millis(1)))
+            .await;
+    }
+}
+
+async fn acquire_once(client: &LeaseClient, args: &AcquireArgs, env: bool) -> u8 {
+    let holder = args.holder.clone().unwrap_or_else(default_holder);
+    let ttl = Duration::from_millis(args.ttl_ms);
+    let grant = match acquire(args, || client.try_acquire_with_credentials(&args.name, &holder, ttl)).await {
+        Ok(grant) => grant,
+        Err(code) => return code,
+    };
+    if env {
+        let credentials = grant.credentials.as_ref().expect("asked for credentials");
+        for (name, value) in [
+            ("AWS_ACCESS_KEY_ID", credentials.access_key_id.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", credentials.secret_access_key.as_str()),
+            ("AWS_SESSION_TOKEN", credentials.session_token.as_str()),
+            ("FENCEGATE_LEASE_NAME", grant.name.as_str()),
+            ("FENCEGATE_LEASE_ID", grant.lease_id.as_str()),
+            ("FENCEGATE_LEASE_TOKEN", &grant.token.to_string()),
+        ] {
+            println!("export {name}={}", shell_quote(value));
+        }
+    } else {
+        println!("{}", grant_json(&grant));
+    }
+    0
+}
+
+fn grant_json(grant: &Grant) -> serde_json::Value {
+    let mut json = serde_json::json!({
+        "name": grant.name,
+        "holder": grant.holder,
+        "lease_id": grant.lease_id,
+        "token": grant.token.0,
+        "ttl_ms": grant.ttl_ms,
+    });
+    if let Some(c) = &grant.credentials {
+        json["credentials"] = serde_json::json!({
+            "access_key_id": c.access_key_id,
+            "secret_access_key": c.secret_access_key,
+            "session_token": c.session_token,
+            "expiration": c.expiration,
+        });
+    }
+    json
+}
+
+fn failed(error: &LeaseError) -> u8 {
+    eprintln!("fencegate-lease: {error}");
+    match error {
+        LeaseError::Held { .. } => EXIT_HELD,
+        LeaseError::Invalid(_) => EXIT_USAGE,
+        _ => EXIT_FAILED,
+    }
+}
+
+fn default_holder() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = host.trim();
+    format!("{}:{}", if host.is_empty() { "host" } else { host }, std::process::id())
+}
+
+/// `value` as one single-quoted shell word.
+fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', r"'\''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_words_survive_quotes() {
+        assert_eq!(shell_quote("a/b+c="), "'a/b+c='");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+    }
+}
