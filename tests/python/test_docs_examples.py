@@ -512,6 +512,27 @@ def test_leases_classic_worker(start, tmp_path):
     assert stamp(fg, "reports", "report.csv") == "2"
 
 
+@runs("docs/leases.md", "lease-run")
+def test_leases_fencegate_lease_run(start, tmp_path):
+    """`fencegate-lease run` around an unmodified `aws s3 cp` (multipart): the object lands
+    stamped with the lease's token; outside the lease the same command fails and writes nothing."""
+    lease_bin = Path(os.environ.get("FENCEGATE_LEASE_BIN", REPO_ROOT / "target" / "debug" / "fencegate-lease"))
+    assert lease_bin.is_file(), f"{lease_bin} is missing: build the workspace (scripts/test does)"
+    fg = start()
+    make_bucket(fg)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fencegate-lease").symlink_to(lease_bin)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = ok(run_sh(localize(block("docs/leases.md", "lease-run").code, fg.s3_addr, fg.admin_addr), tmp_path, env))
+    assert at_upstream(fg, "reports", "summary.bin") == (tmp_path / "summary.bin").read_bytes()
+    # Stamped by the first lease (token 1); the second grant raised the fence to 2.
+    assert stamp(fg, "reports", "summary.bin") == "1"
+    assert fence(fg, "reports/summary.bin") == 2
+    assert at_upstream(fg, "reports", "other.bin") is None
+    assert "AccessDenied" in r.stderr, r.stderr
+
+
 @runs("docs/leases.md", "redis-lease")
 def test_leases_redis_issuer(start, tmp_path, redis_server):  # noqa: F811
     """The Redis recipe against a real redis-server (`redis-cli` in PATH reaches it)."""
