@@ -150,6 +150,14 @@ probe_bucket = "{bucket}"
 [[credentials]]
 access_key_id = "{key}"
 secret_access_key = "{secret}"
+# An issuer: the lease-credentials rows grant a lease first.
+role = "issuer"
+
+# The objects of the lease-credentials rows belong to the lease's resource.
+[[fencing.rules]]
+bucket = "{bucket}"
+prefix = "lease-"
+resource = "{lease}"
 
 [log]
 level = "warn"
@@ -158,6 +166,7 @@ level = "warn"
         bucket = crate::BUCKET,
         key = crate::sign::ACCESS_KEY_ID,
         secret = crate::sign::SECRET_ACCESS_KEY,
+        lease = crate::scenario::LEASE,
     )
 }
 

@@ -14,6 +14,10 @@ use crate::sign::Signer;
 /// Distinct requests signed at most per scenario; longer runs replay them.
 pub const SIGNED_REQUESTS_MAX: usize = 200_000;
 
+/// The lease of the lease-credentials scenario; the bench config binds the bucket's `lease-`
+/// keys to it.
+pub const LEASE: &str = "bench:lease";
+
 const FENCING_TOKEN: HeaderName = HeaderName::from_static("fencing-token");
 const FENCING_RESOURCE: HeaderName = HeaderName::from_static("fencing-resource");
 
@@ -25,6 +29,10 @@ pub enum Scenario {
     /// 1 KiB writes with the current token, every connection on one resource
     /// (`Fencing-Resource`), each on its own objects.
     AcceptedOneResource,
+    /// 1 KiB writes signed with lease credentials, no fencing header: every connection on the
+    /// lease's resource, each on its own objects (the lease-credential twin of
+    /// `AcceptedOneResource`). The signer must hold the credentials of lease [`LEASE`].
+    AcceptedLease,
     /// Every request presents a new, higher token (each connection has its own resource).
     Advancing,
     /// Every request presents a token below the fence (primed by one write with a higher token).
@@ -36,6 +44,7 @@ impl Scenario {
         match self {
             Self::Accepted => "accepted",
             Self::AcceptedOneResource => "accepted-one-resource",
+            Self::AcceptedLease => "accepted-lease",
             Self::Advancing => "advancing",
             Self::Stale => "stale",
         }
@@ -170,6 +179,11 @@ pub fn build(scenario: Scenario, p: &Params<'_>) -> anyhow::Result<Workload> {
         Scenario::AcceptedOneResource => {
             let resource = format!("one-{run}");
             let f = |c: usize, i: usize| p.put(&format!("one-{run}-{c}-{i}"), 1, Some(&resource));
+            (per_conn(&f, keys)?, per_conn(&f, keys)?, true)
+        }
+        Scenario::AcceptedLease => {
+            let f =
+                |c: usize, i: usize| p.plan(Method::PUT, &format!("lease-{run}-{c}-{i}"), None, None, p.body.clone());
             (per_conn(&f, keys)?, per_conn(&f, keys)?, true)
         }
         Scenario::Advancing => {

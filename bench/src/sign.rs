@@ -31,7 +31,18 @@ pub struct Signer {
 
 impl Signer {
     pub fn new(access_key_id: &str, secret_access_key: &str, region: &str) -> Self {
-        let credentials = Credentials::new(access_key_id, secret_access_key, None, None, "fencegate-bench");
+        Self::with_session_token(access_key_id, secret_access_key, None, region)
+    }
+
+    /// Temporary credentials (lease credentials): every head also carries, and signs,
+    /// `x-amz-security-token`.
+    pub fn with_session_token(
+        access_key_id: &str,
+        secret_access_key: &str,
+        session_token: Option<String>,
+        region: &str,
+    ) -> Self {
+        let credentials = Credentials::new(access_key_id, secret_access_key, session_token, None, "fencegate-bench");
         let mut settings = SigningSettings::default();
         settings.percent_encoding_mode = PercentEncodingMode::Single;
         settings.uri_path_normalization_mode = UriPathNormalizationMode::Disabled;

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use bytes::Bytes;
 use clap::Args;
 use http::Method;
@@ -129,6 +130,9 @@ struct Ctx {
     /// Why the etcd store was not measured.
     etcd_missing: Option<String>,
     lookups: Vec<(u64, f64)>,
+    /// Lease credentials (access key, secret, session token) to sign with instead of the
+    /// static ones.
+    lease_credentials: Option<(String, String, String)>,
 }
 
 impl Ctx {
@@ -143,7 +147,10 @@ impl Ctx {
     /// can run longer) and a fresh run id per scenario.
     fn params(&mut self, addr: SocketAddr) -> Params<'_> {
         self.run_seq += 1;
-        self.signer = Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION);
+        self.signer = match &self.lease_credentials {
+            Some((key, secret, token)) => Signer::with_session_token(key, secret, Some(token.clone()), sign::REGION),
+            None => Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION),
+        };
         Params {
             signer: &self.signer,
             authority: addr.to_string(),
@@ -182,6 +189,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         redis_missing: None,
         etcd_missing: None,
         lookups: Vec::new(),
+        lease_credentials: None,
         args,
     };
     describe_setup(&mut ctx);
@@ -215,6 +223,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     }
+    lease_credentials_run(&mut ctx, &fencegate_path).await?;
     for path in [&fencegate_path, &ceiling_path] {
         keep_alive_run(&mut ctx, Scenario::Stale, path).await?;
     }
@@ -340,6 +349,22 @@ async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> a
     Ok(())
 }
 
+/// The one-resource run again, signed with lease credentials instead of a static credential
+/// and a fencing header: what a lease credential costs per request (the stored lease is read
+/// on every request).
+async fn lease_credentials_run(ctx: &mut Ctx, path: &Endpoint) -> anyhow::Result<()> {
+    let issuer = fencegate_client::Credentials::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, None, None, "bench");
+    let client = fencegate_client::LeaseClient::new(&format!("http://{}", path.addr), issuer, sign::REGION)?;
+    let grant =
+        client.try_acquire_with_credentials(scenario::LEASE, "fencegate-bench", Duration::from_secs(3600)).await?;
+    let credentials = grant.credentials.clone().context("the grant came without credentials")?;
+    ctx.lease_credentials = Some((credentials.access_key_id, credentials.secret_access_key, credentials.session_token));
+    let result = keep_alive_run(ctx, Scenario::AcceptedLease, path).await;
+    ctx.lease_credentials = None;
+    client.release(scenario::LEASE, &grant.lease_id).await?;
+    result
+}
+
 /// CPU µs per request of process `pid` since `before` (seconds of CPU).
 fn cpu_per_request(before: Option<f64>, pid: Option<u32>, requests: u64) -> Option<f64> {
     let after = pid.and_then(procs::cpu_seconds)?;
@@ -351,6 +376,7 @@ fn scenario_label(scenario: Scenario, body_bytes: usize) -> String {
     match scenario {
         Scenario::Accepted => format!("accepted {size}, many resources"),
         Scenario::AcceptedOneResource => format!("accepted {size}, one resource"),
+        Scenario::AcceptedLease => format!("accepted {size}, one resource, lease credentials"),
         Scenario::Advancing => format!("advancing {size} (new token per request)"),
         Scenario::Stale => format!("stale {size}"),
     }
@@ -543,12 +569,14 @@ async fn shared_store_runs(
         Err(e) => return Ok(Some(format!("{} did not start: {e:#}", store.path()))),
     };
     let path = Endpoint { name: store.path(), addr: fg.s3, pid: Some(fencegate.pid()) };
-    for scenario in [Scenario::Accepted, Scenario::Advancing, Scenario::Stale] {
+    for scenario in [Scenario::Accepted, Scenario::AcceptedOneResource, Scenario::Advancing, Scenario::Stale] {
         keep_alive_run(ctx, scenario, &path).await?;
         if let Some(status) = fencegate.exited() {
             anyhow::bail!("{} exited ({status}) during {}", store.path(), scenario.name());
         }
     }
+    // A lease credential reads the stored lease on every request: over the network here.
+    lease_credentials_run(ctx, &path).await?;
     drop(fencegate);
     drop(server);
     Ok(None)
