@@ -159,6 +159,14 @@ impl App {
                          late one is not refused per object"
                     );
                 }
+                if !enforcement.upload_ids_tied_to_keys {
+                    tracing::info!(
+                        bucket,
+                        upstream = self.upstream.kind(),
+                        "upstream accepts a multipart upload's id under any key; fencegate checks each multipart \
+                         step's key against the upstream's list of uploads (one more call per step)"
+                    );
+                }
                 Ok(())
             }
             Err(ProbeError::NoBucket) if mode == ProbeMode::Require => Err(anyhow::anyhow!(

@@ -56,6 +56,8 @@ pub enum FrontError {
     OutOfScope(String),
     #[error("The specified key does not exist.")]
     ClientNoSuchKey,
+    #[error("The specified multipart upload does not exist for this key.")]
+    NoSuchUpload,
     #[error("the lease of this credential expired or was released")]
     LeaseExpired,
     #[error("a lease credential writes only the objects of its lease's resource {lease:?}; not {what}")]
@@ -162,6 +164,7 @@ impl FrontError {
             Self::LeaseTokenMismatch { .. } => (S::BAD_REQUEST, "InvalidFencingToken"),
             Self::LeaseResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
+            Self::NoSuchUpload => (S::NOT_FOUND, "NoSuchUpload"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),

@@ -73,6 +73,9 @@ const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 /// Object heads read at once for the stamp checks of one DeleteObjects.
 const STAMP_CHECKS_CONCURRENT: usize = 16;
 
+/// Pages of ListMultipartUploads read to find one upload (1,000 uploads each).
+const UPLOAD_LIST_PAGES_MAX: usize = 10;
+
 /// A CompleteMultipartUpload body lists at most 10,000 parts.
 const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
 
@@ -98,6 +101,9 @@ pub fn service(
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
     front.copy_by_read_and_put = front.gate.store().shared().is_some() && enforcement.is_some_and(|e| !e.copy_object);
+    // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
+    front.upload_ids_tied_to_keys =
+        enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth);
     let issuers = config
@@ -297,6 +303,9 @@ pub struct Front {
     copy_by_read_and_put: bool,
     /// Whether a write may raise a fence (`fencing.advance`).
     writes_advance: bool,
+    /// Whether the upstream refuses a multipart upload id under another key (the probe); if
+    /// not, fencegate checks the pair before each multipart step.
+    upload_ids_tied_to_keys: bool,
     /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
     scopes: std::collections::HashMap<String, Scopes>,
 }
@@ -363,6 +372,7 @@ impl Front {
             etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
             copy_by_read_and_put: false,
+            upload_ids_tied_to_keys: false,
             writes_advance: config.fencing.advance.writes_advance(),
             scopes: config
                 .credentials
@@ -438,6 +448,11 @@ impl Front {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
         };
+        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload | Op::AbortMultipartUpload)
+            && !self.upload_ids_tied_to_keys
+        {
+            self.check_upload_key(&target, req.uri.query()).await?;
+        }
         let content_length = content_length(&req.headers);
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
@@ -579,6 +594,53 @@ impl Front {
             self.within_lease(&resource, bucket, key)?;
         }
         Ok(LeaseStanding { resource, token })
+    }
+
+    /// A multipart step names its upload by id and its object by key; the write is fenced on
+    /// the key's resource. On an upstream that keeps parts by the id alone, a part or a
+    /// completion sent under a key the caller may write would land in another resource's
+    /// object: the pair is checked against the upstream's own list of uploads first (404
+    /// `NoSuchUpload` otherwise, as S3 answers).
+    async fn check_upload_key(&self, target: &Target, query: Option<&str>) -> Result<(), FrontError> {
+        let upload_id = form_urlencoded::parse(query.unwrap_or("").as_bytes())
+            .find(|(name, _)| name == "uploadId")
+            .map(|(_, value)| value.into_owned());
+        let (Some(bucket), Some(key), Some(upload_id)) = (&target.bucket, &target.key, upload_id) else {
+            return Err(FrontError::NoSuchUpload);
+        };
+        let mut markers: Option<(String, String)> = None;
+        for _ in 0..UPLOAD_LIST_PAGES_MAX {
+            let listing = {
+                let mut listing = form_urlencoded::Serializer::new(String::new());
+                listing.append_pair("uploads", "").append_pair("prefix", key);
+                if let Some((key_marker, id_marker)) = &markers {
+                    listing.append_pair("key-marker", key_marker).append_pair("upload-id-marker", id_marker);
+                }
+                listing.finish()
+            };
+            // Bucket names are plain (checked by the S3 library).
+            let path = format!("/{bucket}?{listing}");
+            let resp = self.send("list_uploads", Method::GET, &path, HeaderMap::new(), Body::empty()).await?;
+            let status = resp.status();
+            let body = http_body_util::Limited::new(resp.into_body(), XML_RESPONSE_BYTES_MAX)
+                .collect()
+                .await
+                .map_err(|_| FrontError::UpstreamStatus { step: "listing multipart uploads", status })?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(FrontError::UpstreamStatus { step: "listing multipart uploads", status });
+            }
+            let page: objects::UploadList = quick_xml::de::from_reader(body.as_ref())
+                .map_err(|_| FrontError::UpstreamStatus { step: "listing multipart uploads", status })?;
+            if page.uploads.iter().any(|u| u.key == *key && u.upload_id == upload_id) {
+                return Ok(());
+            }
+            match (page.is_truncated, page.next_key_marker, page.next_upload_id_marker) {
+                (Some(true), Some(k), Some(u)) => markers = Some((k, u)),
+                _ => break,
+            }
+        }
+        Err(FrontError::NoSuchUpload)
     }
 
     /// Whether `bucket/key` belongs to the lease's resource by the rules (or is it, for a

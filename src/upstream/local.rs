@@ -90,6 +90,20 @@ impl LocalUpstream {
         error.to_http_response().map(Some).map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
     }
 
+    /// Whether multipart upload `upload_id` was started on `bucket/key` (raw path segments).
+    /// s3s-fs keeps an upload's parts by its id alone, so any key with the id would reach them
+    /// (a part or a completion under a key the caller may write landing in another's object);
+    /// S3 answers `NoSuchUpload`. The upload's own metadata file names its bucket and key
+    /// (s3s-fs 0.14's layout, pinned in Cargo.toml; `tests/python/test_local_upstream.py`
+    /// fails if it moves).
+    fn upload_is_for(&self, bucket: &str, key: &str, upload_id: &str) -> bool {
+        use base64::Engine;
+        let Some(key) = crate::percent::decode(key) else { return false };
+        let encode = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let file = format!(".bucket-{}.object-{}.upload-{upload_id}.metadata.json", encode(bucket), encode(&key));
+        self.root.join(file).is_file()
+    }
+
     fn is_object_write(req: &http::Request<Body>) -> bool {
         let writes = matches!(*req.method(), Method::PUT | Method::POST | Method::DELETE);
         // `/bucket/key...`: something after the bucket's slash means an object path.
@@ -106,6 +120,14 @@ fn names_sub_resource(query: Option<&str>) -> bool {
             .filter(|pair| !pair.is_empty())
             .any(|pair| pair.split('=').next().is_some_and(|name| name != "x-id"))
     })
+}
+
+/// The `uploadId` of a query, if it is a UUID as s3s-fs makes them (anything else s3s-fs
+/// refuses on its own).
+fn upload_id(query: Option<&str>) -> Option<String> {
+    let (_, id) = form_urlencoded::parse(query?.as_bytes()).find(|(name, _)| name == "uploadId")?;
+    let uuid = id.len() == 36 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
+    uuid.then(|| id.to_ascii_lowercase())
 }
 
 /// Whether a bucket's directory holds any file (an object), at any depth.
@@ -145,6 +167,16 @@ impl Upstream for LocalUpstream {
             );
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
+        if !key.is_empty()
+            && let Some(upload_id) = upload_id(req.uri().query())
+            && !self.upload_is_for(bucket, key, &upload_id)
+        {
+            let error = s3s::S3Error::with_message(
+                s3s::S3ErrorCode::NoSuchUpload,
+                "The specified multipart upload does not exist for this key",
+            );
+            return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
         let _object_lock = if is_object_write {
             // By the decoded path: `/b/k` and `/b/%6B` are one object.
             let object = crate::percent::decode(req.uri().path()).unwrap_or_else(|| req.uri().path().to_owned());
@@ -161,5 +193,10 @@ impl Upstream for LocalUpstream {
 
     fn kind(&self) -> &'static str {
         "local"
+    }
+
+    /// Checked in `send` (`upload_is_for`).
+    fn ties_upload_ids_to_keys(&self) -> bool {
+        true
     }
 }

@@ -56,6 +56,12 @@ pub trait Upstream: Send + Sync + 'static {
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
+
+    /// Whether the upstream is known, without a probe, to refuse a multipart upload's id under
+    /// another key (as S3 does). Unknown for a remote store until the start-up probe says.
+    fn ties_upload_ids_to_keys(&self) -> bool {
+        false
+    }
 }
 
 /// Builds the upstream named by the config.

@@ -30,6 +30,10 @@ pub struct Enforcement {
     pub copy_object: bool,
     pub complete_multipart_upload: bool,
     pub delete_object: bool,
+    /// A multipart upload's id works only with the key it was started on (a part sent under
+    /// another key is `NoSuchUpload`). Some stores keep parts by the id alone; fencegate then
+    /// checks the pair itself before a multipart step goes ahead.
+    pub upload_ids_tied_to_keys: bool,
 }
 
 impl Enforcement {
@@ -86,10 +90,10 @@ pub async fn probe_preconditions(upstream: &dyn Upstream, bucket: Option<&str>) 
         let copy_headers =
             [("if-match", WRONG_ETAG), ("x-amz-copy-source", path.as_str()), ("x-amz-metadata-directive", "REPLACE")];
         let copy_object = refused(send(upstream, Method::PUT, &path, &copy_headers, "").await?);
-        let complete_multipart_upload = probe_completion(upstream, &path).await?;
+        let (complete_multipart_upload, upload_ids_tied_to_keys) = probe_completion(upstream, &path).await?;
         let delete_object = send(upstream, Method::DELETE, &path, &[("if-match", WRONG_ETAG)], "").await?.0
             == StatusCode::PRECONDITION_FAILED;
-        Ok(Enforcement { copy_object, complete_multipart_upload, delete_object })
+        Ok(Enforcement { copy_object, complete_multipart_upload, delete_object, upload_ids_tied_to_keys })
     }
     .await;
     let _ = send(upstream, Method::DELETE, &path, &[], "").await;
@@ -97,14 +101,18 @@ pub async fn probe_preconditions(upstream: &dyn Upstream, bucket: Option<&str>) 
 }
 
 /// Starts a multipart upload to `path`, uploads one part and completes it with a wrong
-/// `If-Match`: `true` if the completion is refused. The upload is aborted either way.
-async fn probe_completion(upstream: &dyn Upstream, path: &str) -> Result<bool, ProbeError> {
+/// `If-Match`: whether the completion is refused, and whether a part sent under another key
+/// with the same upload id is refused. The upload is aborted either way.
+async fn probe_completion(upstream: &dyn Upstream, path: &str) -> Result<(bool, bool), ProbeError> {
     let (status, body) = send(upstream, Method::POST, &format!("{path}?uploads"), &[], "").await?;
     let upload_id = match xml_element(&body, "UploadId") {
+        // No multipart support to speak of: nothing to rely on, and nothing to check.
         Some(id) if status.is_success() => id,
-        _ => return Ok(false), // no multipart support to speak of: nothing to rely on
+        _ => return Ok((false, true)),
     };
     let query = form_urlencoded::Serializer::new(String::new()).append_pair("uploadId", &upload_id).finish();
+    let elsewhere = send(upstream, Method::PUT, &format!("{path}-elsewhere?partNumber=2&{query}"), &[], "p").await?.0;
+    let tied = !elsewhere.is_success();
     let part_path = format!("{path}?partNumber=1&{query}");
     let (status, etag) = send_for_etag(upstream, &part_path).await?;
     let enforced = match etag {
@@ -122,7 +130,7 @@ async fn probe_completion(upstream: &dyn Upstream, path: &str) -> Result<bool, P
         _ => false,
     };
     let _ = send(upstream, Method::DELETE, &format!("{path}?{query}"), &[], "").await;
-    Ok(enforced)
+    Ok((enforced, tied))
 }
 
 /// 412, or a 200 whose body is an `<Error>` with `PreconditionFailed` (copies can answer so).
