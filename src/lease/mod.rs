@@ -68,9 +68,35 @@ pub struct Caller {
     pub access_key: String,
     /// Signed by a credential with `role = "issuer"`.
     pub issuer: bool,
+    /// Where the caller may move fences: `None` unless its credential is restricted to some
+    /// buckets (`[[credentials]] buckets`).
+    pub scope: Option<FenceScope>,
     /// Signed in its headers, body included (`x-amz-content-sha256` is the body's SHA-256): not
     /// presigned, not `UNSIGNED-PAYLOAD`. The body names the token or the holder.
     pub signed: bool,
+}
+
+/// The fences a credential restricted to some buckets may move: those of resources all of
+/// whose objects are inside its buckets. A resource bound by `[[fencing.rules]]` is inside when
+/// every rule binding it is; a resource named `bucket/key` (an object's own) when the object is;
+/// any other name could be presented by writes anywhere (`Fencing-Resource`), so it is not.
+#[derive(Debug, Clone)]
+pub struct FenceScope {
+    /// `(bucket, key prefix)`; an empty prefix is the whole bucket.
+    pub entries: Vec<(String, String)>,
+    pub rules: Vec<crate::config::RuleConfig>,
+}
+
+impl FenceScope {
+    pub fn covers(&self, resource: &ResourceKey) -> bool {
+        let inside =
+            |bucket: &str, key: &str| self.entries.iter().any(|(b, p)| b == bucket && key.starts_with(p.as_str()));
+        let mut binding = self.rules.iter().filter(|r| r.resource == resource.as_str()).peekable();
+        if binding.peek().is_some() {
+            return binding.all(|r| inside(&r.bucket, &r.prefix));
+        }
+        resource.as_str().split_once('/').is_some_and(|(bucket, key)| !key.is_empty() && inside(bucket, key))
+    }
 }
 
 pub struct LeaseService {
@@ -121,8 +147,10 @@ enum LeaseError {
     TokensExhausted,
     #[error("fence state unknown: {0}")]
     Unavailable(String),
-    #[error("leases and registrations need a credential with role = \"issuer\"; this one is a writer")]
+    #[error("leases and registrations need a credential with role = \"issuer\"")]
     NotIssuer,
+    #[error("this credential is restricted to buckets that do not hold every object of resource {0:?}")]
+    OutOfScope(String),
     #[error(
         "leases and registrations are signed in their headers with their body (x-amz-content-sha256: the body's \
          SHA-256); a presigned URL or UNSIGNED-PAYLOAD leaves the body unsigned"
@@ -153,7 +181,7 @@ impl LeaseService {
         } else if !caller.signed {
             Err(LeaseError::UnsignedBody)
         } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
-            self.register(method, resource, body).await
+            self.register(method, resource, body, &caller).await
         } else {
             self.dispatch(method, path, body, &caller).await
         };
@@ -162,8 +190,15 @@ impl LeaseService {
 
     /// `GET` a fence, or `PUT {"token": N}` to register a token (G7): 200 with the fence, 409
     /// with the current one if the token is lower.
-    async fn register(&self, method: &Method, raw: &str, body: Body) -> Result<S3Response<Body>, LeaseError> {
+    async fn register(
+        &self,
+        method: &Method,
+        raw: &str,
+        body: Body,
+        caller: &Caller,
+    ) -> Result<S3Response<Body>, LeaseError> {
         let resource = decode(raw)?;
+        caller.may_move(&resource)?;
         let fence = |status, token: FenceToken| {
             json_response(
                 status,
@@ -205,6 +240,7 @@ impl LeaseService {
             None => (rest, false),
         };
         let name = decode(name)?;
+        caller.may_move(&name)?;
         let now_ms = self.clock.now_ms();
         match (method, renew) {
             (&Method::POST, false) => {
@@ -290,6 +326,15 @@ impl LeaseService {
     }
 }
 
+impl Caller {
+    fn may_move(&self, resource: &ResourceKey) -> Result<(), LeaseError> {
+        match &self.scope {
+            Some(scope) if !scope.covers(resource) => Err(LeaseError::OutOfScope(resource.as_str().to_owned())),
+            _ => Ok(()),
+        }
+    }
+}
+
 fn refusal(outcome: LeaseOutcome) -> LeaseError {
     match outcome {
         LeaseOutcome::Held { holder, remaining_ms } => LeaseError::Held { holder, remaining_ms },
@@ -345,7 +390,9 @@ fn lease_json(
 fn problem(error: &LeaseError) -> S3Response<Body> {
     let (status, code) = match error {
         LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
-        LeaseError::NotIssuer | LeaseError::UnsignedBody => (StatusCode::FORBIDDEN, "AccessDenied"),
+        LeaseError::NotIssuer | LeaseError::UnsignedBody | LeaseError::OutOfScope(_) => {
+            (StatusCode::FORBIDDEN, "AccessDenied")
+        }
         LeaseError::NoSuchFence => (StatusCode::NOT_FOUND, "NoSuchFence"),
         LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
@@ -371,4 +418,36 @@ fn json_response(status: StatusCode, content_type: &'static str, body: &serde_js
     resp.status = Some(status);
     resp.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RuleConfig;
+
+    #[test]
+    fn a_scoped_credential_moves_only_resources_whose_objects_are_all_inside() {
+        let rule = |bucket: &str, prefix: &str, resource: &str| RuleConfig {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            resource: resource.into(),
+        };
+        let scope = FenceScope {
+            entries: vec![("a".into(), String::new()), ("b".into(), "team/".into())],
+            rules: vec![
+                rule("a", "jobs/", "job:in"),
+                rule("b", "team/x/", "job:in-b"),
+                rule("b", "other/", "job:out"),
+                rule("a", "", "job:split"),
+                rule("c", "", "job:split"),
+            ],
+        };
+        let covers = |r: &str| scope.covers(&ResourceKey::new(r).unwrap());
+        assert!(covers("job:in") && covers("job:in-b"));
+        assert!(!covers("job:out"), "bound outside");
+        assert!(!covers("job:split"), "one of its rules is outside");
+        assert!(covers("a/anything") && covers("b/team/k"));
+        assert!(!covers("b/elsewhere") && !covers("c/k") && !covers("a/"));
+        assert!(!covers("job:free"), "a free name can be presented by writes anywhere");
+    }
 }

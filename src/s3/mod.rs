@@ -203,13 +203,13 @@ impl s3s::auth::S3Auth for Credentials {
                     let _ = SIGNED.try_with(|s| *s.claims.lock().expect("claims lock") = Some(claims));
                     Ok(secret.into())
                 }
+                // An issuer that is not (or no longer) configured: a secret nobody has, so the
+                // answer is the one of any forged session token and tells nobody which access
+                // keys are issuers.
+                Err(CredentialError::UnknownIssuer) => Ok(uuid::Uuid::new_v4().simple().to_string().into()),
                 Err(error) => {
-                    let (code, status) = match error {
-                        CredentialError::UnknownIssuer => (s3s::S3ErrorCode::InvalidAccessKeyId, StatusCode::FORBIDDEN),
-                        _ => (s3s::S3ErrorCode::InvalidToken, StatusCode::BAD_REQUEST),
-                    };
-                    let mut e = s3s::S3Error::with_message(code, error.to_string());
-                    e.set_status_code(status);
+                    let mut e = s3s::S3Error::with_message(s3s::S3ErrorCode::InvalidToken, error.to_string());
+                    e.set_status_code(StatusCode::BAD_REQUEST);
                     Err(e)
                 }
             };
@@ -263,7 +263,12 @@ impl S3Route for FencegateRoute {
                 .get("x-amz-content-sha256")
                 .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
             let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
-            let caller = crate::lease::Caller { access_key, issuer, signed: body_signed && !presigned };
+            let scope = self
+                .front
+                .scopes
+                .get(&access_key)
+                .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.wire.rules.clone() });
+            let caller = crate::lease::Caller { access_key, issuer, scope, signed: body_signed && !presigned };
             return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
         }
         let lease = match req.credentials.as_ref() {

@@ -314,7 +314,8 @@ def test_an_issuer_removed_from_the_config_takes_its_credentials_along(fencegate
     fg.write_config()
     fg.restart()
     status, code, _ = refusal(lambda: leased_client(fg, g).put_object(Bucket=BUCKET, Key="reports/a.csv", Body=b"x"))
-    assert (status, code) == (403, "InvalidAccessKeyId")
+    # The answer of any forged session token: nobody learns which access keys are issuers.
+    assert (status, code) == (403, "SignatureDoesNotMatch")
 
 
 def test_every_replica_of_a_shared_store_honours_them(fencegate, moto_server, redis_server):  # noqa: F811
@@ -335,3 +336,37 @@ def test_every_replica_of_a_shared_store_honours_them(fencegate, moto_server, re
     status, code, _ = refusal(lambda: leased_client(a, g).put_object(Bucket=BUCKET, Key="reports/on-b.csv", Body=b"x"))
     assert (status, code) == (409, "FencingTokenStale")
     leased_client(a, newer).put_object(Bucket=BUCKET, Key="reports/on-b.csv", Body=b"newer via a")
+
+
+def test_an_issuer_restricted_to_buckets_moves_only_fences_inside_them(fencegate, moto_server):
+    """A fence only goes up: an issuer limited to some buckets must not lock (or lease) a
+    resource with objects outside them."""
+    fg = start(fencegate, moto_server)
+    inside, outside = fg.bucket, unique("outside")
+    scoped = {"access_key_id": "scoped-issuer", "secret_access_key": "scoped-issuer-secret-0123",
+              "role": "issuer", "buckets": [inside]}
+    fg.config["credentials"].append(scoped)
+    fg.config["fencing"]["rules"].append({"bucket": outside, "prefix": "x/", "resource": "job:outside"})
+    fg.write_config()
+    fg.restart()
+    keys = {"access_key": scoped["access_key_id"], "secret_key": scoped["secret_access_key"]}
+
+    def register(resource: str, token: int):
+        return signed_raw_request(fg, "PUT", "/_fencegate/v1/fences/" + quote_resource(resource),
+                                  {"Content-Type": "application/json"}, json.dumps({"token": token}).encode(), **keys)
+
+    def lease(resource: str):
+        body = json.dumps({"holder": "s", "ttl_ms": 1000, "credentials": True}).encode()
+        return signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource(resource),
+                                  {"Content-Type": "application/json"}, body, **keys)
+
+    # Outside: another bucket's object, a resource bound to another bucket, a free name that
+    # writes anywhere could present.
+    for resource in (f"{outside}/secret", "job:outside", "job:anything"):
+        for call in (lambda: register(resource, 2**64 - 1), lambda: lease(resource)):
+            r = call()
+            assert r.status == 403 and b"AccessDenied" in r.body, (resource, r.status, r.body)
+            assert fg.get_fence(resource).status_code == 404, resource
+    # Inside: its own bucket's objects, and a resource bound inside it by a rule.
+    assert register(f"{inside}/mine", 5).status == 200
+    assert lease("job:reports").status == 201
