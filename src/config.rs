@@ -602,6 +602,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
+        check_log_level(&self.log.level).map_err(|e| ("log.level", e))?;
         if !self.server.admin_listen.ip().is_loopback() && self.server.admin_token.is_none() {
             // Whoever reaches the admin API can raise any fence to 2^64-1 and lock it for good.
             return Err((
@@ -761,6 +762,25 @@ impl Config {
 /// A TOML file merged over the config file (`[[credentials]]`, `[[routes]]`, secrets), before
 /// the environment.
 pub const INCLUDE_ENV: &str = "FENCEGATE_INCLUDE";
+
+/// `log.level`: a level (`trace`, `debug`, `info`, `warn`, `error`, `off`) or directives
+/// `target=level` separated by commas. A bare word that is no level would be read as a target
+/// and turn every other log off, silently.
+fn check_log_level(level: &str) -> Result<(), String> {
+    let is_level = |s: &str| s.trim().parse::<tracing_subscriber::filter::LevelFilter>().is_ok();
+    for directive in level.split(',') {
+        let ok = match directive.rsplit_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && is_level(level),
+            None => is_level(directive),
+        };
+        if !ok {
+            return Err(format!(
+                "{directive:?} is neither a level (trace, debug, info, warn, error, off) nor `target=level`"
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// `FENCEGATE_<SECTION>__<KEY>` variables, and `FENCEGATE_CREDENTIALS` / `FENCEGATE_ROUTES`
 /// (the arrays of tables, as inline TOML: `[{access_key_id="...", secret_access_key="..."}]`).

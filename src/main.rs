@@ -151,7 +151,16 @@ fn init_tracing(config: &Config) {
     // The S3 library logs the signature it expected at debug level: a signing oracle for anyone
     // who reads the logs. It never logs below info, whatever the level asked for.
     let filter = filter.add_directive("s3s=info".parse().expect("a static directive"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // It also logs every 5xx it returns at ERROR with the whole response: fencegate logs its
+    // own refusals with their cause (and counts the library's own in
+    // `fencegate_s3_protocol_refusals_total`).
+    let filter = filter.add_directive("s3s::service=off".parse().expect("a static directive"));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never in a file or a log collector.
+        .with_ansi(std::io::stderr().is_terminal());
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -23,10 +23,64 @@ pub fn install() -> PrometheusHandle {
             let handle = recorder.handle();
             // Another recorder may already be installed (tests embedding several servers);
             // then this handle renders an empty set, which is still valid output.
-            let _ = metrics::set_global_recorder(recorder);
+            if metrics::set_global_recorder(recorder).is_ok() {
+                describe_and_register();
+            }
             handle
         })
         .clone()
+}
+
+/// Every metric's `# HELP`, and the ones a dashboard or an alert reads from start-up (a counter
+/// that appears only once it moved cannot be told apart from a missing scrape).
+fn describe_and_register() {
+    let counters: &[(&'static str, &'static str)] = &[
+        ("fencegate_decisions_total", "Decisions on writes, by outcome"),
+        ("fencegate_advances_total", "Fences raised by writes"),
+        ("fencegate_inflight_cancelled_total", "Older writes still streaming cut off by a newer token"),
+        ("fencegate_store_errors_total", "Fence store calls that failed or timed out"),
+        ("fencegate_upstream_errors_total", "Upstream calls without an answer or answered 5xx, by operation"),
+        ("fencegate_ambiguous_outcomes_total", "Writes whose upstream outcome could not be known, by operation"),
+        ("fencegate_precondition_conflicts_total", "Conditional writes the upstream refused, by result"),
+        ("fencegate_body_aborted_total", "Request bodies rejected while streaming, by reason"),
+        ("fencegate_lease_events_total", "Lease service events"),
+        ("fencegate_registrations_revoked_total", "Registrations of in-flight writes a replica could not keep"),
+        ("fencegate_store_rollbacks_repaired_total", "Times a shared store was found below this replica's mark"),
+        ("fencegate_idempotency_records_evicted_total", "Idempotency records dropped before their time"),
+        ("fencegate_store_wait_failures_total", "Changes fewer Redis replicas confirmed than store.wait_replicas"),
+        ("fencegate_gateway_requests_total", "Requests through the HTTP API gateway, by mode and outcome"),
+        ("fencegate_idempotency_record_errors_total", "Idempotency records that could not be written"),
+        (
+            "fencegate_s3_protocol_refusals_total",
+            "S3 requests refused before fencegate saw them (signature, parse), by status",
+        ),
+    ];
+    for (name, help) in counters {
+        describe_counter!(*name, *help);
+    }
+    describe_gauge!("fencegate_inflight_writes", "Admitted writes not finished yet");
+    describe_histogram!("fencegate_drain_wait_seconds", "Time a newer token waited for older in-flight writes");
+    describe_histogram!("fencegate_store_latency_seconds", "Fence store call latency");
+    describe_histogram!("fencegate_upstream_latency_seconds", "Upstream call latency, by operation");
+    for outcome in ["accepted", "stale", "missing_token", "invalid_token", "unregistered", "store_unavailable"] {
+        counter!("fencegate_decisions_total", "outcome" => outcome).absolute(0);
+    }
+    for name in [
+        "fencegate_advances_total",
+        "fencegate_inflight_cancelled_total",
+        "fencegate_registrations_revoked_total",
+        "fencegate_store_rollbacks_repaired_total",
+        "fencegate_store_wait_failures_total",
+    ] {
+        counter!(name).absolute(0);
+    }
+    gauge!("fencegate_inflight_writes").set(0.0);
+}
+
+/// An S3 request the S3 library refused before fencegate's handler saw it (a bad signature,
+/// an unknown access key, a request it cannot parse), by HTTP status.
+pub fn s3_protocol_refusal(status: u16) {
+    counter!("fencegate_s3_protocol_refusals_total", "status" => status.to_string()).increment(1);
 }
 
 /// A decision on a write: `accepted`, `advanced`, `stale`, `missing_token`, `invalid_token`,

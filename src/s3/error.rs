@@ -50,6 +50,8 @@ pub enum FrontError {
     TooLarge { bytes: u64, max: u64 },
     #[error("object keys with `.` or `..` path segments are refused")]
     UnsafeKey,
+    #[error("the value of {0} is not US-ASCII: encode it (RFC 2047), as S3 expects")]
+    NonAsciiMetadata(String),
     #[error("At least one of the pre-conditions you specified did not hold")]
     ClientPrecondition,
     #[error("this credential may not reach {0} (its [[credentials]] buckets)")]
@@ -157,7 +159,9 @@ impl FrontError {
                 (S::SERVICE_UNAVAILABLE, "SlowDown")
             }
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
-            Self::UnsafeKey | Self::EmptySegmentOnLocal => (S::BAD_REQUEST, "InvalidArgument"),
+            Self::UnsafeKey | Self::EmptySegmentOnLocal | Self::NonAsciiMetadata(_) => {
+                (S::BAD_REQUEST, "InvalidArgument")
+            }
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::OutOfScope(_) | Self::OutsideLease { .. } => (S::FORBIDDEN, "AccessDenied"),
             Self::LeaseExpired => (S::FORBIDDEN, "ExpiredToken"),

@@ -129,8 +129,21 @@ pub struct Service {
 
 impl Service {
     pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
-        let signed = Signed { session_token: session_token(&req), claims: std::sync::Mutex::new(None) };
-        SIGNED.scope(signed, self.inner.call(req)).await
+        let signed = Signed {
+            session_token: session_token(&req),
+            claims: std::sync::Mutex::new(None),
+            routed: std::sync::atomic::AtomicBool::new(false),
+        };
+        SIGNED
+            .scope(signed, async {
+                let resp = self.inner.call(req).await;
+                if !SIGNED.with(|s| s.routed.load(Ordering::Relaxed)) {
+                    let status = resp.as_ref().map_or(500, |r| r.status().as_u16());
+                    metrics::s3_protocol_refusal(status);
+                }
+                resp
+            })
+            .await
     }
 }
 
@@ -141,6 +154,8 @@ struct Signed {
     /// The lease credential's claims, set once its secret is known; the signature is verified
     /// before the route reads them.
     claims: std::sync::Mutex<Option<Claims>>,
+    /// Set once fencegate's route took the request (after the signature was verified).
+    routed: std::sync::atomic::AtomicBool,
 }
 
 tokio::task_local! {
@@ -252,6 +267,7 @@ impl S3Route for FencegateRoute {
     }
 
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+        let _ = SIGNED.try_with(|s| s.routed.store(true, Ordering::Relaxed));
         if LeaseService::handles(req.uri.path()) {
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
             let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
@@ -439,6 +455,7 @@ impl Front {
         if let Some(key) = target.key.as_deref() {
             self.check_key(key)?;
         }
+        check_headers(&req.headers)?;
         // A lease credential may do what its issuer may, within its lease.
         let signer = match &lease {
             Some(claims) => Some(claims.parent.as_str()),
@@ -1392,6 +1409,27 @@ impl Front {
         }
         result.map_err(FrontError::Upstream)
     }
+}
+
+/// Headers fencegate cannot pass on as the client meant them, refused before anything is sent:
+/// a metadata value that is not US-ASCII (the upstream request is signed anew, and a SigV4
+/// signature covers text only; S3 wants such values RFC 2047-encoded), and a copy source with
+/// `.` or `..` segments (another object than the one named, once a path is normalised).
+fn check_headers(headers: &HeaderMap) -> Result<(), FrontError> {
+    for (name, value) in headers {
+        if name.as_str().starts_with("x-amz-meta-") && value.to_str().is_err() {
+            return Err(FrontError::NonAsciiMetadata(name.as_str().to_owned()));
+        }
+    }
+    if let Some(source) = headers.get("x-amz-copy-source") {
+        let source = source.to_str().map_err(|_| FrontError::UnsafeKey)?;
+        let path = source.split('?').next().unwrap_or("");
+        let decoded = crate::percent::decode(path).ok_or(FrontError::UnsafeKey)?;
+        if decoded.split('/').any(|segment| segment == "." || segment == "..") {
+            return Err(FrontError::UnsafeKey);
+        }
+    }
+    Ok(())
 }
 
 /// The client's conditions on a copy's source, and the read conditions they become.

@@ -61,6 +61,9 @@ BAD_CONFIGS = {
     # A value that parses but fails validation is reported against the file, even when the
     # environment set it.
     "below-minimum-from-env": ("", {"FENCEGATE_SERVER__HEADER_BYTES_MAX": "100"}, "server.header_bytes_max", None),
+    # A word that is no level would be read as a log target and silence every other log.
+    "unknown-log-level": ('[log]\nlevel = "verbose"\n', {}, "log.level", None),
+    "log-directive-without-level": ('[log]\nlevel = "info,fencegate=loud"\n', {}, "log.level", None),
 }
 
 
