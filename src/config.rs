@@ -284,6 +284,11 @@ pub struct FencingConfig {
     pub advance: AdvancePolicy,
     #[serde(default)]
     pub rules: Vec<RuleConfig>,
+    /// Show clients the stamp (`x-amz-meta-fencing-token`, the token that wrote the object) in
+    /// GET and HEAD answers. Off: the stamp is fencegate's, and a client comparing metadata
+    /// sees only its own.
+    #[serde(default)]
+    pub show_stamp: bool,
 }
 
 impl Default for FencingConfig {
@@ -299,6 +304,7 @@ impl Default for FencingConfig {
             retry_body_bytes_max: defaults::retry_body_bytes_max(),
             advance: defaults::fencing_advance(),
             rules: Vec::new(),
+            show_stamp: false,
         }
     }
 }

@@ -324,6 +324,8 @@ pub struct Front {
     copy_by_read_and_put: bool,
     /// Whether a write may raise a fence (`fencing.advance`).
     writes_advance: bool,
+    /// `fencing.show_stamp`.
+    show_stamp: bool,
     /// Whether the upstream refuses a multipart upload id under another key (the probe); if
     /// not, fencegate checks the pair before each multipart step.
     upload_ids_tied_to_keys: bool,
@@ -394,6 +396,7 @@ impl Front {
             request_ids: RequestIds::new(),
             copy_by_read_and_put: false,
             upload_ids_tied_to_keys: false,
+            show_stamp: config.fencing.show_stamp,
             writes_advance: config.fencing.advance.writes_advance(),
             scopes: config
                 .credentials
@@ -470,11 +473,6 @@ impl Front {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
         };
-        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload | Op::AbortMultipartUpload)
-            && !self.upload_ids_tied_to_keys
-        {
-            self.check_upload_key(&target, req.uri.query()).await?;
-        }
         let content_length = content_length(&req.headers);
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
@@ -507,6 +505,13 @@ impl Front {
         };
         if op == Op::DeleteObjects {
             return self.delete_objects(request, token, lease.map(|l| l.resource)).await;
+        }
+        // A fenced multipart step: its upload must be the key's (an unchecked one, without a
+        // token, is fenced on nothing and passes as it is).
+        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload | Op::AbortMultipartUpload)
+            && !self.upload_ids_tied_to_keys
+        {
+            self.check_upload_key(&request.target, Some(request.query.trim_start_matches('?'))).await?;
         }
         if op == Op::PostObject {
             return Err(FrontError::NotSupported("POST Object (a browser form upload)"));
@@ -678,7 +683,11 @@ impl Front {
     async fn pass_through(&self, request: Request) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
-        let resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
+        let reads_object = matches!(request.method, Method::GET | Method::HEAD);
+        let mut resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
+        if reads_object && !self.show_stamp {
+            resp.headers_mut().remove(METADATA_TOKEN_HEADER);
+        }
         Ok(client_response(resp))
     }
 

@@ -381,7 +381,9 @@ pub fn redis_store_toml(url: &str, replica: &str) -> String {
 impl Fencegate {
     /// Starts fencegate from a complete TOML document (the caller writes every section).
     pub async fn start_from_toml(dir: &Path, toml: &str) -> Self {
-        let config = Config::from_toml(toml).expect("test config is valid");
+        let mut config = Config::from_toml(toml).expect("test config is valid");
+        // The tests read the token that wrote an object through fencegate.
+        config.fencing.show_stamp = true;
         let app = App::build(config).await.expect("fencegate builds");
         let (s3, admin) = app.bind().await.expect("binds loopback");
         let (s3_addr, admin_addr) = (s3.local_addr().unwrap(), admin.local_addr().unwrap());

@@ -296,7 +296,9 @@ def base_config(workdir: Path) -> dict:
         "store": {"kind": "embedded", "path": str(workdir / "fences")},
         "upstream": {"kind": "local", "path": str(workdir / "objects")},
         "credentials": [{"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"}],
-        "fencing": {"require_token": True},
+        # The tests read the token that wrote an object through fencegate (hidden by default:
+        # test_transparency.py checks that).
+        "fencing": {"require_token": True, "show_stamp": True},
     }
 
 

@@ -77,7 +77,10 @@ class FileFenceGate(FenceGate):
         return self.workdir / tomllib.loads(self.file.read_text())["upstream"]["path"]
 
 
-LISTEN_ON_ANY_PORT = {"FENCEGATE_SERVER__LISTEN": "127.0.0.1:0", "FENCEGATE_SERVER__ADMIN_LISTEN": "127.0.0.1:0"}
+# Any free ports; and the stamp shown, so that the tests can read which token wrote an object
+# (`fencing.show_stamp`, off in the shipped config).
+LISTEN_ON_ANY_PORT = {"FENCEGATE_SERVER__LISTEN": "127.0.0.1:0", "FENCEGATE_SERVER__ADMIN_LISTEN": "127.0.0.1:0",
+                      "FENCEGATE_FENCING__SHOW_STAMP": "true"}
 
 
 def tls_env(tls) -> dict:

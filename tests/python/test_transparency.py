@@ -40,9 +40,11 @@ NOT_PASSED_THROUGH = {
     "payload signing": "fencegate re-signs every request for the upstream with UNSIGNED-PAYLOAD; moto echoes the "
                        "x-amz-content-sha256 of the request that wrote an object on its GET/HEAD responses",
     # token mode (the fenced path)
-    "the stamp": "objects written with a token carry x-amz-meta-fencing-token (Metadata fencing-token)",
     "self-copy": "CopyObject of an object onto itself without changes is 400 InvalidRequest at S3; with a token "
                  "fencegate rewrites COPY to REPLACE + the stamp, so it is a legal copy (200) that re-stamps",
+    "unknown uploads": "with a token, a multipart step of an upload moto does not list under that key is answered "
+                       "404 NoSuchUpload by fencegate (S3's answer; moto answers 500 to parts and completions), "
+                       "since moto keeps parts by upload id alone (test_multipart_keys.py)",
     "DeleteObjects order": "with a token, the Deleted/Error entries come back grouped per resource (sorted), "
                            "not in request order; compared as sets",
 }
@@ -63,7 +65,8 @@ def transparent_gate(moto_server, tmp_path_factory):
     fg = start_fencegate(
         tmp_path_factory.mktemp("transparency"),
         upstream=moto_server.upstream_config(),
-        config={"fencing": {"require_token": False}},
+        # The stamp hidden, as by default: a client's metadata is its own.
+        config={"fencing": {"require_token": False, "show_stamp": False}},
     )
     try:
         yield fg
@@ -77,7 +80,7 @@ def transparent_gate_https(moto_server, tmp_path_factory, tls_files):
     fg = start_fencegate(
         tmp_path_factory.mktemp("transparency-https"),
         upstream=moto_server.upstream_config(),
-        config={"fencing": {"require_token": False}},
+        config={"fencing": {"require_token": False, "show_stamp": False}},
         https=tls_files,
     )
     try:
@@ -149,8 +152,6 @@ class Transcript:
             k = k.lower()
             if k in DYNAMIC_HEADERS:
                 continue
-            if self.mode == "token" and k == "x-amz-meta-fencing-token":
-                continue
             if not self.checksums and k.startswith("x-amz-checksum-"):
                 continue
             out[k] = "<present>" if k in PRESENCE_ONLY_HEADERS else self.norm(v)
@@ -181,8 +182,6 @@ class Transcript:
         parsed = {k: v for k, v in resp.items() if k not in ("ResponseMetadata", "Body")}
         self.learn_ids(parsed)
         self.learn_ids(meta.get("HTTPHeaders", {}))
-        if self.mode == "token" and isinstance(parsed.get("Metadata"), dict):
-            parsed["Metadata"] = {k: v for k, v in parsed["Metadata"].items() if k != "fencing-token"}
         for field_name in unordered:
             if isinstance(parsed.get(field_name), list):
                 parsed[field_name] = sorted(parsed[field_name], key=repr)
@@ -327,12 +326,13 @@ def scenario_errors(t: Transcript):
     t.step("head missing bucket", lambda: c.head_bucket(Bucket=missing))
     t.step("tagging missing key", lambda: c.get_object_tagging(Bucket=b, Key="missing"))
     t.step("copy missing source", lambda: c.copy_object(Bucket=b, Key="dst", CopySource={"Bucket": b, "Key": "missing"}))
-    t.step("upload part no such upload", lambda: c.upload_part(
-        Bucket=b, Key="k", UploadId="bogus-upload-id", PartNumber=1, Body=b"x"))
-    t.step("complete no such upload", lambda: c.complete_multipart_upload(
-        Bucket=b, Key="k", UploadId="bogus-upload-id",
-        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": '"0123456789abcdef0123456789abcdef"'}]}))
-    t.step("abort no such upload", lambda: c.abort_multipart_upload(Bucket=b, Key="k", UploadId="bogus-upload-id"))
+    if t.mode == "no-token":  # NOT_PASSED_THROUGH["unknown uploads"]
+        t.step("upload part no such upload", lambda: c.upload_part(
+            Bucket=b, Key="k", UploadId="bogus-upload-id", PartNumber=1, Body=b"x"))
+        t.step("complete no such upload", lambda: c.complete_multipart_upload(
+            Bucket=b, Key="k", UploadId="bogus-upload-id",
+            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": '"0123456789abcdef0123456789abcdef"'}]}))
+        t.step("abort no such upload", lambda: c.abort_multipart_upload(Bucket=b, Key="k", UploadId="bogus-upload-id"))
     t.step("list parts no such upload", lambda: c.list_parts(Bucket=b, Key="k", UploadId="bogus-upload-id"))
     c.put_object(Bucket=b, Key="keep", Body=b"x")
     t.step("delete non-empty bucket", lambda: c.delete_bucket(Bucket=b))
@@ -493,9 +493,28 @@ def test_error_codes(moto_server, transparent_gate, mode):
     assert codes["get missing key"] == "NoSuchKey"
     assert codes["get missing bucket"] == "NoSuchBucket"
     assert codes["put missing bucket"] == "NoSuchBucket"
-    assert codes["abort no such upload"] == "NoSuchUpload"  # (moto answers 500 to the bogus Complete)
+    if mode == "no-token":
+        assert codes["abort no such upload"] == "NoSuchUpload"  # (moto answers 500 to the bogus Complete)
     assert codes["delete non-empty bucket"] == "BucketNotEmpty"
     assert codes["copy missing source"] == "NoSuchKey"
+
+
+def test_unknown_upload_with_a_token_is_no_such_upload(moto_server, transparent_gate):
+    """NOT_PASSED_THROUGH["unknown uploads"]: S3's answer, where moto answers 500."""
+    bucket = unique("tr-up")[:40]
+    moto_server.client().create_bucket(Bucket=bucket)
+    c = s3_client_ex(transparent_gate.s3_url, token=7)
+    for call in (
+        lambda: c.upload_part(Bucket=bucket, Key="k", UploadId="bogus-upload-id", PartNumber=1, Body=b"x"),
+        lambda: c.complete_multipart_upload(
+            Bucket=bucket, Key="k", UploadId="bogus-upload-id",
+            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": '"0123456789abcdef0123456789abcdef"'}]}),
+        lambda: c.abort_multipart_upload(Bucket=bucket, Key="k", UploadId="bogus-upload-id"),
+    ):
+        with pytest.raises(ClientError) as info:
+            call()
+        r = info.value.response
+        assert (r["ResponseMetadata"]["HTTPStatusCode"], r["Error"]["Code"]) == (404, "NoSuchUpload")
 
 
 @pytest.mark.parametrize("mode", MODES)
