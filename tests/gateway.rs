@@ -560,20 +560,20 @@ async fn a_stalled_older_write_is_awaited_before_a_newer_one_is_forwarded() {
     api.script(path, Script::StallThenExecute(Duration::from_millis(400)));
     let old = tokio::spawn({
         let c = c.clone();
-        async move { (c.write("POST", "/hook/5", 1, None, "old").await, Instant::now()) }
+        async move { c.write("POST", "/hook/5", 1, None, "old").await }
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let new = tokio::spawn({
         let c = c.clone();
-        async move { (c.write("POST", "/hook/5", 2, None, "new").await, Instant::now()) }
+        async move { c.write("POST", "/hook/5", 2, None, "new").await }
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let refused = c.write("POST", "/hook/5", 1, None, "old-again").await;
     assert_eq!((refused.status, refused.header("fencing-token-current")), (409, Some("2")));
-    let (old, old_done) = old.await.unwrap();
-    let (new, new_done) = new.await.unwrap();
+    let (old, new) = (old.await.unwrap(), new.await.unwrap());
     assert_eq!((old.status, new.status), (201, 201));
-    assert!(old_done <= new_done);
+    // The order that matters is the API's: when the clients read their answers is up to the
+    // scheduler (a clean-clone run saw the older one read a moment later).
     let order: Vec<Bytes> = api.received(path).into_iter().map(|r| r.body).collect();
     assert_eq!(order, vec![Bytes::from("old"), Bytes::from("new")], "the older write committed first");
 }
