@@ -60,6 +60,11 @@ pub enum FrontError {
     ClientNoSuchKey,
     #[error("The specified multipart upload does not exist for this key.")]
     NoSuchUpload,
+    #[error(
+        "This copy request is illegal because it is trying to copy an object to itself without changing the \
+         object's metadata, storage class, website redirect location or encryption attributes."
+    )]
+    SelfCopyUnchanged,
     #[error("the lease of this credential expired or was released")]
     LeaseExpired,
     #[error("a lease credential writes only the objects of its lease's resource {lease:?}; not {what}")]
@@ -73,6 +78,11 @@ pub enum FrontError {
          same file as another key, so it is refused"
     )]
     EmptySegmentOnLocal,
+    #[error(
+        "the local upstream holds keys of at most {max} bytes in this bucket (it names a file after the key, and a \
+         file name is at most 255 bytes); use an S3 upstream for longer keys"
+    )]
+    KeyTooLongOnLocal { max: usize },
     #[error("{0} is not supported through fencegate yet")]
     NotSupported(&'static str),
     #[error("malformed XML body: {0}")]
@@ -162,6 +172,7 @@ impl FrontError {
             Self::UnsafeKey | Self::EmptySegmentOnLocal | Self::NonAsciiMetadata(_) => {
                 (S::BAD_REQUEST, "InvalidArgument")
             }
+            Self::KeyTooLongOnLocal { .. } => (S::BAD_REQUEST, "KeyTooLongError"),
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::OutOfScope(_) | Self::OutsideLease { .. } => (S::FORBIDDEN, "AccessDenied"),
             Self::LeaseExpired => (S::FORBIDDEN, "ExpiredToken"),
@@ -169,6 +180,7 @@ impl FrontError {
             Self::LeaseResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
             Self::NoSuchUpload => (S::NOT_FOUND, "NoSuchUpload"),
+            Self::SelfCopyUnchanged => (S::BAD_REQUEST, "InvalidRequest"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),
             Self::MalformedXml(_) => (S::BAD_REQUEST, "MalformedXML"),

@@ -73,6 +73,33 @@ const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 /// Object heads read at once for the stamp checks of one DeleteObjects.
 const STAMP_CHECKS_CONCURRENT: usize = 16;
 
+/// A file name's limit on the file systems the local upstream runs on.
+const LOCAL_FILE_NAME_BYTES_MAX: usize = 255;
+
+/// The longest file name the local upstream (s3s-fs 0.14, pinned) makes for an object: the
+/// metadata of a multipart upload, `.bucket-{base64 bucket}.object-{base64 key}.upload-{uuid}
+/// .metadata.json`. A key whose name would not fit fails in the file system (500) after
+/// fencegate admitted the write; it is refused first.
+fn local_metadata_name_bytes(bucket: &str, key: &str) -> usize {
+    let base64 = |n: usize| (n * 4).div_ceil(3);
+    ".bucket-".len()
+        + base64(bucket.len())
+        + ".object-".len()
+        + base64(key.len())
+        + ".upload-".len()
+        + 36
+        + ".metadata.json".len()
+}
+
+/// The longest key the local upstream holds in `bucket`.
+fn local_key_bytes_max(bucket: &str) -> usize {
+    let mut n = 0;
+    while local_metadata_name_bytes(bucket, &"k".repeat(n + 1)) <= LOCAL_FILE_NAME_BYTES_MAX {
+        n += 1;
+    }
+    n
+}
+
 /// Pages of ListMultipartUploads read to find one upload (1,000 uploads each).
 const UPLOAD_LIST_PAGES_MAX: usize = 10;
 
@@ -456,7 +483,7 @@ impl Front {
         self.wire.check_presigned(req.uri.query(), &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         if let Some(key) = target.key.as_deref() {
-            self.check_key(key)?;
+            self.check_key(target.bucket.as_deref().unwrap_or(""), key)?;
         }
         check_headers(&req.headers)?;
         // A lease credential may do what its issuer may, within its lease.
@@ -540,6 +567,10 @@ impl Front {
         let span = tracing::Span::current();
         span.record("resource", resource.as_str());
         span.record("token", token.0);
+        if op == Op::CopyObject && copies_onto_itself_unchanged(&request.target, &request.headers) {
+            // fencegate's stamp would make it a change; S3 refuses it, and so does fencegate.
+            return Err(FrontError::SelfCopyUnchanged);
+        }
         let permit = Arc::new(self.gate.admit_write(&resource, token, self.writes_advance).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
@@ -1050,7 +1081,7 @@ impl Front {
             Default::default();
         let mut refused = Vec::new();
         for object in parsed.objects {
-            if let Err(error) = self.check_key(&object.key) {
+            if let Err(error) = self.check_key(&bucket, &object.key) {
                 refused.push(delete_objects::error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }
@@ -1252,12 +1283,15 @@ impl Front {
     /// segments always; on the local upstream, which keeps objects as files, an empty segment
     /// (`a//b`, `/a`, `a/b/`), which would be the same file as another key fenced as another
     /// resource.
-    fn check_key(&self, key: &str) -> Result<(), FrontError> {
+    fn check_key(&self, bucket: &str, key: &str) -> Result<(), FrontError> {
         if key.split('/').any(|segment| segment == "." || segment == "..") {
             return Err(FrontError::UnsafeKey);
         }
         if self.upstream.kind() == "local" && key.split('/').any(str::is_empty) {
             return Err(FrontError::EmptySegmentOnLocal);
+        }
+        if self.upstream.kind() == "local" && local_metadata_name_bytes(bucket, key) > LOCAL_FILE_NAME_BYTES_MAX {
+            return Err(FrontError::KeyTooLongOnLocal { max: local_key_bytes_max(bucket) });
         }
         Ok(())
     }
@@ -1418,6 +1452,25 @@ impl Front {
         }
         result.map_err(FrontError::Upstream)
     }
+}
+
+/// A CopyObject of an object onto itself that changes nothing S3 counts (metadata, tags,
+/// storage class, website redirect, encryption), from its current version.
+fn copies_onto_itself_unchanged(target: &Target, headers: &HeaderMap) -> bool {
+    let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else { return false };
+    if source.contains("versionId=") {
+        return false;
+    }
+    let source = source.split('?').next().unwrap_or("");
+    let Some(source) = crate::percent::decode(source.trim_start_matches('/')) else { return false };
+    let same = target.object_name().is_some_and(|name| name == source);
+    let replaces = |name: &str| headers.get(name).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
+    let changes = replaces("x-amz-metadata-directive")
+        || replaces("x-amz-tagging-directive")
+        || ["x-amz-storage-class", "x-amz-website-redirect-location", "x-amz-server-side-encryption"]
+            .iter()
+            .any(|name| headers.contains_key(*name));
+    same && !changes
 }
 
 /// Headers fencegate cannot pass on as the client meant them, refused before anything is sent:

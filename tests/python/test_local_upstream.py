@@ -35,6 +35,29 @@ def test_a_key_with_an_empty_segment_cannot_overwrite_another_key(fencegate, pat
     assert listed == ["a/b"]
 
 
+def test_a_key_longer_than_the_local_upstream_holds_is_a_client_error(fencegate):
+    """The local upstream names files after the base64 of bucket and key (a multipart upload's
+    metadata: `.bucket-{b}.object-{k}.upload-{uuid}.metadata.json`, at most 255 bytes): in bucket
+    `bkt` a key holds 132 bytes. A longer one is the client's 400 before anything is admitted
+    or sent, not a 500 from the file system after the fence moved."""
+    fg = fencegate()
+    fg.client().create_bucket(Bucket="bkt")
+    for key, token in (("s" * 133, "1"), ("dir/" + "s" * 300, "1"), ("s" * 133, None)):
+        headers = {"Fencing-Token": token} if token else {}
+        r = signed_raw_request(fg, "PUT", f"/bkt/{key}", headers=headers, body=b"x")
+        assert r.status == 400 and b"<Code>KeyTooLongError</Code>" in r.body, (key, r.status, r.body)
+    assert fg.get_fence("bkt/" + "s" * 133).status_code == 404, "nothing was admitted"
+    longest = "s" * 132
+    fg.client(token=1).put_object(Bucket="bkt", Key=longest, Body=b"fits")
+    assert fg.client().get_object(Bucket="bkt", Key=longest)["Body"].read() == b"fits"
+    c = fg.client(token=1)
+    upload = c.create_multipart_upload(Bucket="bkt", Key=longest)["UploadId"]
+    part = c.upload_part(Bucket="bkt", Key=longest, UploadId=upload, PartNumber=1, Body=b"multipart fits")
+    c.complete_multipart_upload(Bucket="bkt", Key=longest, UploadId=upload,
+                                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    assert (fg.objects_dir / "bkt" / longest).read_bytes() == b"multipart fits"
+
+
 def test_a_non_empty_bucket_is_not_deleted(fencegate):
     fg = fencegate()
     c = fg.client()
