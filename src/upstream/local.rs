@@ -104,6 +104,32 @@ impl LocalUpstream {
         self.root.join(file).is_file()
     }
 
+    /// What s3s-fs leaves behind, set right once the write succeeded (under the object's lock):
+    /// a completed multipart upload keeps the checksums of the object it replaced (readers then
+    /// fail their checksum check), and a deleted object keeps its metadata files.
+    async fn tidy_after(&self, after: AfterWrite, bucket: &str, key: &str) {
+        use base64::Engine;
+        let encode = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let stem = format!(".bucket-{}.object-{}", encode(bucket), encode(key));
+        let internal = self.root.join(format!("{stem}.internal.json"));
+        match after {
+            AfterWrite::Completed => {
+                // Keep the new ETag; drop the old object's checksums (a multipart object has none
+                // of its own here).
+                let Ok(text) = tokio::fs::read(&internal).await else { return };
+                let Ok(mut info) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&text) else {
+                    return;
+                };
+                info.retain(|name, _| !name.starts_with("checksum_"));
+                let _ = tokio::fs::write(&internal, serde_json::Value::Object(info).to_string()).await;
+            }
+            AfterWrite::Deleted => {
+                let _ = tokio::fs::remove_file(&internal).await;
+                let _ = tokio::fs::remove_file(self.root.join(format!("{stem}.metadata.json"))).await;
+            }
+        }
+    }
+
     fn is_object_write(req: &http::Request<Body>) -> bool {
         let writes = matches!(*req.method(), Method::PUT | Method::POST | Method::DELETE);
         // `/bucket/key...`: something after the bucket's slash means an object path.
@@ -120,6 +146,31 @@ fn names_sub_resource(query: Option<&str>) -> bool {
             .filter(|pair| !pair.is_empty())
             .any(|pair| pair.split('=').next().is_some_and(|name| name != "x-id"))
     })
+}
+
+/// The object writes whose leftovers `tidy_after` sets right.
+#[derive(Debug, Clone, Copy)]
+enum AfterWrite {
+    Completed,
+    Deleted,
+}
+
+impl AfterWrite {
+    /// The write and its (decoded) bucket and key.
+    fn of(req: &http::Request<Body>) -> Option<(Self, String, String)> {
+        let (bucket, key) = req.uri().path().trim_start_matches('/').split_once('/')?;
+        if key.is_empty() || key.ends_with('/') {
+            return None;
+        }
+        let query = req.uri().query();
+        let with_upload = query.is_some_and(|q| form_urlencoded::parse(q.as_bytes()).any(|(n, _)| n == "uploadId"));
+        let after = match *req.method() {
+            Method::POST if with_upload => Self::Completed,
+            Method::DELETE if !names_sub_resource(query) => Self::Deleted,
+            _ => return None,
+        };
+        Some((after, crate::percent::decode(bucket)?, crate::percent::decode(key)?))
+    }
 }
 
 /// The `uploadId` of a query, if it is a UUID as s3s-fs makes them (anything else s3s-fs
@@ -188,7 +239,14 @@ impl Upstream for LocalUpstream {
         if is_object_write && let Some(refusal) = self.unmet_precondition(&req).await? {
             return Ok(refusal);
         }
-        self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))
+        let after = AfterWrite::of(&req);
+        let resp = self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
+        if resp.status().is_success()
+            && let Some((after, bucket, key)) = after
+        {
+            self.tidy_after(after, &bucket, &key).await;
+        }
+        Ok(resp)
     }
 
     fn kind(&self) -> &'static str {

@@ -58,6 +58,26 @@ def test_a_key_longer_than_the_local_upstream_holds_is_a_client_error(fencegate)
     assert (fg.objects_dir / "bkt" / longest).read_bytes() == b"multipart fits"
 
 
+def test_a_multipart_overwrite_serves_its_own_checksums_and_a_delete_leaves_nothing(fencegate):
+    """s3s-fs kept the replaced object's checksums after a multipart overwrite (clients reading
+    it failed their checksum check) and a deleted object's metadata files."""
+    fg = fencegate()
+    c = fg.client(token=1)
+    c.create_bucket(Bucket="bkt")
+    c.put_object(Bucket="bkt", Key="k", Body=b"one", ChecksumAlgorithm="CRC32", Metadata={"owner": "a"})
+    upload = c.create_multipart_upload(Bucket="bkt", Key="k")["UploadId"]
+    part = c.upload_part(Bucket="bkt", Key="k", UploadId=upload, PartNumber=1, Body=b"two")
+    c.complete_multipart_upload(Bucket="bkt", Key="k", UploadId=upload,
+                                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    # boto3 checks a served checksum against the body (ChecksumMode=ENABLED asks for it).
+    got = fg.client().get_object(Bucket="bkt", Key="k", ChecksumMode="ENABLED")
+    assert got["Body"].read() == b"two"
+    assert "ChecksumCRC32" not in got
+    c.delete_object(Bucket="bkt", Key="k")
+    leftovers = [p.name for p in fg.objects_dir.iterdir() if p.name.startswith(".bucket-")]
+    assert leftovers == [], leftovers
+
+
 def test_a_non_empty_bucket_is_not_deleted(fencegate):
     fg = fencegate()
     c = fg.client()
