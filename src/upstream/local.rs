@@ -104,6 +104,34 @@ impl LocalUpstream {
         self.root.join(file).is_file()
     }
 
+    /// Objects are files: `a` and `a/b` cannot both exist (S3 has no such limit). Why the object
+    /// `bucket/key` (raw path segments) cannot be created, if it cannot.
+    async fn file_conflict(&self, bucket: &str, key: &str) -> Option<String> {
+        let key = crate::percent::decode(key)?;
+        let mut path = self.root.join(bucket);
+        let segments: Vec<&str> = key.split('/').collect();
+        for (i, segment) in segments.iter().enumerate() {
+            path.push(segment);
+            let last = i + 1 == segments.len();
+            match tokio::fs::metadata(&path).await {
+                Ok(m) if !last && m.is_file() => {
+                    let object = segments[..=i].join("/");
+                    return Some(format!(
+                        "the local upstream stores objects as files: object {object:?} exists, so {key:?} cannot"
+                    ));
+                }
+                Ok(m) if last && m.is_dir() => {
+                    return Some(format!(
+                        "the local upstream stores objects as files: keys under {key:?}/ exist, so {key:?} cannot"
+                    ));
+                }
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
     /// What s3s-fs leaves behind, set right once the write succeeded (under the object's lock):
     /// a completed multipart upload keeps the checksums of the object it replaced (readers then
     /// fail their checksum check), and a deleted object keeps its metadata files.
@@ -146,6 +174,18 @@ fn names_sub_resource(query: Option<&str>) -> bool {
             .filter(|pair| !pair.is_empty())
             .any(|pair| pair.split('=').next().is_some_and(|name| name != "x-id"))
     })
+}
+
+/// A write that makes an object at its path: PutObject, CopyObject, CompleteMultipartUpload
+/// (not a part, not a sub-resource such as `?tagging`).
+fn creates_object(req: &http::Request<Body>) -> bool {
+    let query = req.uri().query();
+    let with_upload = query.is_some_and(|q| form_urlencoded::parse(q.as_bytes()).any(|(n, _)| n == "uploadId"));
+    match *req.method() {
+        Method::PUT => !names_sub_resource(query),
+        Method::POST => with_upload,
+        _ => false,
+    }
 }
 
 /// The object writes whose leftovers `tidy_after` sets right.
@@ -228,6 +268,17 @@ impl Upstream for LocalUpstream {
             );
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
+        if matches!(*req.method(), Method::GET | Method::HEAD)
+            && !key.is_empty()
+            && !key.ends_with('/')
+            && !names_sub_resource(req.uri().query())
+            && let Some(decoded) = crate::percent::decode(key)
+            && tokio::fs::metadata(self.root.join(bucket).join(&decoded)).await.is_ok_and(|m| m.is_dir())
+        {
+            // A directory holding other keys' files is no object (s3s-fs answered 500).
+            let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchKey, "The specified key does not exist.");
+            return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
         let _object_lock = if is_object_write {
             // By the decoded path: `/b/k` and `/b/%6B` are one object.
             let object = crate::percent::decode(req.uri().path()).unwrap_or_else(|| req.uri().path().to_owned());
@@ -238,6 +289,13 @@ impl Upstream for LocalUpstream {
         };
         if is_object_write && let Some(refusal) = self.unmet_precondition(&req).await? {
             return Ok(refusal);
+        }
+        if is_object_write
+            && creates_object(&req)
+            && let Some(conflict) = self.file_conflict(bucket, key).await
+        {
+            let error = s3s::S3Error::with_message(s3s::S3ErrorCode::InvalidArgument, conflict);
+            return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
         let after = AfterWrite::of(&req);
         let resp = self.service.call(req).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;

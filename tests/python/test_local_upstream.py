@@ -78,6 +78,25 @@ def test_a_multipart_overwrite_serves_its_own_checksums_and_a_delete_leaves_noth
     assert leftovers == [], leftovers
 
 
+@pytest.mark.parametrize("first,second", [("a", "a/b"), ("a/b", "a")])
+def test_a_key_and_a_key_under_it_are_a_client_error_not_a_server_error(fencegate, first, second):
+    """Objects are files on the local upstream: `a` and `a/b` cannot both exist. The second is
+    the client's 400 (with the reason), and the first object is untouched."""
+    fg = fencegate()
+    c = fg.client(token=1)
+    c.create_bucket(Bucket="bkt")
+    c.put_object(Bucket="bkt", Key=first, Body=b"first")
+    with pytest.raises(ClientError) as refused:
+        c.put_object(Bucket="bkt", Key=second, Body=b"second")
+    err = refused.value.response
+    assert (err["ResponseMetadata"]["HTTPStatusCode"], err["Error"]["Code"]) == (400, "InvalidArgument"), err
+    assert "stores objects as files" in err["Error"]["Message"]
+    assert fg.client().get_object(Bucket="bkt", Key=first)["Body"].read() == b"first"
+    with pytest.raises(ClientError) as copy:
+        c.copy_object(Bucket="bkt", Key=second, CopySource={"Bucket": "bkt", "Key": first})
+    assert copy.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+
+
 def test_a_non_empty_bucket_is_not_deleted(fencegate):
     fg = fencegate()
     c = fg.client()
