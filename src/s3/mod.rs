@@ -445,11 +445,15 @@ impl Front {
             token = field::Empty,
             fence = field::Empty,
             decision = field::Empty,
+            error = field::Empty,
             upstream_status = field::Empty,
             duration_ms = field::Empty,
         );
         let started = Instant::now();
-        let result = self.route(req, lease).instrument(span.clone()).await;
+        // A field recorded twice shows twice: the decision is recorded once, at admission or
+        // at the refusal, and what failed after admission goes to `error`.
+        let mut decided = false;
+        let result = self.route(req, lease, &mut decided).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -462,7 +466,10 @@ impl Front {
                 if decision != "error" {
                     metrics::decision(decision);
                 }
-                span.record("decision", decision);
+                if !decided {
+                    span.record("decision", decision);
+                }
+                span.record("error", error.code());
                 if let FrontError::Stale { current, .. } | FrontError::StaleWhileStreaming { current, .. } = &error {
                     span.record("fence", current.0);
                 }
@@ -474,7 +481,13 @@ impl Front {
         }
     }
 
-    async fn route(&self, req: S3Request<Body>, lease: Option<Claims>) -> Result<S3Response<Body>, FrontError> {
+    /// `decided`: set once the span's `decision` is recorded (admitted or unchecked).
+    async fn route(
+        &self,
+        req: S3Request<Body>,
+        lease: Option<Claims>,
+        decided: &mut bool,
+    ) -> Result<S3Response<Body>, FrontError> {
         if !S3_METHODS.contains(&req.method) {
             // A method S3 does not know (`put`, `Put`, `PATCH`...) is refused, never forwarded
             // unfenced: an upstream may treat `put` as PUT.
@@ -528,6 +541,7 @@ impl Front {
             }
             metrics::decision("unchecked");
             tracing::Span::current().record("decision", "unchecked");
+            *decided = true;
             return self.pass_through(request).await;
         };
         if op == Op::DeleteObjects {
@@ -574,6 +588,7 @@ impl Front {
         let permit = Arc::new(self.gate.admit_write(&resource, token, self.writes_advance).await?);
         metrics::decision("accepted");
         span.record("decision", "accepted");
+        *decided = true;
         let deadline = tokio::time::Instant::now() + self.request_timeout;
         let admitted = Admitted { token, resource, permit, deadline };
         match op {

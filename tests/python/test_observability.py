@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 
 import pytest
 from botocore.exceptions import ClientError
@@ -83,3 +84,29 @@ def test_a_copy_source_with_dot_segments_is_refused(fg, bucket, source):
     assert r.status == 400 and b"<Code>InvalidArgument</Code>" in r.body, (r.status, r.body)
     with pytest.raises(ClientError):
         fg.client().head_object(Bucket=bucket, Key="copy")
+
+
+def test_a_write_failing_after_admission_logs_one_decision(fg, bucket):
+    """The span's `decision` is recorded once (it showed `decision="accepted" ... decision="error"`
+    when a write failed after admission); what failed goes to `error`."""
+    host, port = fg.s3_addr
+    path = f"/{bucket}/cut"
+    headers = sign_headers("PUT", host, port, path, {"Fencing-Token": "1", "Content-Length": "100"})
+    head = (f"PUT {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n").encode()
+    with socket.create_connection(fg.s3_addr, timeout=10) as sock:
+        sock.sendall(head + b"only ten b")
+        sock.shutdown(socket.SHUT_WR)  # the body ends early
+        try:
+            sock.recv(65536)
+        except OSError:
+            pass
+    refused = []
+    for _ in range(50):  # the refusal is logged when the request ends: at most 5 s
+        refused = [line for line in fg.log_tail(10_000).splitlines() if 'op="PutObject"' in line and "refused" in line]
+        if refused:
+            break
+        time.sleep(0.1)
+    assert refused, fg.log_tail(50)
+    line = refused[-1]
+    assert line.count("decision=") == 1, line
+    assert 'decision="accepted"' in line and 'error="IncompleteBody"' in line, line
