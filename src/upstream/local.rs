@@ -104,6 +104,50 @@ impl LocalUpstream {
         self.root.join(file).is_file()
     }
 
+    /// A GET or HEAD with `If-Match` / `If-None-Match` (s3s-fs ignores them on reads): 412, or
+    /// 304, as S3 answers, judged on the object's current ETag.
+    async fn read_condition(
+        &self,
+        req: &http::Request<Body>,
+        key: &str,
+    ) -> Result<Option<http::Response<Body>>, UpstreamError> {
+        let read = matches!(*req.method(), Method::GET | Method::HEAD);
+        let if_match = req.headers().get(http::header::IF_MATCH).and_then(|v| v.to_str().ok());
+        let if_none_match = req.headers().get(http::header::IF_NONE_MATCH).and_then(|v| v.to_str().ok());
+        if !read || key.is_empty() || (if_match.is_none() && if_none_match.is_none()) {
+            return Ok(None);
+        }
+        let head = http::Request::builder()
+            .method(Method::HEAD)
+            .uri(req.uri().path())
+            .body(Body::empty())
+            .map_err(|e| UpstreamError::Local(Box::new(e)))?;
+        let head = self.service.call(head).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
+        let Some(etag) =
+            head.headers().get(http::header::ETAG).and_then(|v| v.to_str().ok()).filter(|_| head.status().is_success())
+        else {
+            return Ok(None); // no object: the read answers 404 itself
+        };
+        let listed =
+            |header: &str| header.split(',').map(|v| v.trim().trim_start_matches("W/")).any(|v| v == "*" || v == etag);
+        if if_match.is_some_and(|h| !listed(h)) {
+            let error = s3s::S3Error::with_message(
+                s3s::S3ErrorCode::PreconditionFailed,
+                "At least one of the pre-conditions you specified did not hold",
+            );
+            return error.to_http_response().map(Some).map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
+        if if_none_match.is_some_and(listed) {
+            let resp = http::Response::builder()
+                .status(http::StatusCode::NOT_MODIFIED)
+                .header(http::header::ETAG, etag)
+                .body(Body::empty())
+                .map_err(|e| UpstreamError::Local(Box::new(e)))?;
+            return Ok(Some(resp));
+        }
+        Ok(None)
+    }
+
     /// Objects are files: `a` and `a/b` cannot both exist (S3 has no such limit). Why the object
     /// `bucket/key` (raw path segments) cannot be created, if it cannot.
     async fn file_conflict(&self, bucket: &str, key: &str) -> Option<String> {
@@ -278,6 +322,9 @@ impl Upstream for LocalUpstream {
             // A directory holding other keys' files is no object (s3s-fs answered 500).
             let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchKey, "The specified key does not exist.");
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
+        }
+        if let Some(answer) = self.read_condition(&req, key).await? {
+            return Ok(answer);
         }
         let _object_lock = if is_object_write {
             // By the decoded path: `/b/k` and `/b/%6B` are one object.

@@ -97,6 +97,28 @@ def test_a_key_and_a_key_under_it_are_a_client_error_not_a_server_error(fencegat
     assert copy.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
 
 
+def test_reads_keep_their_conditions(fencegate):
+    """GET and HEAD with `If-Match` / `If-None-Match` are answered as S3 does (s3s-fs ignored
+    them): a wrong `If-Match` is 412, a matching `If-None-Match` is 304."""
+    fg = fencegate()
+    c = fg.client(token=1)
+    c.create_bucket(Bucket="bkt")
+    etag = c.put_object(Bucket="bkt", Key="k", Body=b"v1")["ETag"]
+    reader = fg.client()
+    assert reader.get_object(Bucket="bkt", Key="k", IfMatch=etag)["Body"].read() == b"v1"
+    for call in (lambda: reader.get_object(Bucket="bkt", Key="k", IfMatch='"0000"'),
+                 lambda: reader.head_object(Bucket="bkt", Key="k", IfMatch='"0000"')):
+        with pytest.raises(ClientError) as failed:
+            call()
+        assert failed.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    for call in (lambda: reader.get_object(Bucket="bkt", Key="k", IfNoneMatch=etag),
+                 lambda: reader.head_object(Bucket="bkt", Key="k", IfNoneMatch=etag)):
+        with pytest.raises(ClientError) as unchanged:
+            call()
+        assert unchanged.value.response["ResponseMetadata"]["HTTPStatusCode"] == 304
+    assert reader.get_object(Bucket="bkt", Key="k", IfNoneMatch='"0000"')["Body"].read() == b"v1"
+
+
 def test_a_non_empty_bucket_is_not_deleted(fencegate):
     fg = fencegate()
     c = fg.client()
