@@ -3,10 +3,13 @@
 //! every authenticated request to fencegate, which classifies it, fences writes through the
 //! gate, and forwards on raw HTTP to the upstream.
 
+mod auth;
 pub(crate) mod body;
 mod classify;
 mod delete_objects;
 mod error;
+mod leased;
+mod multipart;
 mod objects;
 mod wire;
 
@@ -19,10 +22,11 @@ use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use s3s::route::S3Route;
-use s3s::service::{S3Service, S3ServiceBuilder};
+use s3s::service::S3ServiceBuilder;
 use s3s::{Body, S3Request, S3Response, S3Result};
 use tracing::{Instrument, field};
 
+pub use self::auth::Service;
 pub use self::classify::{Op, Target, classify, target};
 pub use self::error::{CURRENT_TOKEN_HEADER, FrontError};
 pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
@@ -33,7 +37,7 @@ use crate::config::{Config, millis};
 use crate::fence::outcome::{Bounded, bounded_call, detached, hold_for};
 use crate::fence::{AdmitError, CutOff, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::LeaseService;
-use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issuers};
+use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, Issuers};
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
 use crate::upstream::{Enforcement, Upstream, UpstreamError, xml_element};
@@ -100,9 +104,6 @@ fn local_key_bytes_max(bucket: &str) -> usize {
     n
 }
 
-/// Pages of ListMultipartUploads read to find one upload (1,000 uploads each).
-const UPLOAD_LIST_PAGES_MAX: usize = 10;
-
 /// A CompleteMultipartUpload body lists at most 10,000 parts.
 const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
 
@@ -116,7 +117,7 @@ pub fn service(
     issuers: Arc<Issuers>,
     enforcement: Option<Enforcement>,
 ) -> anyhow::Result<Service> {
-    let auth = Credentials {
+    let auth = auth::Credentials {
         fixed: config
             .credentials
             .iter()
@@ -144,58 +145,7 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(Service { inner: builder.build() })
-}
-
-/// The S3 front: s3s, called with what authentication needs of each request besides its
-/// access key (s3s asks for a secret by access key alone).
-#[derive(Clone)]
-pub struct Service {
-    inner: S3Service,
-}
-
-impl Service {
-    pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
-        let signed = Signed {
-            session_token: session_token(&req),
-            claims: std::sync::Mutex::new(None),
-            routed: std::sync::atomic::AtomicBool::new(false),
-        };
-        SIGNED
-            .scope(signed, async {
-                let resp = self.inner.call(req).await;
-                if !SIGNED.with(|s| s.routed.load(Ordering::Relaxed)) {
-                    let status = resp.as_ref().map_or(500, |r| r.status().as_u16());
-                    metrics::s3_protocol_refusal(status);
-                }
-                resp
-            })
-            .await
-    }
-}
-
-/// What authentication learns of the request being served, on its task.
-struct Signed {
-    /// `x-amz-security-token` (or `X-Amz-Security-Token` in a presigned URL's query).
-    session_token: Option<String>,
-    /// The lease credential's claims, set once its secret is known; the signature is verified
-    /// before the route reads them.
-    claims: std::sync::Mutex<Option<Claims>>,
-    /// Set once fencegate's route took the request (after the signature was verified).
-    routed: std::sync::atomic::AtomicBool,
-}
-
-tokio::task_local! {
-    static SIGNED: Signed;
-}
-
-fn session_token(req: &http::Request<Body>) -> Option<String> {
-    if let Some(value) = req.headers().get("x-amz-security-token") {
-        return value.to_str().ok().map(str::to_owned);
-    }
-    form_urlencoded::parse(req.uri().query()?.as_bytes())
-        .find(|(name, _)| name.eq_ignore_ascii_case("X-Amz-Security-Token"))
-        .map(|(_, value)| value.into_owned())
+    Ok(auth::Service { inner: builder.build() })
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
@@ -222,44 +172,6 @@ impl s3s::host::S3Host for VirtualHosts {
             Some(bucket) => host.with_bucket(bucket.to_ascii_lowercase()),
             None => host,
         })
-    }
-}
-
-/// The `[[credentials]]` that may sign requests to fencegate, and the lease credentials made
-/// from the issuers' secrets.
-struct Credentials {
-    fixed: std::collections::HashMap<String, String>,
-    issuers: Arc<Issuers>,
-}
-
-#[async_trait::async_trait]
-impl s3s::auth::S3Auth for Credentials {
-    async fn get_secret_key(&self, access_key: &str) -> S3Result<s3s::auth::SecretKey> {
-        if let Some(secret) = self.fixed.get(access_key) {
-            return Ok(secret.clone().into());
-        }
-        if access_key.starts_with(ACCESS_KEY_PREFIX) {
-            let session_token = SIGNED.try_with(|s| s.session_token.clone()).ok().flatten();
-            return match self.issuers.secret(access_key, session_token.as_deref()) {
-                Ok((secret, claims)) => {
-                    let _ = SIGNED.try_with(|s| *s.claims.lock().expect("claims lock") = Some(claims));
-                    Ok(secret.into())
-                }
-                // An issuer that is not (or no longer) configured: a secret nobody has, so the
-                // answer is the one of any forged session token and tells nobody which access
-                // keys are issuers.
-                Err(CredentialError::UnknownIssuer) => Ok(uuid::Uuid::new_v4().simple().to_string().into()),
-                Err(error) => {
-                    let mut e = s3s::S3Error::with_message(s3s::S3ErrorCode::InvalidToken, error.to_string());
-                    e.set_status_code(StatusCode::BAD_REQUEST);
-                    Err(e)
-                }
-            };
-        }
-        Err(s3s::S3Error::with_message(
-            s3s::S3ErrorCode::InvalidAccessKeyId,
-            "The AWS access key ID you provided does not exist in fencegate's [[credentials]].",
-        ))
     }
 }
 
@@ -294,7 +206,7 @@ impl S3Route for FencegateRoute {
     }
 
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
-        let _ = SIGNED.try_with(|s| s.routed.store(true, Ordering::Relaxed));
+        auth::routed();
         if LeaseService::handles(req.uri.path()) {
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
             let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
@@ -317,8 +229,7 @@ impl S3Route for FencegateRoute {
         let lease = match req.credentials.as_ref() {
             Some(c) if c.access_key.starts_with(ACCESS_KEY_PREFIX) => {
                 // Verified with the secret derived from these claims: they are the signer's.
-                let claims = SIGNED.try_with(|s| s.claims.lock().expect("claims lock").take()).ok().flatten();
-                match claims {
+                match auth::lease_claims() {
                     Some(claims) => Some(claims),
                     None => return Err(s3s::s3_error!(AccessDenied, "a lease credential without its claims")),
                 }
@@ -376,12 +287,6 @@ impl Request {
     fn path_and_query(&self) -> String {
         format!("{}{}", self.target.raw_path, self.query)
     }
-}
-
-/// A lease credential's lease, standing: writes carry its token.
-struct LeaseStanding {
-    resource: ResourceKey,
-    token: FenceToken,
 }
 
 /// A write that the gate admitted.
@@ -610,118 +515,6 @@ impl Front {
                 self.forward_admitted(request, admitted).await
             }
             _ => self.forward_admitted(request, admitted).await,
-        }
-    }
-
-    /// A request signed with a lease credential: the lease must still stand (else 403
-    /// `ExpiredToken`, or 409 for a write whose token a newer grant has passed), and a write
-    /// must be to an object of the lease's resource, with no other token or resource.
-    async fn lease_standing(
-        &self,
-        claims: &Claims,
-        method: &Method,
-        op: Op,
-        target: &Target,
-        headers: &HeaderMap,
-    ) -> Result<LeaseStanding, FrontError> {
-        let resource = ResourceKey::new(&claims.resource).map_err(FrontError::InvalidResource)?;
-        let write = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
-        let stored = self.gate.lease_record(&resource).await.map_err(FrontError::StoreUnavailable)?;
-        let now_ms = crate::lease::Clock::now_ms(&crate::lease::SystemClock);
-        let stands = stored.as_ref().is_some_and(|l| claims.names(l) && l.is_live(now_ms));
-        let token = FenceToken(claims.token);
-        if !stands {
-            if write
-                && let Some(current) = self.gate.fence(&resource).await.map_err(FrontError::StoreUnavailable)?
-                && current > token
-            {
-                return Err(FrontError::Stale { presented: token, current });
-            }
-            return Err(FrontError::LeaseExpired);
-        }
-        if !write {
-            return Ok(LeaseStanding { resource, token });
-        }
-        if !op.is_fenced_write() {
-            return Err(FrontError::OutsideLease {
-                lease: claims.resource.clone(),
-                what: "a bucket or service operation".into(),
-            });
-        }
-        if let Some(presented) = self.wire.token(headers)?
-            && presented != token
-        {
-            return Err(FrontError::LeaseTokenMismatch { presented, lease: token });
-        }
-        if let Some(presented) = headers.get(&self.wire.resource_header)
-            && presented.as_bytes() != claims.resource.as_bytes()
-        {
-            let presented = String::from_utf8_lossy(presented.as_bytes()).into_owned();
-            return Err(FrontError::LeaseResourceMismatch { presented, lease: claims.resource.clone() });
-        }
-        // DeleteObjects: each key on its own (`delete_objects`).
-        if op != Op::DeleteObjects {
-            let (Some(bucket), Some(key)) = (&target.bucket, &target.key) else {
-                return Err(FrontError::OutsideLease { lease: claims.resource.clone(), what: "a bucket".into() });
-            };
-            self.within_lease(&resource, bucket, key)?;
-        }
-        Ok(LeaseStanding { resource, token })
-    }
-
-    /// A multipart step names its upload by id and its object by key; the write is fenced on
-    /// the key's resource. On an upstream that keeps parts by the id alone, a part or a
-    /// completion sent under a key the caller may write would land in another resource's
-    /// object: the pair is checked against the upstream's own list of uploads first (404
-    /// `NoSuchUpload` otherwise, as S3 answers).
-    async fn check_upload_key(&self, target: &Target, query: Option<&str>) -> Result<(), FrontError> {
-        let upload_id = form_urlencoded::parse(query.unwrap_or("").as_bytes())
-            .find(|(name, _)| name == "uploadId")
-            .map(|(_, value)| value.into_owned());
-        let (Some(bucket), Some(key), Some(upload_id)) = (&target.bucket, &target.key, upload_id) else {
-            return Err(FrontError::NoSuchUpload);
-        };
-        let mut markers: Option<(String, String)> = None;
-        for _ in 0..UPLOAD_LIST_PAGES_MAX {
-            let listing = {
-                let mut listing = form_urlencoded::Serializer::new(String::new());
-                listing.append_pair("uploads", "").append_pair("prefix", key);
-                if let Some((key_marker, id_marker)) = &markers {
-                    listing.append_pair("key-marker", key_marker).append_pair("upload-id-marker", id_marker);
-                }
-                listing.finish()
-            };
-            // Bucket names are plain (checked by the S3 library).
-            let path = format!("/{bucket}?{listing}");
-            let resp = self.send("list_uploads", Method::GET, &path, HeaderMap::new(), Body::empty()).await?;
-            let status = resp.status();
-            let body = http_body_util::Limited::new(resp.into_body(), XML_RESPONSE_BYTES_MAX)
-                .collect()
-                .await
-                .map_err(|_| FrontError::UpstreamStatus { step: "listing multipart uploads", status })?
-                .to_bytes();
-            if !status.is_success() {
-                return Err(FrontError::UpstreamStatus { step: "listing multipart uploads", status });
-            }
-            let page: objects::UploadList = quick_xml::de::from_reader(body.as_ref())
-                .map_err(|_| FrontError::UpstreamStatus { step: "listing multipart uploads", status })?;
-            if page.uploads.iter().any(|u| u.key == *key && u.upload_id == upload_id) {
-                return Ok(());
-            }
-            match (page.is_truncated, page.next_key_marker, page.next_upload_id_marker) {
-                (Some(true), Some(k), Some(u)) => markers = Some((k, u)),
-                _ => break,
-            }
-        }
-        Err(FrontError::NoSuchUpload)
-    }
-
-    /// Whether `bucket/key` belongs to the lease's resource by the rules (or is it, for a
-    /// per-object lease), whatever the request's own `Fencing-Resource` says.
-    fn within_lease(&self, lease: &ResourceKey, bucket: &str, key: &str) -> Result<(), FrontError> {
-        match self.wire.resource(&HeaderMap::new(), bucket, key) {
-            Ok(resource) if resource == *lease => Ok(()),
-            _ => Err(FrontError::OutsideLease { lease: lease.as_str().to_owned(), what: format!("{bucket}/{key}") }),
         }
     }
 

@@ -193,24 +193,3 @@ mod tests {
         assert!(ClientCondition::of(&http::HeaderMap::new()).is_none());
     }
 }
-
-/// One page of ListMultipartUploads, as far as the upload-to-key check reads it.
-#[derive(Debug, serde::Deserialize)]
-pub struct UploadList {
-    #[serde(rename = "Upload", default)]
-    pub uploads: Vec<UploadEntry>,
-    #[serde(rename = "IsTruncated", default)]
-    pub is_truncated: Option<bool>,
-    #[serde(rename = "NextKeyMarker", default)]
-    pub next_key_marker: Option<String>,
-    #[serde(rename = "NextUploadIdMarker", default)]
-    pub next_upload_id_marker: Option<String>,
-}
-
-#[derive(Debug, serde::Deserialize)]
-pub struct UploadEntry {
-    #[serde(rename = "Key")]
-    pub key: String,
-    #[serde(rename = "UploadId")]
-    pub upload_id: String,
-}
