@@ -449,6 +449,7 @@ impl Gateway {
             (Err(SendError::CutOff), _) | (_, Some(BodyFailure::Cancelled)) => {
                 Err(self.cut_off_error(route, resource, &permit).await)
             }
+            (_, Some(BodyFailure::TooLarge)) => Err(GatewayError::BodyTooLarge { max: route.body_bytes_max }),
             (_, Some(_)) => Err(GatewayError::IncompleteBody),
             (Ok(resp), None) => Ok((resp, permit)),
             (Err(SendError::NotSent(e)), None) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
@@ -593,7 +594,8 @@ fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Gateway
         return Err(invalid);
     }
     match value.to_str() {
-        Ok(key) if key.bytes().all(|b| b.is_ascii_graphic() || b == b' ') => Ok(Some(key.to_owned())),
+        // Visible characters only, as the README says (a space is not one).
+        Ok(key) if key.bytes().all(|b| b.is_ascii_graphic()) => Ok(Some(key.to_owned())),
         _ => Err(invalid),
     }
 }

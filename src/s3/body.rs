@@ -27,6 +27,8 @@ pub enum BodyFailure {
     Checksum(&'static str),
     #[error("the client body failed or ended early")]
     Client,
+    #[error("the client body is larger than allowed")]
+    TooLarge,
 }
 
 /// What the handler learns from the body after the upstream answered.
@@ -149,6 +151,7 @@ impl ForwardBody {
             BodyFailure::Cancelled => "cancelled",
             BodyFailure::Checksum(_) => "checksum",
             BodyFailure::Client => "client",
+            BodyFailure::TooLarge => "too_large",
         });
         *self.report.failure.lock().expect("body report lock") = Some(failure);
         self.finished = true;
@@ -217,7 +220,11 @@ impl HttpBody for ForwardBody {
                         return Poll::Ready(Some(Ok(Frame::data(previous))));
                     }
                 }
-                Some(Err(_)) => return this.fail(BodyFailure::Client),
+                Some(Err(e)) => {
+                    // A body cut at its limit (`http_body_util::Limited`) is too large, not broken.
+                    let too_large = e.downcast_ref::<http_body_util::LengthLimitError>().is_some();
+                    return this.fail(if too_large { BodyFailure::TooLarge } else { BodyFailure::Client });
+                }
                 None => return this.finish(),
             }
         }

@@ -1235,6 +1235,9 @@ impl Front {
             Some(BodyFailure::Cancelled) => Err(self.cut_off_error(admitted).await),
             Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
             Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
+            Some(BodyFailure::TooLarge) => {
+                Err(FrontError::TooLarge { bytes: self.body_bytes_max.saturating_add(1), max: self.body_bytes_max })
+            }
             None => result,
         }
     }

@@ -220,6 +220,58 @@ fn names_sub_resource(query: Option<&str>) -> bool {
     })
 }
 
+/// Bodies up to this size are held in memory before a PutObject commits; larger ones go to a
+/// temporary file.
+const SPOOL_MEMORY_BYTES_MAX: usize = 8 * 1024 * 1024;
+
+/// Reads `req`'s body whole (in memory, or past `SPOOL_MEMORY_BYTES_MAX` into an unlinked
+/// temporary file), so that the object's lock is held only while s3s-fs writes and commits
+/// it, not while a client sends it. A body that fails or ends early fails the write, as it
+/// would have inside s3s-fs.
+async fn spool(req: http::Request<Body>) -> Result<http::Request<Body>, UpstreamError> {
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncSeekExt, AsyncWriteExt};
+    let (parts, mut body) = req.into_parts();
+    let mut held = Vec::new();
+    let mut file: Option<tokio::fs::File> = None;
+    let failed = |e: std::io::Error| UpstreamError::Local(Box::new(e));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::Local(format!("request body: {e:?}").into()))?;
+        let Ok(data) = frame.into_data() else { continue };
+        if file.is_none() && held.len() + data.len() > SPOOL_MEMORY_BYTES_MAX {
+            let path = std::env::temp_dir().join(format!("fencegate-spool-{}", uuid::Uuid::new_v4().simple()));
+            let mut f = tokio::fs::OpenOptions::new()
+                .create_new(true)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .await
+                .map_err(failed)?;
+            // Unlinked at once: nothing is left behind, whatever happens next.
+            let _ = tokio::fs::remove_file(&path).await;
+            f.write_all(&held).await.map_err(failed)?;
+            held = Vec::new();
+            file = Some(f);
+        }
+        match &mut file {
+            Some(f) => f.write_all(&data).await.map_err(failed)?,
+            None => held.extend_from_slice(&data),
+        }
+    }
+    let body = match file {
+        None => Body::from(bytes::Bytes::from(held)),
+        Some(mut f) => {
+            f.flush().await.map_err(failed)?;
+            f.seek(std::io::SeekFrom::Start(0)).await.map_err(failed)?;
+            let frames = futures_util::StreamExt::map(tokio_util::io::ReaderStream::new(f), |chunk| {
+                chunk.map(http_body::Frame::data)
+            });
+            Body::http_body_unsync(http_body_util::StreamBody::new(frames))
+        }
+    };
+    Ok(http::Request::from_parts(parts, body))
+}
+
 /// A write that makes an object at its path: PutObject, CopyObject, CompleteMultipartUpload
 /// (not a part, not a sub-resource such as `?tagging`).
 fn creates_object(req: &http::Request<Body>) -> bool {
@@ -282,7 +334,8 @@ async fn holds_objects(dir: std::path::PathBuf) -> bool {
 impl Upstream for LocalUpstream {
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
         let is_object_write = Self::is_object_write(&req);
-        let path = req.uri().path();
+        let path = req.uri().path().to_owned();
+        let path = path.as_str();
         let (bucket, key) = path.trim_start_matches('/').split_once('/').unwrap_or((path.trim_start_matches('/'), ""));
         // `PUT /bucket` and `PUT /bucket/` (SDKs send either) create the bucket.
         let creates_bucket = *req.method() == Method::PUT && key.is_empty();
@@ -326,6 +379,12 @@ impl Upstream for LocalUpstream {
         if let Some(answer) = self.read_condition(&req, key).await? {
             return Ok(answer);
         }
+        // A PutObject's body is read before the lock: a slow client holds no other writer up.
+        let req = if is_object_write && *req.method() == Method::PUT && creates_object(&req) {
+            spool(req).await?
+        } else {
+            req
+        };
         let _object_lock = if is_object_write {
             // By the decoded path: `/b/k` and `/b/%6B` are one object.
             let object = crate::percent::decode(req.uri().path()).unwrap_or_else(|| req.uri().path().to_owned());

@@ -119,6 +119,50 @@ def test_reads_keep_their_conditions(fencegate):
     assert reader.get_object(Bucket="bkt", Key="k", IfNoneMatch='"0000"')["Body"].read() == b"v1"
 
 
+def test_a_slow_upload_holds_no_other_write_of_the_object(fencegate):
+    """The local upstream locks an object while it commits a write; it locked it while the
+    client's body was still arriving, so a DELETE of the object waited for a slow upload."""
+    import socket
+    import time
+
+    from fencegate_testlib import sign_headers
+
+    fg = fencegate()
+    c = fg.client(token=1)
+    c.create_bucket(Bucket="bkt")
+    c.put_object(Bucket="bkt", Key="k", Body=b"old")
+    host, port = fg.s3_addr
+    body = b"n" * 100_000
+    headers = sign_headers("PUT", host, port, "/bkt/k", {"Fencing-Token": "1", "Content-Length": str(len(body))})
+    head = ("PUT /bkt/k HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n").encode()
+    with socket.create_connection(fg.s3_addr, timeout=30) as slow:
+        slow.sendall(head + body[:50_000])  # half the body, then the client stalls
+        time.sleep(0.3)
+        started = time.monotonic()
+        c.delete_object(Bucket="bkt", Key="k")  # same token: admitted beside the upload
+        took = time.monotonic() - started
+        slow.sendall(body[50_000:])
+        reply = slow.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    assert took < 5, f"the DELETE waited {took:.1f} s for the stalled upload"
+    assert (fg.objects_dir / "bkt" / "k").read_bytes() == body
+
+
+def test_a_large_put_is_written_whole(fencegate):
+    """Bodies above 8 MiB are held in a temporary file before the commit: the object is intact
+    and nothing is left in the temporary directory."""
+    import os
+    import tempfile
+
+    fg = fencegate()
+    c = fg.client(token=1)
+    c.create_bucket(Bucket="bkt")
+    data = os.urandom(9 * 1024 * 1024 + 17)
+    c.put_object(Bucket="bkt", Key="big", Body=data)
+    assert (fg.objects_dir / "bkt" / "big").read_bytes() == data
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("fencegate-spool-")]
+
+
 def test_a_non_empty_bucket_is_not_deleted(fencegate):
     fg = fencegate()
     c = fg.client()
