@@ -15,6 +15,7 @@
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
 //! - [`percent`]: percent-decoding of paths.
+//! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
@@ -25,6 +26,7 @@ pub mod gateway;
 pub mod lease;
 pub mod metrics;
 pub mod percent;
+pub mod problem;
 pub mod s3;
 pub mod server;
 pub mod store;

@@ -16,9 +16,6 @@ use crate::fence::{AdmitError, FenceToken, Gate, ResourceKey};
 /// A registration body is `{"token": N}`; anything much larger is not one.
 const REGISTRATION_BYTES_MAX: usize = 4096;
 
-/// Problem types are `urn:fencegate:problem:<Code>`; the code is what scripts match.
-pub const PROBLEM_BASE: &str = "urn:fencegate:problem:";
-
 pub struct Admin {
     gate: Arc<Gate>,
     metrics: PrometheusHandle,
@@ -145,13 +142,7 @@ fn fence_json(status: StatusCode, resource: &ResourceKey, token: FenceToken) -> 
 
 /// An RFC 9457 problem whose `type` ends in `code`.
 fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
-    let body = serde_json::json!({
-        "type": format!("{PROBLEM_BASE}{code}"),
-        "title": code,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    json(status, "application/problem+json", &body)
+    json(status, crate::problem::CONTENT_TYPE, &crate::problem::document(status, code, detail))
 }
 
 fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> AdminResponse {

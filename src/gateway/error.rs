@@ -144,12 +144,7 @@ impl GatewayError {
     /// plain retry may succeed.
     pub fn into_response(self) -> http::Response<Body> {
         let (status, code) = self.parts();
-        let mut problem = serde_json::json!({
-            "type": format!("{}{code}", crate::admin::PROBLEM_BASE),
-            "title": code,
-            "status": status.as_u16(),
-            "detail": self.to_string(),
-        });
+        let mut problem = crate::problem::document(status, code, &self.to_string());
         match &self {
             Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } => {
                 problem["fencing_token_current"] = serde_json::json!(current.0)
@@ -165,7 +160,7 @@ impl GatewayError {
         let mut resp = http::Response::new(Body::from(Bytes::from(problem.to_string())));
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::problem::CONTENT_TYPE));
         if let Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } = &self {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }

@@ -400,17 +400,12 @@ fn problem(error: &LeaseError) -> S3Response<Body> {
         LeaseError::TokensExhausted => (StatusCode::CONFLICT, "FencingTokensExhausted"),
         LeaseError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
     };
-    let mut body = serde_json::json!({
-        "type": format!("{}{code}", crate::admin::PROBLEM_BASE),
-        "title": code,
-        "status": status.as_u16(),
-        "detail": error.to_string(),
-    });
+    let mut body = crate::problem::document(status, code, &error.to_string());
     if let LeaseError::Held { holder, remaining_ms } = error {
         body["holder"] = serde_json::json!(holder);
         body["remaining_ms"] = serde_json::json!(remaining_ms);
     }
-    json_response(status, "application/problem+json", &body)
+    json_response(status, crate::problem::CONTENT_TYPE, &body)
 }
 
 fn json_response(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> S3Response<Body> {
