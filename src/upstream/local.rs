@@ -51,6 +51,17 @@ impl LocalUpstream {
             && tokio::fs::metadata(self.root.join(bucket)).await.is_ok_and(|m| m.is_dir())
     }
 
+    /// The ETag of the object at `path` as s3s-fs has it now, `None` if there is none.
+    async fn current_etag(&self, path: &str) -> Result<Option<http::HeaderValue>, UpstreamError> {
+        let head = http::Request::builder()
+            .method(Method::HEAD)
+            .uri(path)
+            .body(Body::empty())
+            .map_err(|e| UpstreamError::Local(Box::new(e)))?;
+        let head = self.service.call(head).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
+        Ok(head.status().is_success().then(|| head.headers().get(http::header::ETAG).cloned()).flatten())
+    }
+
     /// For a CopyObject or DeleteObject carrying `If-Match` / `If-None-Match`: the 412 answer if
     /// the object (read under the caller's object lock) does not meet it.
     async fn unmet_precondition(
@@ -65,13 +76,7 @@ impl LocalUpstream {
         if !(copy || delete) || !conditional || names_sub_resource(Some(query)) {
             return Ok(None); // part copies, version or upload ids, sub-resources: as s3s-fs does
         }
-        let head = http::Request::builder()
-            .method(Method::HEAD)
-            .uri(req.uri().path())
-            .body(Body::empty())
-            .map_err(|e| UpstreamError::Local(Box::new(e)))?;
-        let head = self.service.call(head).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
-        let etag = head.status().is_success().then(|| head.headers().get(http::header::ETAG).cloned()).flatten();
+        let etag = self.current_etag(req.uri().path()).await?;
         let met = match (req.headers().get(http::header::IF_MATCH), req.headers().get(http::header::IF_NONE_MATCH)) {
             (Some(wanted), _) => etag.as_ref().is_some_and(|e| wanted == "*" || wanted == e),
             (None, Some(not_wanted)) => match &etag {
@@ -117,17 +122,10 @@ impl LocalUpstream {
         if !read || key.is_empty() || (if_match.is_none() && if_none_match.is_none()) {
             return Ok(None);
         }
-        let head = http::Request::builder()
-            .method(Method::HEAD)
-            .uri(req.uri().path())
-            .body(Body::empty())
-            .map_err(|e| UpstreamError::Local(Box::new(e)))?;
-        let head = self.service.call(head).await.map_err(|e| UpstreamError::Local(format!("{e:?}").into()))?;
-        let Some(etag) =
-            head.headers().get(http::header::ETAG).and_then(|v| v.to_str().ok()).filter(|_| head.status().is_success())
-        else {
+        let Some(etag) = self.current_etag(req.uri().path()).await? else {
             return Ok(None); // no object: the read answers 404 itself
         };
+        let Ok(etag) = etag.to_str() else { return Ok(None) };
         let listed =
             |header: &str| header.split(',').map(|v| v.trim().trim_start_matches("W/")).any(|v| v == "*" || v == etag);
         if if_match.is_some_and(|h| !listed(h)) {

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +56,7 @@ from fencegate_testlib import (
     wait_until,
 )
 from holding_upstream import HoldingUpstream
+from test_redis_store import RedisServer
 
 RESOURCE = "job"
 WAIT_S = 15.0  # every wait for something that should happen promptly
@@ -427,40 +427,8 @@ def test_read_slower_than_request_timeout_is_504(s3_env):
 # --------------------------------------------------------------------------------------------
 
 
-class LocalRedis:
-    """A redis-server on 127.0.0.1 that a test can freeze (SIGSTOP) and thaw (SIGCONT)."""
-
-    def __init__(self, workdir):
-        self.dir = workdir
-        self.port = free_port()
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (scripts/test installs it)")
-        with open(self.dir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                 "--save", "", "--appendonly", "no", "--daemonize", "no"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )
-        wait_until(self.ping, timeout=20, what="redis-server to answer PING")
-        return self
-
-    def ping(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError("redis-server exited:\n" + (self.dir / "redis.log").read_text()[-2000:])
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+class LocalRedis(RedisServer):
+    """`test_redis_store.RedisServer`, which a test can also freeze (SIGSTOP) and thaw."""
 
     def freeze(self):
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -470,10 +438,8 @@ class LocalRedis:
             os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.thaw()
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        self.thaw()  # a stopped process would not take the kill until continued
+        super().kill()
 
 
 @pytest.fixture
