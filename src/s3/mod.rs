@@ -626,6 +626,12 @@ impl Front {
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         refuse_client_condition(&condition, &fresh)?;
+        if fresh.same_version(&state) {
+            // fencegate's precondition named the object as it still is: the refusal was about
+            // something else (a missing source or upload, the client's own condition), and
+            // the upstream's answer is the client's.
+            return Ok(client_response(resp));
+        }
         let Some(chunks) = report.retained() else {
             metrics::precondition_conflict("gave_up");
             return Err(FrontError::PreconditionRace);
@@ -673,8 +679,10 @@ impl Front {
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         refuse_client_condition(&condition, &fresh)?;
-        if fresh == state && has_copy_source_conditions(&request.headers) {
-            // The destination is as it was: the client's own condition on the source failed.
+        if fresh.same_version(&state) {
+            // fencegate's precondition named the object as it still is: the refusal was about
+            // something else (a missing source or upload, the client's own condition), and
+            // the upstream's answer is the client's.
             return Ok(client_response(resp));
         }
         set_precondition(&mut headers, &fresh);
@@ -759,8 +767,15 @@ impl Front {
             if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }
-            state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
-            refuse_client_condition(&condition, &state)?;
+            let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+            refuse_client_condition(&condition, &fresh)?;
+            if fresh.same_version(&state) {
+                // fencegate's precondition named the object as it still is: the refusal was about
+                // something else (a missing source or upload, the client's own condition), and
+                // the upstream's answer is the client's.
+                return Ok(client_response(resp));
+            }
+            state = fresh;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)
@@ -812,8 +827,15 @@ impl Front {
             if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }
-            state = self.reread_after_conflict(&request.target, &object, &admitted).await?;
-            refuse_client_condition(&condition, &state)?;
+            let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
+            refuse_client_condition(&condition, &fresh)?;
+            if fresh.same_version(&state) {
+                // fencegate's precondition named the object as it still is: the refusal was about
+                // something else (a missing source or upload, the client's own condition), and
+                // the upstream's answer is the client's.
+                return Ok(client_response(resp));
+            }
+            state = fresh;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)
@@ -843,6 +865,12 @@ impl Front {
         }
         let fresh = self.reread_after_conflict(&request.target, &object, &admitted).await?;
         refuse_client_condition(&condition, &fresh)?;
+        if fresh.same_version(&state) {
+            // fencegate's precondition named the object as it still is: the refusal was about
+            // something else (a missing source or upload, the client's own condition), and
+            // the upstream's answer is the client's.
+            return Ok(client_response(resp));
+        }
         set_precondition(&mut headers, &fresh);
         let body = WriteBody::InMemory(Body::from(parts));
         let resp = self.send_write("complete_multipart", &admitted, Method::POST, &path, headers, body).await?;
@@ -1312,10 +1340,6 @@ const COPY_SOURCE_CONDITIONS: &[(&str, HeaderName)] = &[
     ("x-amz-copy-source-if-modified-since", http::header::IF_MODIFIED_SINCE),
     ("x-amz-copy-source-if-unmodified-since", http::header::IF_UNMODIFIED_SINCE),
 ];
-
-fn has_copy_source_conditions(headers: &HeaderMap) -> bool {
-    COPY_SOURCE_CONDITIONS.iter().any(|(name, _)| headers.contains_key(*name))
-}
 
 /// The source object's metadata a copy keeps: its user metadata (less the stamp) and the
 /// content headers.

@@ -20,6 +20,16 @@ pub enum ObjectState {
 }
 
 impl ObjectState {
+    /// Whether `other` is the same object version as far as a precondition can tell (its ETag,
+    /// or both absent): a write conditional on `self` would have passed on `other`.
+    pub fn same_version(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Absent, Self::Absent) => true,
+            (Self::Present { etag: a, .. }, Self::Present { etag: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+
     /// The precondition header that makes a write to this object conditional on it.
     pub fn precondition(&self) -> (http::HeaderName, HeaderValue) {
         match self {

@@ -131,3 +131,35 @@ def test_delete_objects_keeps_each_keys_etag_condition(fencegate, moto_server):
     assert [(e["Key"], e["Code"]) for e in result.get("Errors", [])] == [("keep", "PreconditionFailed")], result
     assert _body(c, bucket, "keep") == b"keep"
     assert _body(c, bucket, "go") == "NoSuchKey"
+
+
+@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
+def test_a_refusal_that_is_not_about_the_destination_is_answered_as_is(fencegate, moto_server, upstream_kind):
+    """A conditional fenced write refused for another reason than fencegate's own precondition
+    (the destination is as fencegate named it) gets the upstream's answer, never 503 `SlowDown`
+    (a retry that can never succeed): a copy from a missing source onto an existing object is
+    404 `NoSuchKey`; a second completion of a completed upload is what the upstream answers."""
+    bucket = unique("refusal")
+    if upstream_kind == "moto":
+        moto_server.client().create_bucket(Bucket=bucket)
+        fg = fencegate(upstream=dict(moto_server.upstream_config(), probe_bucket=bucket))
+    else:
+        fg = fencegate(config={"upstream": {"probe_bucket": bucket}}, local_buckets=(bucket,))
+    c = fg.client(token=1)
+    c.put_object(Bucket=bucket, Key="dst", Body=b"kept")
+    with pytest.raises(ClientError) as missing:
+        c.copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "no-such-source"})
+    err = missing.value.response
+    assert (err["ResponseMetadata"]["HTTPStatusCode"], err["Error"]["Code"]) == (404, "NoSuchKey"), err
+    assert fg.client().get_object(Bucket=bucket, Key="dst")["Body"].read() == b"kept"
+
+    upload = c.create_multipart_upload(Bucket=bucket, Key="mp")["UploadId"]
+    part = c.upload_part(Bucket=bucket, Key="mp", UploadId=upload, PartNumber=1, Body=b"parts")
+    parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+    c.complete_multipart_upload(Bucket=bucket, Key="mp", UploadId=upload, MultipartUpload=parts)
+    try:
+        c.complete_multipart_upload(Bucket=bucket, Key="mp", UploadId=upload, MultipartUpload=parts)
+    except ClientError as again:
+        r = again.response
+        # The upload is gone: S3's 404 NoSuchUpload, not fencegate's 503.
+        assert (r["ResponseMetadata"]["HTTPStatusCode"], r["Error"]["Code"]) == (404, "NoSuchUpload"), r
