@@ -1,12 +1,10 @@
-"""Fixtures that start fencegate and moto_server as real processes and always stop them."""
+"""Fixtures that start fencegate, moto_server and redis-server as real processes and always
+stop them."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fencegate_testlib import (  # noqa: E402
     FenceGate,
+    MotoServer,
+    RedisServer,
     base_config,
-    free_port,
-    http_get_ok,
     merge,
-    s3_client,
 )
 
 # Keep the user's own AWS configuration out of every client the tests make.
@@ -28,70 +25,28 @@ os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 for _var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
     os.environ.pop(_var, None)
 
-MOTO_ACCESS_KEY = "testing"
-MOTO_SECRET_KEY = "testing"
-
-
-class MotoServer:
-    def __init__(self, url: str, proc: subprocess.Popen):
-        self.url = url
-        self.proc = proc
-
-    def client(self):
-        return s3_client(self.url, access_key=MOTO_ACCESS_KEY, secret_key=MOTO_SECRET_KEY)
-
-    def upstream_config(self) -> dict:
-        return {
-            "kind": "s3",
-            "endpoint": self.url,
-            "region": "us-east-1",
-            "access_key_id": MOTO_ACCESS_KEY,
-            "secret_access_key": MOTO_SECRET_KEY,
-        }
-
 
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
-    exe = shutil.which("moto_server")
-    cmd = [exe] if exe else [sys.executable, "-m", "moto.server"]
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    proc = None
-    url = None
-    for _attempt in range(3):  # a free port can be taken between probe and bind
-        port = free_port()
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                cmd + ["-H", "127.0.0.1", "-p", str(port)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            if http_get_ok(url + "/moto-api/"):
-                break
-            time.sleep(0.2)
-        if proc.poll() is None and http_get_ok(url + "/moto-api/"):
-            break
-        _stop(proc)
-        proc = None
-    if proc is None:
-        pytest.fail("moto_server did not start:\n" + log_path.read_text(errors="replace")[-3000:])
+    """One moto_server for the session (tests use buckets of their own)."""
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
     try:
-        yield MotoServer(url, proc)
+        yield server.start()
     finally:
-        _stop(proc)
+        server.stop()
 
 
-def _stop(proc: subprocess.Popen):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server of the test's own; the test may kill9(), start() (same port and data),
+    freeze() and thaw() it."""
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(d)
+    try:
+        yield server.start()
+    finally:
+        server.kill9()
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -44,14 +46,39 @@ MiB = 1024 * 1024
 # --------------------------------------------------------------------------------------------
 
 
+def free_ports(n: int) -> list:
+    """`n` distinct ports of 127.0.0.1 that were free a moment ago. Another process can take one
+    before the caller's server binds it: start such a server with `retry_if_port_taken`, or
+    hold the port with `reserve_port`. (fencegate itself listens on port 0 and prints what it
+    bound: `FenceGate.start` reads that.)"""
+    socks = []
+    try:
+        for _ in range(n):  # all bound at once: the kernel hands out n different ports
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 that does not listen yet: connections to the
+    port are refused until its owner calls `listen()`, and no other process can take the port
+    meanwhile (no SO_REUSEADDR, so no other socket may share it)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll `pred` until it returns a truthy value, at most `timeout` seconds."""
+    """Poll `pred` until it returns a truthy value, at most `timeout` seconds. An exception from
+    `pred` counts as "not yet", except `ServerExited`: a process that is gone will not come."""
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
@@ -59,6 +86,8 @@ def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condit
             value = pred()
             if value:
                 return value
+        except ServerExited:
+            raise
         except Exception as exc:  # noqa: BLE001 - reported below on timeout
             last_exc = exc
         time.sleep(interval)
@@ -610,6 +639,232 @@ def assert_still_serving(fg: FenceGate, bucket: str):
     c = fg.client(token=1, resource=unique("alive-res"))
     c.put_object(Bucket=bucket, Key=key, Body=b"still here")
     assert read_object(c, bucket, key) == b"still here"
+
+
+# --------------------------------------------------------------------------------------------
+# third-party servers (moto_server, redis-server, etcd): a port each, started and stopped
+# --------------------------------------------------------------------------------------------
+
+# These servers take a port on their command line, so a test picks one with `free_port()` and
+# another process can take it before the server binds it. Every start goes through
+# `retry_if_port_taken`: the server's own log says when that happened, and it starts again on
+# a new port.
+PORT_ATTEMPTS = 5
+PORT_TAKEN_RE = re.compile(r"address already in use", re.IGNORECASE)  # redis, moto (werkzeug), etcd
+SERVER_LOG_TAIL = 3000  # characters of a server's log quoted when it did not start
+
+
+class ServerExited(AssertionError):
+    """A server process ended before it was ready; the message has its log's tail."""
+
+
+class PortTaken(ServerExited):
+    """A server ended because its port was in use: another process took it after `free_port()`
+    let it go. `retry_if_port_taken` starts it again on a new port."""
+
+
+def log_size(path: Path) -> int:
+    """How long `path` is now: where the next start's part of an appended log begins."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_since(path: Path, offset: int = 0) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def raise_if_exited(proc: subprocess.Popen, what: str, log_path: Path, log_from: int = 0):
+    """PortTaken if `proc` has exited and its log (from byte `log_from`: this start's part) says
+    its port was in use; ServerExited if it has exited otherwise; nothing while it runs."""
+    if proc.poll() is None:
+        return
+    text = log_since(log_path, log_from)
+    kind = PortTaken if PORT_TAKEN_RE.search(text) else ServerExited
+    raise kind(f"{what} exited with {proc.returncode} before it was ready; its log:\n"
+               + text[-SERVER_LOG_TAIL:])
+
+
+def wait_for_server(proc: subprocess.Popen, ready, what: str, log_path: Path, log_from: int = 0,
+                    timeout: float = 30.0):
+    """Polls `ready()` until it is true; ends at once (`raise_if_exited`) if `proc` exits first."""
+
+    def up():
+        raise_if_exited(proc, what, log_path, log_from)
+        answered = ready()
+        raise_if_exited(proc, what, log_path, log_from)  # what answered was not `proc`
+        return answered
+
+    try:
+        wait_until(up, timeout, what=f"{what} to be ready")
+    except ServerExited:
+        raise
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its log:\n" + log_since(log_path, log_from)[-SERVER_LOG_TAIL:]) from None
+
+
+def retry_if_port_taken(launch, attempts: int = PORT_ATTEMPTS):
+    """Runs `launch()`, which picks its ports with `free_port()` and starts a server on them, and
+    runs it again (so on new ports) while the server could not bind one (PortTaken), at most
+    `attempts` times. Returns what `launch()` returns."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return launch()
+        except PortTaken:
+            if attempt == attempts:
+                raise
+
+
+def stop_process(proc: subprocess.Popen | None):
+    """SIGTERM (after SIGCONT: a stopped process cannot act on it), then SIGKILL if it does not
+    exit in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+MOTO_ACCESS_KEY = "testing"
+MOTO_SECRET_KEY = "testing"
+
+
+class MotoServer:
+    """A moto_server of its own on 127.0.0.1, its log in `workdir`."""
+
+    def __init__(self, workdir: Path):
+        self.log_path = workdir / "moto.log"
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self):
+        retry_if_port_taken(self._launch)
+        return self
+
+    def _launch(self):
+        exe = shutil.which("moto_server")
+        cmd = [exe] if exe else [sys.executable, "-m", "moto.server"]
+        port = free_port()
+        log_from = log_size(self.log_path)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd + ["-H", "127.0.0.1", "-p", str(port)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_server(self.proc, lambda: http_get_ok(self.url + "/moto-api/"), "moto_server",
+                            self.log_path, log_from, timeout=30)
+        except BaseException:
+            stop_process(self.proc)
+            raise
+
+    def stop(self):
+        stop_process(self.proc)
+
+    def client(self):
+        return s3_client(self.url, access_key=MOTO_ACCESS_KEY, secret_key=MOTO_SECRET_KEY)
+
+    def upstream_config(self) -> dict:
+        return {
+            "kind": "s3",
+            "endpoint": self.url,
+            "region": "us-east-1",
+            "access_key_id": MOTO_ACCESS_KEY,
+            "secret_access_key": MOTO_SECRET_KEY,
+        }
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1 with an fsync-always append-only file in `workdir`, so a
+    restart (after `kill9()` too) keeps every acknowledged write. The first `start()` picks the
+    port (a new one if another process took it meanwhile); later ones come back on that port,
+    which fencegate's config names. `freeze()` (SIGSTOP) makes it hold its connections open and
+    answer nothing until `thaw()`."""
+
+    def __init__(self, workdir: Path, name: str = "redis"):
+        self.dir = workdir
+        self.name = name
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "redis.log"
+
+    def start(self, *extra: str):
+        """Starts it (with `extra` arguments) and returns once it answers PING."""
+        if shutil.which("redis-server") is None:
+            raise AssertionError("redis-server is not installed (scripts/test installs it)")
+        if self.port:
+            self._launch(self.port, extra)
+        else:
+            retry_if_port_taken(lambda: self._launch(free_port(), extra))
+        return self
+
+    def _launch(self, port: int, extra: tuple):
+        self.port = port
+        log_from = log_size(self.log_path)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                 "--dir", str(self.dir), "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+                 "--daemonize", "no", *extra],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        wait_for_server(self.proc, self._answers_as_itself, f"redis-server {self.name}", self.log_path,
+                        log_from, timeout=20)
+
+    def _answers_as_itself(self) -> bool:
+        """It answers, and as this process (not another server that took the port first)."""
+        return f"process_id:{self.proc.pid}\r\n".encode() in self.command(b"INFO server", timeout=1)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def command(self, line: bytes, timeout: float = 2.0) -> bytes:
+        """One inline command; its raw reply (b"" if Redis does not answer)."""
+        if not self.running():
+            raise AssertionError(f"redis-server {self.name} is not running:\n" + self.log_tail())
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+                s.sendall(line + b"\r\n")
+                return s.recv(4096)
+        except OSError:
+            return b""
+
+    def ping(self) -> bool:
+        return self.command(b"PING").startswith(b"+PONG")
+
+    def freeze(self):
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self):
+        if self.running():
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill9(self):
+        if self.running():
+            self.thaw()  # a stopped process would not take the kill until continued
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self):
+        stop_process(self.proc)
+
+    def log_tail(self) -> str:
+        return log_since(self.log_path)[-2000:]
 
 
 # --------------------------------------------------------------------------------------------

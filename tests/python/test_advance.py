@@ -11,7 +11,6 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fencegate_testlib import code_of, head_status, header_of, signed_raw_request, status_of
-from test_redis_store import redis_server  # noqa: F401 - a fixture
 
 MAX = 18446744073709551615
 

@@ -27,8 +27,7 @@ import pytest
 
 from chaos.checker import check, render
 from chaos.harness import ChaosRun, RunSpec
-from chaos.processes import Moto
-from fencegate_testlib import base_config, bin_path, merge, to_toml
+from fencegate_testlib import MotoServer, base_config, bin_path, merge, to_toml
 
 CHAOS_SECONDS = float(os.environ.get("FENCEGATE_CHAOS_SECONDS", "70"))
 
@@ -216,7 +215,7 @@ def test_checker_catches_repeated_and_falling_grants():
 
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory):
-    server = Moto(tmp_path_factory.mktemp("chaos-moto")).start()
+    server = MotoServer(tmp_path_factory.mktemp("chaos-moto")).start()
     try:
         yield server
     finally:

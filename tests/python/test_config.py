@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from fencegate_testlib import base_config, bin_path, to_toml
+from fencegate_testlib import base_config, bin_path, merge, to_toml
 
 
 def test_help_lists_serve():
@@ -131,12 +131,11 @@ def test_credentials_come_from_the_environment_or_an_included_file(tmp_path):
 
 
 def test_health_answers_from_readyz(fencegate, tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    fg = fencegate(config={"server": {"admin_listen": f"127.0.0.1:{port}"}})
-    ok = subprocess.run([str(bin_path()), "health", "--config", str(fg.config_path)],
+    fg = fencegate()  # on port 0: `health` is given a config naming the admin port it bound
+    host, port = fg.admin_addr
+    up = tmp_path / "up.toml"
+    up.write_text(to_toml(merge(fg.config, {"server": {"admin_listen": f"{host}:{port}"}})) + "\n")
+    ok = subprocess.run([str(bin_path()), "health", "--config", str(up)],
                         capture_output=True, text=True, timeout=30)
     assert (ok.returncode, ok.stdout.strip()) == (0, "ready"), ok.stderr
     # Nothing listens there: not healthy.

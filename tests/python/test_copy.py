@@ -10,7 +10,6 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fencegate_testlib import code_of, free_port, metric, metric_samples, status_of
-from test_redis_store import redis_server  # noqa: F401 - a fixture
 
 
 def _start(fencegate, moto_server, bucket, store=None):

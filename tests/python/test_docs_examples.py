@@ -37,7 +37,6 @@ from fencegate_testlib import (
     signed_raw_request,
     status_of,
 )
-from test_redis_store import redis_server  # noqa: F401 - a fixture (a real redis-server)
 
 SHIPPED_CONFIG = REPO_ROOT / "config" / "fencegate.toml"
 EXAMPLE_TIMEOUT_S = 120  # one example, start to end
@@ -278,7 +277,7 @@ def test_readme_replica_configs_pass_check_config(tmp_path):
     assert "Etcd" in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
 
 
-def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):  # noqa: F811
+def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):
     """The README's replicas file, as it is, runs two replicas sharing Redis (what a real
     deployment differs in comes from the environment: addresses, certificates, the upstream's
     key), and they share the fence."""
@@ -537,7 +536,7 @@ def test_leases_fencegate_lease_run(start, tmp_path):
 
 
 @runs("docs/leases.md", "redis-lease")
-def test_leases_redis_issuer(start, tmp_path, redis_server):  # noqa: F811
+def test_leases_redis_issuer(start, tmp_path, redis_server):
     """The Redis recipe against a real redis-server (`redis-cli` in PATH reaches it)."""
     fg = start()
     make_bucket(fg)

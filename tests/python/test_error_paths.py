@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -44,11 +43,11 @@ from fencegate_testlib import (
     bin_path,
     build_head,
     connect,
-    free_port,
     metric,
     metric_samples,
     raw_request,
     read_response,
+    reserve_port,
     sign_headers,
     signed_raw_request,
     to_toml,
@@ -56,7 +55,6 @@ from fencegate_testlib import (
     wait_until,
 )
 from holding_upstream import HoldingUpstream
-from test_redis_store import RedisServer
 
 RESOURCE = "job"
 WAIT_S = 15.0  # every wait for something that should happen promptly
@@ -171,26 +169,7 @@ def s3_env(fencegate, moto_server):
         yield start
     finally:
         for up in proxies:
-            up.release_all()
-            up.wait_idle(30)
-            up.stop()
-
-
-class PortUpstream(HoldingUpstream):
-    """A HoldingUpstream that listens on a port chosen before it starts (nothing listens there
-    until `start()`: connections to it are refused)."""
-
-    def __init__(self, moto_url: str, port: int):
-        super().__init__(moto_url)
-        self.port = port
-
-    def start(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", self.port))
-        self.sock.listen(128)
-        threading.Thread(target=self._accept_loop, name="port-upstream-accept", daemon=True).start()
-        return self
+            up.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,10 +271,9 @@ def test_unreachable_upstream_is_502_and_leaves_nothing_in_flight(s3_env, moto_s
     ambiguous outcome (nothing was sent), a GET gets 502 too; once the upstream is up, a newer
     token on the same resource goes through at once (the failed write is not in flight: it does
     not wait for `fencing.inflight_deadline_ms`), and only that write reached the upstream."""
-    port = free_port()
-    proxy = PortUpstream(moto_server.url, port)  # not started: the port refuses connections
+    proxy = HoldingUpstream(moto_server.url).reserve()  # not started: the port refuses connections
     env = s3_env(upstream={"probe": "off"}, fencing={"inflight_deadline_ms": 20000}, proxy=proxy)
-    assert env.up.url == f"http://127.0.0.1:{port}"
+    assert env.up is proxy
 
     before = metric_samples(env.fg)
     started = time.monotonic()
@@ -427,33 +405,7 @@ def test_read_slower_than_request_timeout_is_504(s3_env):
 # --------------------------------------------------------------------------------------------
 
 
-class LocalRedis(RedisServer):
-    """`test_redis_store.RedisServer`, which a test can also freeze (SIGSTOP) and thaw."""
-
-    def freeze(self):
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def thaw(self):
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self):
-        self.thaw()  # a stopped process would not take the kill until continued
-        super().kill()
-
-
-@pytest.fixture
-def local_redis(tmp_path):
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = LocalRedis(d).start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-def test_frozen_fence_store_fails_writes_closed_with_503_and_recovers(s3_env, local_redis):
+def test_frozen_fence_store_fails_writes_closed_with_503_and_recovers(s3_env, redis_server):
     """Redis frozen with SIGSTOP (it holds its connections open and answers nothing), with
     `store.timeout_ms = 400`: a write with the current token and one with a newer token each get
     503 `FenceStoreUnavailable` with `Retry-After: 1` within about that time, nothing reaches
@@ -461,13 +413,13 @@ def test_frozen_fence_store_fails_writes_closed_with_503_and_recovers(s3_env, lo
     SIGCONT writes work again and the fence store is consistent (older tokens refused).
     (The fence after SIGCONT is not asserted before token 6 writes: the newer token's admission,
     queued in the frozen Redis, may still run when it resumes; a 503 says the state is unknown.)"""
-    env = s3_env(config={"store": {"kind": "redis", "url": local_redis.url, "path": None,
+    env = s3_env(config={"store": {"kind": "redis", "url": redis_server.url, "path": None,
                                    "timeout_ms": 400, "wait_timeout_ms": 100}})
     ok = env.put("jobs/a", 5, b"token five")
     assert ok.status == 200, (ok.status, ok.body[:300])
 
     before = metric_samples(env.fg)
-    local_redis.freeze()
+    redis_server.freeze()
     try:
         answers = {}
         for label, key, token in (("current", "jobs/b", 5), ("newer", "jobs/c", 6)):
@@ -479,7 +431,7 @@ def test_frozen_fence_store_fails_writes_closed_with_503_and_recovers(s3_env, lo
         after = metric_samples(env.fg)
         reached = env.reached("jobs/b") + env.reached("jobs/c")
     finally:
-        local_redis.thaw()
+        redis_server.thaw()
 
     for label, (r, took) in answers.items():
         assert (r.status, r.code()) == (503, "FenceStoreUnavailable"), (label, r.status, r.error, r.body[:300])
@@ -558,9 +510,10 @@ class ApiHold:
 class RecordingApi:
     """A tiny HTTP/1.1 API on 127.0.0.1: records every request that arrived whole, answers 201
     with a JSON body, or what `script(path, ...)` queued for that path; `hold(path)` holds the
-    next request on it until released (at most 60 s)."""
+    next request on it until released (at most 60 s). Given `sock` (from `reserve_port()`), it
+    listens on that socket's port."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, sock: socket.socket | None = None):
         self.lock = threading.Lock()
         self.received: list = []
         self.scripts: dict = {}
@@ -620,7 +573,13 @@ class RecordingApi:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = do_GET = _serve
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        if sock is None:
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        else:
+            self.server = ThreadingHTTPServer(sock.getsockname(), Handler, bind_and_activate=False)
+            self.server.socket.close()
+            self.server.socket = sock
+            self.server.server_activate()  # listen() on the reserved port
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="recording-api", daemon=True).start()
 
@@ -870,8 +829,8 @@ def test_route_api_unreachable_is_502_with_no_record_and_the_retry_goes_ahead(fe
     """The API's port is closed: a write gets 502 `UpstreamUnavailable` (nothing was sent: no
     ambiguous outcome, no record), a read 502 too; once the API listens, the retry with the same
     `Idempotency-Key` executes there (201, not a replayed 502, not 409 in flight)."""
-    port = free_port()
-    fg = gateway(fencegate, f"http://127.0.0.1:{port}")
+    closed = reserve_port()  # bound, not listening: connections are refused until the API starts
+    fg = gateway(fencegate, f"http://127.0.0.1:{closed.getsockname()[1]}")
     before = metric_samples(fg)
     write = route_call(fg, "/pay/7/charges", b'{"amount":7}', key="pay-7")
     read = route_call(fg, "/pay/7/charges", b"", method="GET")
@@ -880,7 +839,7 @@ def test_route_api_unreachable_is_502_with_no_record_and_the_retry_goes_ahead(fe
     assert (read.status, read.code()) == (502, "UpstreamUnavailable"), (read.status, read.error, read.body[:300])
     assert metric_sum(after, AMBIGUOUS) == metric_sum(before, AMBIGUOUS), "nothing was sent, yet counted ambiguous"
 
-    api = RecordingApi(port)
+    api = RecordingApi(closed)
     try:
         retry = route_call(fg, "/pay/7/charges", b'{"amount":7}', key="pay-7")
         assert retry.status == 201, (retry.status, retry.body[:300])
@@ -890,19 +849,19 @@ def test_route_api_unreachable_is_502_with_no_record_and_the_retry_goes_ahead(fe
         api.stop()
 
 
-def test_route_write_with_a_frozen_fence_store_is_503_and_never_forwarded(fencegate, api, local_redis):
+def test_route_write_with_a_frozen_fence_store_is_503_and_never_forwarded(fencegate, api, redis_server):
     """Redis (fences and idempotency records) frozen with SIGSTOP, `store.timeout_ms = 400`: a
     route write gets 503 `FenceStoreUnavailable` with `Retry-After: 1`, never reaching the API;
     after SIGCONT the retry with the same key executes once."""
-    fg = gateway(fencegate, api, config_store={"kind": "redis", "url": local_redis.url, "path": None,
+    fg = gateway(fencegate, api, config_store={"kind": "redis", "url": redis_server.url, "path": None,
                                                "timeout_ms": 400, "wait_timeout_ms": 100})
-    local_redis.freeze()
+    redis_server.freeze()
     try:
         started = time.monotonic()
         frozen = route_call(fg, "/pay/8/charges", b'{"amount":8}', key="pay-8")
         took = time.monotonic() - started
     finally:
-        local_redis.thaw()
+        redis_server.thaw()
     assert (frozen.status, frozen.code()) == (503, "FenceStoreUnavailable"), (frozen.status, frozen.body[:300])
     assert frozen.headers.get("retry-after") == "1", frozen.headers
     assert took < 5, took

@@ -76,10 +76,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import socket
 import statistics
-import subprocess
 import threading
 import time
 
@@ -87,8 +85,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fencegate_testlib import (
+    RedisServer,
     code_of,
-    free_port,
     header_of,
     signed_raw_request,
     status_of,
@@ -167,49 +165,26 @@ class _RespReader:
         raise AssertionError(f"unexpected RESP line {line!r}")
 
 
-class RedisProc:
-    """A redis-server on 127.0.0.1 with an fsync-always append-only file."""
+class RedisProc(RedisServer):
+    """fencegate_testlib's RedisServer in a directory of its own (`workdir/name`), replicating
+    without the diskless-sync delay, with a RESP client."""
 
     def __init__(self, workdir, name: str):
-        self.dir = workdir / name
-        self.dir.mkdir()
-        self.name = name
-        self.port = free_port()
-        self.proc = None
+        d = workdir / name
+        d.mkdir()
+        super().__init__(d, name)
 
     def start(self, *extra: str):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (scripts/test installs it)")
-        with open(self.dir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                 "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no",
-                 "--repl-diskless-sync-delay", "0", *extra],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )
-        wait_until(lambda: self.call("PING") == "PONG", timeout=20, what=f"redis {self.name} to answer PING")
-        return self
+        return super().start("--repl-diskless-sync-delay", "0", *extra)
 
     def call(self, *args):
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.running():
             raise AssertionError(f"redis {self.name} is not running:\n" + self.log_tail())
         return redis_call(self.port, *args)
 
     def info(self, section: str) -> dict:
         text = self.call("INFO", section)
         return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-
-    def log_tail(self) -> str:
-        try:
-            return (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def kill9(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------------------------

@@ -95,9 +95,7 @@ def inflight_env(fencegate, moto_server):
         yield start
     finally:
         for up in started:
-            up.release_all()
-            up.wait_idle(30)
-            up.stop()
+            up.close()
 
 
 # --------------------------------------------------------------------------------------------

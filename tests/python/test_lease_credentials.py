@@ -31,7 +31,7 @@ from fencegate_testlib import (
     signed_raw_request,
     unique,
 )
-from test_redis_store import redis_server, redis_store  # noqa: F401 - fixture
+from test_redis_store import redis_store
 
 
 
@@ -318,7 +318,7 @@ def test_an_issuer_removed_from_the_config_takes_its_credentials_along(fencegate
     assert (status, code) == (403, "SignatureDoesNotMatch")
 
 
-def test_every_replica_of_a_shared_store_honours_them(fencegate, moto_server, redis_server):  # noqa: F811
+def test_every_replica_of_a_shared_store_honours_them(fencegate, moto_server, redis_server):
     BUCKET = unique("leased")
     config = merge(redis_store(redis_server), {"fencing": {"rules": rules(BUCKET)}})
     moto_server.client().create_bucket(Bucket=BUCKET)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ from fencegate_testlib import (
     MiB,
     REPO_ROOT,
     SECRET_KEY,
+    metric,
+    metric_samples,
     quote_resource,
     signed_raw_request,
     unique,
@@ -163,6 +166,11 @@ def raise_fence(fg, resource: str, token: int):
     r = signed_raw_request(fg, "PUT", "/_fencegate/v1/fences/" + quote_resource(resource),
                            {"Content-Type": "application/json"}, json.dumps({"token": token}).encode())
     assert r.status == 200, (r.status, r.body)
+
+
+def lease_renewals(fg) -> float:
+    """How many lease renewals this fencegate has answered."""
+    return metric(metric_samples(fg), "fencegate_lease_events_total", event="renewed")
 
 
 def lease_call(fg, method: str, name: str, body: dict):
@@ -437,6 +445,9 @@ def test_minio_sdk_fput_and_put(gate, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+A_TTL_MS = 1500  # worker A's lease: B can take it over this long after A froze
+
+
 def stay_frozen_past_ttl(sid: int, frozen_at: float, ttl_s: float):
     """A stayed frozen all along (B ran meanwhile), and for longer than its TTL."""
     procs = session_procs(sid)
@@ -444,6 +455,59 @@ def stay_frozen_past_ttl(sid: int, frozen_at: float, ttl_s: float):
     left = frozen_at + ttl_s + 0.1 - time.monotonic()
     if left > 0:
         time.sleep(left)
+
+
+def start_worker_a(fg, background, script: str, a_src: Path, dst: str, grace_ms: int, label: str):
+    """Worker A: `sh -c script` under `fencegate-lease run job:tools` (TTL A_TTL_MS), with the
+    aws CLI, A's file and the destination in $AWS, $SRC and $DST."""
+    env_a = tool_env(fg, AWS=aws_cli(), SRC=str(a_src), DST=dst)
+    return background(lease_cmd("job:tools", "--ttl-ms", str(A_TTL_MS), "--grace-ms", str(grace_ms),
+                                "--holder", "worker-a", command=["sh", "-c", script]), env_a, label)
+
+
+@dataclass
+class Takeover:
+    """The classic scenario's middle: B's run while A was frozen, and A's end once resumed."""
+
+    rc_b: int
+    out_b: str
+    err_b: str
+    b_token: int
+    stale_for: float  # how long A was frozen, in seconds
+    rc_a: int | None  # None: A did not end in time after it was resumed
+    out_a: str
+    err_a: str
+
+    def print_runs(self):
+        print(f"--- A (exit {self.rc_a}) stdout ---\n{self.out_a}--- A stderr ---\n{self.err_a}")
+        print(f"--- B (exit {self.rc_b}) stdout ---\n{self.out_b}--- B stderr ---\n{self.err_b}")
+
+
+def b_takes_over_from_frozen_a(fg, a, frozen_at: float, b_src: Path, dst: str, wait_ms: int,
+                               a_exit_timeout: float) -> Takeover:
+    """B waits for A's lease to run out (A cannot renew: it is frozen), takes it and copies
+    `b_src` to `dst` with the aws CLI; A stays frozen past its TTL, is resumed, and gets
+    `a_exit_timeout` seconds to end."""
+    rc_b, out_b, err_b = run_leased(fg, "job:tools",
+                                    [aws_cli(), "s3", "cp", "--only-show-errors", str(b_src), dst],
+                                    "--wait-ms", str(wait_ms), "--holder", "worker-b")
+    b_token = granted_token(err_b, "job:tools")
+    stay_frozen_past_ttl(a.sid, frozen_at, A_TTL_MS / 1000)
+    stale_for = time.monotonic() - frozen_at
+    signal_session(a.sid, signal.SIGCONT)
+    try:
+        rc_a = a.wait(timeout=a_exit_timeout)
+    except subprocess.TimeoutExpired:
+        rc_a = None
+    return Takeover(rc_b, out_b, err_b, b_token, stale_for, rc_a, a.out(), a.err())
+
+
+def assert_b_kept_the_key(fg, t: Takeover, a_token: int, final: bytes, stamp, b_data: bytes, overwritten: str):
+    """B's write went through with the newer token, and B's object is the one at the upstream."""
+    assert t.rc_b == 0, explain(fg, t.rc_b, t.out_b, t.err_b)
+    assert t.b_token > a_token
+    assert final == b_data, overwritten
+    assert stamp == str(t.b_token)
 
 
 # Worker A: a bounded loop of `aws s3 cp` of A's content to one key. "stubborn" ignores SIGTERM
@@ -476,9 +540,7 @@ def test_classic_scenario_with_the_aws_cli(gate, tmp_path, background, worker):
     a_src.write_bytes(a_data)
     b_src.write_bytes(b_data)
     script = WORKER_A.format(trap="trap '' TERM" if worker == "stubborn" else "")
-    env_a = tool_env(fg, AWS=aws_cli(), SRC=str(a_src), DST=dst)
-    a = background(lease_cmd("job:tools", "--ttl-ms", "1500", "--grace-ms", "8000", "--holder", "worker-a",
-                             command=["sh", "-c", script]), env_a, f"worker-a-{worker}")
+    a = start_worker_a(fg, background, script, a_src, dst, grace_ms=8000, label=f"worker-a-{worker}")
     wait_until(lambda: "A: write 1 ok" in a.out() or a.proc.poll() is not None, timeout=30,
                what="worker A's first write")
     assert a.proc.poll() is None, f"A ended early: rc={a.proc.returncode}\n{a.out()}\n{a.err()}"
@@ -488,32 +550,17 @@ def test_classic_scenario_with_the_aws_cli(gate, tmp_path, background, worker):
     frozen = freeze_session(a.sid)
     frozen_at = time.monotonic()
     ok_before = a.out().count(" ok\n")
-    # B waits for A's lease to run out (A cannot renew: it is frozen), takes it and writes.
-    rc_b, out_b, err_b = run_leased(fg, "job:tools",
-                                    [aws_cli(), "s3", "cp", "--only-show-errors", str(b_src), dst],
-                                    "--wait-ms", "5000", "--holder", "worker-b")
-    b_token = granted_token(err_b, "job:tools")
-    stay_frozen_past_ttl(a.sid, frozen_at, 1.5)
-    stale_for = time.monotonic() - frozen_at
-    signal_session(a.sid, signal.SIGCONT)
-    try:
-        rc_a = a.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        rc_a = None
-    out_a, err_a = a.out(), a.err()
+    t = b_takes_over_from_frozen_a(fg, a, frozen_at, b_src, dst, wait_ms=5000, a_exit_timeout=30)
+    rc_a, out_a, err_a = t.rc_a, t.out_a, t.err_a
     print(f"\n===== classic scenario ({worker} worker A) =====")
-    print(f"A frozen for {stale_for:.1f}s (ttl 1.5s), processes {sorted(frozen)}")
-    print(f"--- A (exit {rc_a}) stdout ---\n{out_a}--- A stderr ---\n{err_a}")
-    print(f"--- B (exit {rc_b}) stdout ---\n{out_b}--- B stderr ---\n{err_b}")
+    print(f"A frozen for {t.stale_for:.1f}s (ttl {A_TTL_MS / 1000}s), processes {sorted(frozen)}")
+    t.print_runs()
     final = upstream_bytes(fg, key)
     stamp = upstream_head(fg, key)["Metadata"].get("fencing-token")
     print(f"--- upstream {key}: {'B' if final == b_data else 'A' if final == a_data else '?'}'s content, "
           f"fencing-token={stamp}")
 
-    assert rc_b == 0, explain(fg, rc_b, out_b, err_b)
-    assert b_token > a_token
-    assert final == b_data, "B's object was overwritten after A woke up"
-    assert stamp == str(b_token)
+    assert_b_kept_the_key(fg, t, a_token, final, stamp, b_data, "B's object was overwritten after A woke up")
     assert rc_a is not None, "worker A did not end within 30 s after it was resumed"
     assert not session_procs(a.sid), f"A's processes outlived it: {session_procs(a.sid)}"
     late = out_a.count(" ok\n") - ok_before
@@ -548,9 +595,7 @@ def test_classic_scenario_mid_multipart_upload(gate, tmp_path, background):
     b_src.write_bytes(b_data)
     # A ignores SIGTERM, so the upload goes on after it wakes up (fencegate must refuse it).
     script = 'trap "" TERM; "$AWS" s3 cp --only-show-errors "$SRC" "$DST"; echo "A: cp exit $?"'
-    env_a = tool_env(fg, AWS=aws_cli(), SRC=str(a_src), DST=dst)
-    a = background(lease_cmd("job:tools", "--ttl-ms", "1500", "--grace-ms", "20000", "--holder", "worker-a",
-                             command=["sh", "-c", script]), env_a, "worker-a-multipart")
+    a = start_worker_a(fg, background, script, a_src, dst, grace_ms=20000, label="worker-a-multipart")
 
     def uploading():
         assert a.proc.poll() is None, f"A ended early: rc={a.proc.returncode}\n{a.out()}\n{a.err()}"
@@ -565,36 +610,22 @@ def test_classic_scenario_mid_multipart_upload(gate, tmp_path, background):
     frozen_at = time.monotonic()
     assert key not in upstream_keys(fg, "data/"), "A's upload completed before it could be frozen"
     a_token = granted_token(a.err(), "job:tools")
-    rc_b, out_b, err_b = run_leased(fg, "job:tools",
-                                    [aws_cli(), "s3", "cp", "--only-show-errors", str(b_src), dst],
-                                    "--wait-ms", "8000", "--holder", "worker-b")
-    b_token = granted_token(err_b, "job:tools")
-    stay_frozen_past_ttl(a.sid, frozen_at, 1.5)
-    stale_for = time.monotonic() - frozen_at
-    signal_session(a.sid, signal.SIGCONT)
-    try:
-        rc_a = a.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        rc_a = None
-    out_a, err_a = a.out(), a.err()
+    t = b_takes_over_from_frozen_a(fg, a, frozen_at, b_src, dst, wait_ms=8000, a_exit_timeout=40)
     final = upstream_bytes(fg, key)
     stamp = upstream_head(fg, key)["Metadata"].get("fencing-token")
     leftover = fg.moto.list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
     print("\n===== classic scenario (worker A frozen mid multipart upload) =====")
-    print(f"A frozen after {parts_done} part(s) of 10 for {stale_for:.1f}s (ttl 1.5s), processes {sorted(frozen)}")
-    print(f"--- A (exit {rc_a}) stdout ---\n{out_a}--- A stderr ---\n{err_a}")
-    print(f"--- B (exit {rc_b}) stdout ---\n{out_b}--- B stderr ---\n{err_b}")
+    print(f"A frozen after {parts_done} part(s) of 10 for {t.stale_for:.1f}s (ttl {A_TTL_MS / 1000}s), "
+          f"processes {sorted(frozen)}")
+    t.print_runs()
     print(f"--- upstream {key}: {len(final)} bytes, {'B' if final == b_data else '?'}'s content, "
           f"fencing-token={stamp}; multipart uploads left at the upstream: {len(leftover)}")
 
-    assert rc_b == 0, explain(fg, rc_b, out_b, err_b)
-    assert b_token > a_token
-    assert final == b_data, "B's object was overwritten by A's late multipart upload"
-    assert stamp == str(b_token)
-    assert rc_a == EXIT_LOST, (rc_a, out_a, err_a)
-    assert "A: cp exit 1" in out_a, out_a
+    assert_b_kept_the_key(fg, t, a_token, final, stamp, b_data, "B's object was overwritten by A's late multipart upload")
+    assert t.rc_a == EXIT_LOST, (t.rc_a, t.out_a, t.err_a)
+    assert "A: cp exit 1" in t.out_a, t.out_a
     assert re.search(r"upload failed: .* \((FencingTokenStale|ExpiredToken)\) when calling the "
-                     r"(UploadPart|CompleteMultipartUpload) operation", err_a), err_a
+                     r"(UploadPart|CompleteMultipartUpload) operation", t.err_a), t.err_a
     assert not session_procs(a.sid)
 
 
@@ -605,6 +636,7 @@ def test_classic_scenario_mid_multipart_upload(gate, tmp_path, background):
 
 def test_a_lost_lease_stops_the_command(gate, background):
     fg = gate
+    renewed_before = lease_renewals(fg)
     bg = background(lease_cmd("job:sleeper", "--ttl-ms", "1000", command=["sleep", "30"]), tool_env(fg), "sleeper")
     wait_until(lambda: ACQUIRED_RE.search(bg.err()) or bg.proc.poll() is not None, timeout=15,
                what="the lease to be acquired")
@@ -613,7 +645,7 @@ def test_a_lost_lease_stops_the_command(gate, background):
         lambda: [p for p in session_procs(bg.sid) if p != bg.sid
                  and Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep")],
         timeout=5, what="the sleep process")
-    time.sleep(0.8)  # a few renewals go through
+    wait_until(lambda: lease_renewals(fg) - renewed_before >= 2, timeout=10, what="two renewals of the lease")
     assert bg.proc.poll() is None, bg.err()
     raise_fence(fg, "job:sleeper", token + 10)  # the issuer supersedes the holder
     superseded_at = time.monotonic()

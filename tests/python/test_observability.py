@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import metric, metric_samples, s3_client, sign_headers, signed_raw_request
+from fencegate_testlib import metric, metric_samples, s3_client, sign_headers, signed_raw_request, wait_until
 
 
 def test_metrics_are_described_and_exist_from_start_up(fg):
@@ -100,13 +99,12 @@ def test_a_write_failing_after_admission_logs_one_decision(fg, bucket):
             sock.recv(65536)
         except OSError:
             pass
-    refused = []
-    for _ in range(50):  # the refusal is logged when the request ends: at most 5 s
-        refused = [line for line in fg.log_tail(10_000).splitlines() if 'op="PutObject"' in line and "refused" in line]
-        if refused:
-            break
-        time.sleep(0.1)
-    assert refused, fg.log_tail(50)
+
+    def refused_lines():
+        return [line for line in fg.log_tail(10_000).splitlines() if 'op="PutObject"' in line and "refused" in line]
+
+    # The refusal is logged when the request ends (the `fg` fixture prints the log's tail).
+    refused = wait_until(refused_lines, timeout=5, interval=0.1, what="the refused PutObject in the log")
     line = refused[-1]
     assert line.count("decision=") == 1, line
     assert 'decision="accepted"' in line and 'error="IncompleteBody"' in line, line

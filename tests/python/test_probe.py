@@ -18,7 +18,6 @@ import urllib.request
 import pytest
 
 from fencegate_testlib import base_config, bin_path, free_port, merge, to_toml
-from test_redis_store import redis_server  # noqa: F401 - a fixture
 
 PRECONDITIONS = ("if-match", "if-none-match")
 

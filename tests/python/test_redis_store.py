@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -12,7 +9,6 @@ from botocore.exceptions import ClientError
 
 from fencegate_testlib import (
     code_of,
-    free_port,
     header_of,
     merge,
     read_object,
@@ -22,58 +18,7 @@ from fencegate_testlib import (
 )
 from test_race import assert_holds_new, run_race
 
-
-class RedisServer:
-    """A redis-server on 127.0.0.1 with an fsync-always AOF, so a restart keeps its data."""
-
-    def __init__(self, workdir):
-        self.dir = workdir
-        self.port = free_port()
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (scripts/test installs it)")
-        log = open(self.dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        wait_until(self.ping, timeout=20, what="redis-server to answer PING")
-        return self
-
-    def ping(self) -> bool:
-        if self.proc is None or self.proc.poll() is not None:
-            raise AssertionError("redis-server exited:\n" + (self.dir / "redis.log").read_text()[-2000:])
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = RedisServer(d).start()
-    try:
-        yield server
-    finally:
-        server.kill()
+# `redis_server` (conftest.py): a redis-server of the test's own, fsync-always, restartable.
 
 
 def redis_store(redis_server) -> dict:
@@ -121,7 +66,7 @@ def test_redis_down_fails_closed(fencegate, redis_server):
     fg = local_with_redis(fencegate, redis_server, bucket)
     fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"B's data")
 
-    redis_server.kill()
+    redis_server.kill9()
 
     started = time.monotonic()
     with pytest.raises(ClientError) as exc_info:

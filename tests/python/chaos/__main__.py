@@ -23,7 +23,7 @@ os.environ["AWS_CONFIG_FILE"] = os.devnull  # as conftest.py: no user AWS config
 os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 from chaos.harness import ChaosRun, RunSpec  # noqa: E402
-from chaos.processes import Moto  # noqa: E402
+from fencegate_testlib import MotoServer  # noqa: E402
 
 
 def main(argv: list) -> int:
@@ -35,7 +35,7 @@ def main(argv: list) -> int:
         over["hold_range"] = tuple(over["hold_range"])
     spec = RunSpec(**over)
     workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{spec.name}-"))
-    moto = Moto(workdir).start()
+    moto = MotoServer(workdir).start()
     run = ChaosRun(spec, moto, workdir / spec.name)
     try:
         run.start()

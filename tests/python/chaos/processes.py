@@ -1,125 +1,40 @@
-"""moto_server, redis-server and an etcd cluster for the chaos test, on 127.0.0.1, each
-stoppable from a finalizer."""
+"""An etcd cluster for the chaos test, on 127.0.0.1, stoppable from a finalizer. (moto_server
+and redis-server are fencegate_testlib's MotoServer and RedisServer.)"""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import requests
 
-from fencegate_testlib import free_port, http_get_ok, wait_until
-
-MOTO_ACCESS_KEY = "testing"
-MOTO_SECRET_KEY = "testing"
-
-
-def _stop(proc: subprocess.Popen | None):
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-class Moto:
-    """A moto_server of its own (the commit log must hold only this test's writes)."""
-
-    def __init__(self, workdir: Path):
-        self.log_path = workdir / "moto.log"
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def start(self):
-        exe = shutil.which("moto_server")
-        cmd = [exe] if exe else [sys.executable, "-m", "moto.server"]
-        for _attempt in range(3):  # a free port can be taken between probe and bind
-            port = free_port()
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd + ["-H", "127.0.0.1", "-p", str(port)],
-                                             stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT)
-            self.url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                if http_get_ok(self.url + "/moto-api/"):
-                    return self
-                time.sleep(0.2)
-            _stop(self.proc)
-        raise AssertionError("moto_server did not start:\n" + self.log_path.read_text(errors="replace")[-3000:])
-
-    def stop(self):
-        _stop(self.proc)
-
-
-class Redis:
-    """A redis-server with an fsync-always append-only file, so a kill -9 loses no
-    acknowledged fence; `restart()` comes back on the same port with the same data."""
-
-    def __init__(self, workdir: Path):
-        self.dir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise AssertionError("redis-server is not installed (scripts/test installs it)")
-        with open(self.dir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                 "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-                 "--daemonize", "no"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: self.command(b"PING").startswith(b"+PONG"), timeout=20,
-                   what="redis-server to answer PING")
-        return self
-
-    def command(self, line: bytes) -> bytes:
-        """One inline command; its raw reply (b"" if Redis is not reachable)."""
-        if self.proc is None or self.proc.poll() is not None:
-            raise AssertionError("redis-server exited:\n" + (self.dir / "redis.log").read_text()[-2000:])
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-                s.sendall(line + b"\r\n")
-                return s.recv(4096)
-        except OSError:
-            return b""
-
-    def kill9(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self):
-        _stop(self.proc)
+from fencegate_testlib import (
+    PortTaken,
+    ServerExited,
+    free_ports,
+    log_size,
+    raise_if_exited,
+    retry_if_port_taken,
+    stop_process,
+    wait_until,
+)
 
 
 class EtcdMember:
-    """One member's fixed identity (its ports and data directory outlive its processes)."""
+    """One member's identity: its ports (picked when the cluster first starts) and its data
+    directory outlive its processes."""
 
     def __init__(self, name: str, data_dir: Path, log_path: Path):
         self.name = name
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = 0
+        self.peer_port = 0
         self.data_dir = data_dir
         self.log_path = log_path
+        self.log_from = 0  # where the running process's part of the log begins
         self.proc: subprocess.Popen | None = None
         self.member_id = ""  # etcd's id of the member (decimal, as the JSON gateway writes it)
         self.starts = 0
@@ -150,8 +65,8 @@ class Etcd:
                                                dir=shm if shm.is_dir() else None))
         self.members = [EtcdMember(f"m{i}", self.data_root / f"m{i}", workdir / f"etcd-m{i}.log")
                         for i in range(members)]
-        self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        self.token = f"chaos-{os.getpid()}-{self.members[0].peer_port}"
+        self.initial_cluster = ""  # every member's peer URL: set by the first start
+        self.token = ""
         self.lock = threading.Lock()
         self.closed = False
 
@@ -163,17 +78,41 @@ class Etcd:
         exe = shutil.which("etcd")
         if exe is None:
             raise AssertionError("etcd is not installed (apt-get install etcd-server)")
-        for i in range(len(self.members)):
-            self._spawn(i, "new")
-        leader = self.wait_for_leader(timeout=30)
-        if leader is None:
-            raise AssertionError("the etcd cluster elected no leader within 30 s\n"
-                                 + self.log_tail())
+        retry_if_port_taken(self._start_new_cluster)
         for i, m in enumerate(self.members):
             status = wait_until(lambda i=i: self.status(i), timeout=20,
                                 what=f"etcd {m.name} to answer")
             m.member_id = status["header"]["member_id"]
         return self
+
+    def _start_new_cluster(self):
+        """Every member on new ports (the cluster's membership names them all), on empty data
+        dirs; returns once a leader is elected. PortTaken (the members ended, their data gone)
+        if a member could not bind its port."""
+        ports = free_ports(2 * len(self.members))
+        for m, client, peer in zip(self.members, ports[0::2], ports[1::2]):
+            m.client_port, m.peer_port = client, peer
+        self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        self.token = f"chaos-{os.getpid()}-{self.members[0].peer_port}"
+        try:
+            for i in range(len(self.members)):
+                self._spawn(i, "new")
+            wait_until(self._leader_elected, timeout=30, what="the etcd cluster to elect a leader")
+        except PortTaken:
+            for i, m in enumerate(self.members):
+                self.kill9(i)
+                shutil.rmtree(m.data_dir, ignore_errors=True)
+            raise
+        except ServerExited:
+            raise
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n" + self.log_tail()) from None
+
+    def _leader_elected(self) -> bool:
+        """Whether a member leads; ServerExited (the wait ends) if a member has exited."""
+        for m in self.members:
+            raise_if_exited(m.proc, f"etcd {m.name}", m.log_path, m.log_from)
+        return self.leader() is not None
 
     def _spawn(self, i: int, state: str):
         m = self.members[i]
@@ -181,6 +120,7 @@ class Etcd:
             if self.closed:
                 raise AssertionError(f"etcd {m.name} not started: the cluster was stopped")
             m.starts += 1
+            m.log_from = log_size(m.log_path)
             with open(m.log_path, "ab") as log:
                 log.write(f"--- start {m.starts} ({state}) ---\n".encode())
                 log.flush()
@@ -220,13 +160,16 @@ class Etcd:
         return None
 
     def wait_for_leader(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """The leader's index once one is known, or None after `timeout` seconds."""
+
+        def known():
             i = self.leader()
-            if i is not None:
-                return i
-            time.sleep(0.05)
-        return None
+            return None if i is None else (i,)  # a tuple: member 0 leading counts too
+
+        try:
+            return wait_until(known, timeout, what="an etcd leader")[0]
+        except AssertionError:
+            return None
 
     def kill9(self, i: int):
         m = self.members[i]
@@ -238,15 +181,16 @@ class Etcd:
         """Starts member i again on its data (`existing`); returns once it answers status."""
         self.kill9(i)
         self._spawn(i, "existing")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.status(i) is not None:
-                return
-            if not self.members[i].running():
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"etcd {self.members[i].name} did not answer within {timeout}s of its "
-                             f"restart\n" + self.log_tail())
+        m = self.members[i]
+
+        def answers():
+            raise_if_exited(m.proc, f"etcd {m.name}", m.log_path, m.log_from)
+            return self.status(i) is not None
+
+        try:
+            wait_until(answers, timeout, what=f"etcd {m.name} to answer after its restart")
+        except AssertionError as exc:  # ServerExited too: the same ports are the only ones it may use
+            raise AssertionError(f"{exc}\n" + self.log_tail()) from None
 
     def heal(self):
         """Every member running (called by the nemesis at the end, whatever happened)."""
@@ -271,7 +215,7 @@ class Etcd:
             self.closed = True
         for m in self.members:
             try:
-                _stop(m.proc)
+                stop_process(m.proc)
             except Exception:  # noqa: BLE001 - teardown must try every member
                 if m.proc is not None and m.proc.poll() is None:
                     m.proc.kill()
