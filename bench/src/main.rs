@@ -2,18 +2,21 @@
 //!
 //! - `upstream`: the in-memory S3-compatible upstream (or, with `--reject-all`, the 409
 //!   ceiling), printing its bound address;
+//! - `proxy`: the bare hyper reverse proxy (no authentication, no fence), the ladder's
+//!   measure of what the Rust stack itself costs;
 //! - `load`: one bounded load against any target, with throughput, p50/p99/p99.9 and status
 //!   counts;
 //! - `run`: the whole suite (upstream directly, nginx, fencegate side by side), written as a
 //!   Markdown table and an SVG chart.
 //!
-//! Layout: `upstream` (the fixture), `sign` (SigV4 heads), `scenario` (what each connection
+//! Layout: `upstream` (the fixture), `proxy` (the bare proxy), `sign` (SigV4 heads), `scenario` (what each connection
 //! sends), `load` (the keep-alive driver), `large` (64 MiB and 1 GiB bodies), `procs` (child
 //! processes and `/proc`), `suite` (the `run` command), `report` (table and chart).
 
 mod large;
 mod load;
 mod procs;
+mod proxy;
 mod report;
 mod scenario;
 mod sign;
@@ -61,6 +64,13 @@ enum Command {
         /// Bodies up to this size are kept; larger ones are counted and discarded.
         #[arg(long, default_value_t = upstream::RETAIN_BYTES_MAX_DEFAULT)]
         retain_bytes_max: usize,
+    },
+    /// Run the bare hyper reverse proxy (no authentication, no fence) in front of `--upstream`.
+    Proxy {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+        #[arg(long)]
+        upstream: SocketAddr,
     },
     /// Drive one bounded load against a target and print what it measured.
     Load(LoadArgs),
@@ -135,6 +145,9 @@ fn main() -> ExitCode {
                     println!("{UPSTREAM_READY}{addr}");
                 })
                 .await
+            }
+            Command::Proxy { listen, upstream } => {
+                proxy::serve(listen, upstream, |addr| println!("{UPSTREAM_READY}{addr}")).await
             }
             Command::Load(args) => load_command(args).await,
             Command::Run(args) => suite::run(args).await,

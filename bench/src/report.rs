@@ -72,7 +72,7 @@ impl Suite {
                 r.outcome
             );
         }
-        let _ = writeln!(md, "\n## Targets (issue 7)\n");
+        let _ = writeln!(md, "\n## Targets (issue 16)\n");
         let _ = writeln!(md, "| target | measured | met |");
         let _ = writeln!(md, "|---|---|---|");
         for t in &self.targets {
@@ -171,6 +171,7 @@ fn colour(path: &str) -> &'static str {
     match path {
         "upstream" => "#95a5a6",
         "nginx" => "#3498db",
+        "bare hyper proxy" => "#2ecc71",
         "fencegate" => "#e67e22",
         "fencegate (redis store)" => "#8e44ad",
         "fencegate (etcd store)" => "#16a085",
