@@ -8,8 +8,12 @@ pub fn decode(raw: &str) -> Option<String> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
+            // Two hex digits, nothing else (`from_str_radix` alone also takes a sign: `%+f`).
+            let hex = bytes.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
             i += 3;
         } else {
             out.push(bytes[i]);
@@ -36,6 +40,14 @@ mod tests {
             assert_eq!(decode(&encode_key(key)).as_deref(), Some(key));
         }
         assert_eq!(encode_key("a b/c"), "a%20b/c");
+    }
+
+    #[test]
+    fn an_escape_is_two_hex_digits() {
+        assert_eq!(decode("a%2Fb%2fc").as_deref(), Some("a/b/c"));
+        for broken in ["%+f", "%-f", "% f", "%zz", "%4", "%", "a%+0"] {
+            assert_eq!(decode(broken), None, "{broken}");
+        }
     }
 
     #[test]
