@@ -149,8 +149,10 @@ async fn shutdown_signal() {
 fn init_tracing(config: &Config) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.level));
     // The S3 library logs the signature it expected at debug level: a signing oracle for anyone
-    // who reads the logs. It never logs below info, whatever the level asked for.
-    let filter = filter.add_directive("s3s=info".parse().expect("a static directive"));
+    // who reads the logs. It never logs below info, whatever the level asked for; below that
+    // cap it follows the level asked for (a cap set at `warn` would turn its info spans on).
+    let verbose = filter.max_level_hint().is_none_or(|max| max > tracing_subscriber::filter::LevelFilter::INFO);
+    let filter = if verbose { filter.add_directive("s3s=info".parse().expect("a static directive")) } else { filter };
     // It also logs every 5xx it returns at ERROR with the whole response: fencegate logs its
     // own refusals with their cause (and counts the library's own in
     // `fencegate_s3_protocol_refusals_total`).
