@@ -12,6 +12,7 @@
 //! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
 //! - [`server`]: accept loops, connection limits, graceful shutdown.
+//! - [`sigv4`]: SigV4 signing of forwarded requests and the lean check of received ones.
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
 //! - [`percent`]: percent-decoding of paths.
@@ -29,6 +30,7 @@ pub mod percent;
 pub mod problem;
 pub mod s3;
 pub mod server;
+pub mod sigv4;
 pub mod store;
 pub mod upstream;
 

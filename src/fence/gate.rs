@@ -232,6 +232,23 @@ impl Gate {
         }
     }
 
+    /// Refuses `token` at once if it is below the fence this replica already knows for
+    /// `resource`, without waiting or asking the store: fences only go up, so such a token
+    /// stays stale (the refusal `admit_write` would give). `Ok` decides nothing: admission
+    /// still checks. On a shared store the refusal is `settle_shared`'s own, store repair
+    /// included.
+    pub fn refuse_known_stale(&self, resource: &ResourceKey, token: FenceToken) -> Result<(), AdmitError> {
+        let slot = self.slot(resource);
+        let known = slot.state().fence.flatten(); // the guard must not outlive this line
+        match known {
+            Some(current) if token < current => {
+                self.repair_in_background(&slot, resource, current);
+                Err(AdmitError::Stale { presented: token, current })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Registers `token` as the fence of `resource` without writing (G7): from the moment this
     /// returns, every older token is rejected and no older write is in flight. Returns the
     /// fence, which is `token`.

@@ -152,6 +152,12 @@ impl Issuers {
         )
     }
 
+    /// Whether `access_key` is an issuer's (`role = "issuer"`): it may grant leases and register
+    /// tokens.
+    pub fn is_issuer(&self, access_key: &str) -> bool {
+        self.0.contains_key(access_key)
+    }
+
     /// A credential for the grant `lease` of `resource`, asked for by the issuer `parent`.
     pub fn issue(&self, parent: &str, resource: &ResourceKey, lease: &LeaseRecord) -> Option<Issued> {
         let parent_secret = self.0.get(parent)?;

@@ -13,15 +13,26 @@ use s3s::{Body, S3Result};
 use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issuers};
 use crate::metrics;
 
-/// The S3 front: s3s, called with what authentication needs of each request besides its
-/// access key (s3s asks for a secret by access key alone).
+use super::lean::LeanPath;
+
+/// The S3 front: the lean path for the common request (`s3::lean`), else s3s, called with
+/// what authentication needs of each request besides its access key (s3s asks for a secret by
+/// access key alone).
 #[derive(Clone)]
 pub struct Service {
     pub(super) inner: S3Service,
+    pub(super) lean: Option<Arc<LeanPath>>,
 }
 
 impl Service {
     pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
+        let req = match &self.lean {
+            Some(lean) => match lean.take(req) {
+                Ok(verified) => return Ok(lean.call(verified).await),
+                Err(req) => req,
+            },
+            None => req,
+        };
         let signed = Signed {
             session_token: session_token(&req),
             claims: std::sync::Mutex::new(None),

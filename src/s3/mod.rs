@@ -8,6 +8,7 @@ pub(crate) mod body;
 mod classify;
 mod delete_objects;
 mod error;
+mod lean;
 mod leased;
 mod multipart;
 mod objects;
@@ -117,14 +118,8 @@ pub fn service(
     issuers: Arc<Issuers>,
     enforcement: Option<Enforcement>,
 ) -> anyhow::Result<Service> {
-    let auth = auth::Credentials {
-        fixed: config
-            .credentials
-            .iter()
-            .map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned()))
-            .collect(),
-        issuers,
-    };
+    let fixed: std::collections::HashMap<String, String> =
+        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect();
     let mut front = Front::new(config, gate, upstream)?;
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
@@ -132,20 +127,19 @@ pub fn service(
     // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
     front.upload_ids_tied_to_keys =
         enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
+    let route = FencegateRoute { front: Arc::new(front), leases, issuers: issuers.clone() };
+    // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
+    let lean = config.server.domain.is_none().then(|| {
+        Arc::new(lean::LeanPath { verifier: crate::sigv4::Verifier::new(fixed.clone()), route: route.clone() })
+    });
     let mut builder = S3ServiceBuilder::new(NoOperations);
-    builder.set_auth(auth);
-    let issuers = config
-        .credentials
-        .iter()
-        .filter(|c| c.role == crate::config::Role::Issuer)
-        .map(|c| c.access_key_id.clone())
-        .collect();
-    builder.set_route(FencegateRoute { front: Arc::new(front), leases, issuers });
+    builder.set_auth(auth::Credentials { fixed, issuers });
+    builder.set_route(route);
     builder.set_validation(BucketNames);
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(auth::Service { inner: builder.build() })
+    Ok(auth::Service { inner: builder.build(), lean })
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
@@ -183,11 +177,12 @@ struct NoOperations;
 impl s3s::S3 for NoOperations {}
 
 /// Every authenticated request: lease endpoints to the lease service, the rest to the S3 front.
+#[derive(Clone)]
 struct FencegateRoute {
     front: Arc<Front>,
     leases: Arc<LeaseService>,
-    /// Access keys with `role = "issuer"`.
-    issuers: std::collections::HashSet<String>,
+    /// The issuers (`role = "issuer"`), whose secrets make lease credentials.
+    issuers: Arc<Issuers>,
 }
 
 /// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
@@ -208,7 +203,7 @@ impl S3Route for FencegateRoute {
     async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
         auth::routed();
         if LeaseService::handles(req.uri.path()) {
-            let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.contains(&c.access_key));
+            let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.is_issuer(&c.access_key));
             let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
             // The body names the token or the holder: it must be signed too (its SHA-256 in
             // `x-amz-content-sha256`, which the signature covers and the library checks the
@@ -236,10 +231,7 @@ impl S3Route for FencegateRoute {
             }
             _ => None,
         };
-        // Detached: a client that disconnects does not end a write the upstream may still
-        // commit (`fence::outcome`).
-        let front = self.front.clone();
-        detached(async move { front.handle(req, lease).await }).await
+        self.front.clone().handle(req, lease).await
     }
 }
 
@@ -339,7 +331,7 @@ impl Front {
         })
     }
 
-    async fn handle(&self, req: S3Request<Body>, lease: Option<Claims>) -> S3Result<S3Response<Body>> {
+    async fn handle(self: Arc<Self>, req: S3Request<Body>, lease: Option<Claims>) -> S3Result<S3Response<Body>> {
         let request_id = self.request_ids.next();
         let span = tracing::info_span!(
             "s3",
@@ -387,8 +379,13 @@ impl Front {
     }
 
     /// `decided`: set once the span's `decision` is recorded (admitted or unchecked).
+    ///
+    /// Everything up to admission runs on the client's connection: a client that goes away
+    /// then ends it, and nothing was admitted. Admission and the write after it run detached
+    /// (`fence::outcome::detached`): a client that disconnects does not end a write the
+    /// upstream may still commit.
     async fn route(
-        &self,
+        self: Arc<Self>,
         req: S3Request<Body>,
         lease: Option<Claims>,
         decided: &mut bool,
@@ -450,7 +447,10 @@ impl Front {
             return self.pass_through(request).await;
         };
         if op == Op::DeleteObjects {
-            return self.delete_objects(request, token, lease.map(|l| l.resource)).await;
+            let front = Arc::clone(&self);
+            let resource = lease.map(|l| l.resource);
+            let deletes = async move { front.delete_objects(request, token, resource).await };
+            return detached(deletes.instrument(tracing::Span::current())).await;
         }
         // A fenced multipart step: its upload must be the key's (an unchecked one, without a
         // token, is fenced on nothing and passes as it is).
@@ -490,10 +490,33 @@ impl Front {
             // fencegate's stamp would make it a change; S3 refuses it, and so does fencegate.
             return Err(FrontError::SelfCopyUnchanged);
         }
+        // A token below the fence this replica knows is refused here, without a task.
+        self.gate.refuse_known_stale(&resource, token)?;
+        let front = Arc::clone(&self);
+        let write = async move {
+            let mut admitted_now = false;
+            let result = front.admit_and_write(op, request, resource, token, &mut admitted_now).await;
+            (result, admitted_now)
+        };
+        let (result, admitted_now) = detached(write.instrument(span)).await;
+        *decided |= admitted_now;
+        result
+    }
+
+    /// Admission and the write it admits (detached: see [`Front::route`]). `admitted` is set
+    /// once the span's `decision` is recorded.
+    async fn admit_and_write(
+        &self,
+        op: Op,
+        request: Request,
+        resource: ResourceKey,
+        token: FenceToken,
+        admitted: &mut bool,
+    ) -> Result<S3Response<Body>, FrontError> {
         let permit = Arc::new(self.gate.admit_write(&resource, token, self.writes_advance).await?);
         metrics::decision("accepted");
-        span.record("decision", "accepted");
-        *decided = true;
+        tracing::Span::current().record("decision", "accepted");
+        *admitted = true;
         let deadline = tokio::time::Instant::now() + self.request_timeout;
         let admitted = Admitted { token, resource, permit, deadline };
         match op {

@@ -7,7 +7,6 @@
 mod local;
 mod probe;
 mod s3;
-mod sigv4;
 
 use std::sync::Arc;
 

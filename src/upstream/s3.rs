@@ -10,9 +10,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use s3s::Body;
 
-use super::sigv4::Signer;
 use super::{Upstream, UpstreamError};
 use crate::config::{UpstreamConfig, ms};
+use crate::sigv4::Signer;
 
 /// Idle time before TCP keepalive probes on upstream connections.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
