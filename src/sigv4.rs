@@ -303,15 +303,15 @@ impl Verifier {
             return None;
         }
         let payload = single(headers, &X_AMZ_CONTENT_SHA256)?;
-        if signature.names().any(|name| !headers.contains_key(name)) {
-            return None;
-        }
-        // The library collapses every kind of whitespace in a value, this module only spaces:
-        // a value with a tab or a line break is the library's to judge.
-        let plain_values = signature.names().all(|name| {
-            headers.get_all(name).iter().all(|v| !v.as_bytes().iter().any(|b| matches!(b, b'\t' | b'\r' | b'\n')))
+        // Every signed header present; and as the library collapses every kind of whitespace in
+        // a value and this module only spaces, a value with a tab or a line break is the
+        // library's to judge. One lookup per name.
+        let plain = |v: &HeaderValue| !v.as_bytes().iter().any(|b| matches!(b, b'\t' | b'\r' | b'\n'));
+        let signed_ok = signature.names().all(|name| {
+            let mut values = headers.get_all(name).iter().peekable();
+            values.peek().is_some() && values.all(plain)
         });
-        if !plain_values {
+        if !signed_ok {
             return None;
         }
         let mut canonical = String::with_capacity(512);

@@ -3,8 +3,7 @@
 //! Each variant says who is at fault: the client (4xx, retrying the same request will not
 //! help), the fence store or the upstream (5xx, a retry may help), or fencegate itself.
 
-use http::{HeaderMap, HeaderValue, StatusCode};
-use s3s::{S3Error, S3ErrorCode};
+use http::{HeaderValue, StatusCode};
 
 use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
 use crate::upstream::UpstreamError;
@@ -200,14 +199,24 @@ impl FrontError {
         self.parts().1
     }
 
-    /// The S3 error this becomes: status, code, message, and `Fencing-Token-Current` on stale.
-    pub fn into_s3_error(self, request_id: &str) -> S3Error {
+    /// The S3 error response this becomes: status, `<Error>` with code, message and request
+    /// id, `Fencing-Token-Current` on stale, `Retry-After` on 503. Rendered here, in the form
+    /// the S3 library renders its own: a refusal is the most frequent answer under load.
+    pub fn into_response(self, request_id: &str) -> http::Response<s3s::Body> {
         let (status, code) = self.parts();
-        let code = S3ErrorCode::from_bytes(code.as_bytes()).expect("error codes are ASCII");
-        let mut error = S3Error::with_message(code, self.to_string());
-        error.set_status_code(status);
-        error.set_request_id(request_id);
-        let mut headers = HeaderMap::new();
+        let message = quick_xml::escape::escape(self.to_string()).into_owned();
+        let request_id_xml = quick_xml::escape::escape(request_id);
+        let mut xml = String::with_capacity(128 + message.len());
+        xml.push_str(r#"<?xml version="1.0" encoding="UTF-8"?><Error><Code>"#);
+        xml.push_str(code);
+        xml.push_str("</Code><Message>");
+        xml.push_str(&message);
+        xml.push_str("</Message><RequestId>");
+        xml.push_str(&request_id_xml);
+        xml.push_str("</RequestId></Error>");
+        let mut resp = http::Response::new(s3s::Body::from(xml));
+        *resp.status_mut() = status;
+        let headers = resp.headers_mut();
         if let Self::Stale { current, .. }
         | Self::StaleWhileStreaming { current, .. }
         | Self::Unregistered { current: Some(current), .. } = &self
@@ -217,9 +226,47 @@ impl FrontError {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        headers.insert("x-amz-request-id", HeaderValue::from_str(request_id).expect("request ids are ASCII"));
+        if let Ok(id) = HeaderValue::from_str(request_id) {
+            headers.insert("x-amz-request-id", id);
+        }
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
-        error.set_headers(headers);
-        error
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_text(resp: http::Response<s3s::Body>) -> String {
+        use http_body_util::BodyExt;
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stale_refusal_names_the_fence() {
+        let resp = FrontError::Stale { presented: FenceToken(3), current: FenceToken(9) }.into_response("req-1");
+        assert_eq!(resp.status(), StatusCode::CONFLICT);
+        assert_eq!(resp.headers()[CURRENT_TOKEN_HEADER], "9");
+        assert_eq!(resp.headers()["x-amz-request-id"], "req-1");
+        assert_eq!(resp.headers()[http::header::CONTENT_TYPE], "application/xml");
+        assert!(resp.headers().get(http::header::RETRY_AFTER).is_none());
+        let xml = body_text(resp).await;
+        assert!(
+            xml.starts_with(r#"<?xml version="1.0" encoding="UTF-8"?><Error><Code>FencingTokenStale</Code><Message>"#)
+        );
+        assert!(xml.ends_with("</Message><RequestId>req-1</RequestId></Error>"), "{xml}");
+    }
+
+    #[tokio::test]
+    async fn messages_are_escaped_and_503_says_when_to_retry() {
+        let resp = FrontError::MethodNotAllowed("<x&y>".into()).into_response("r");
+        assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+        let xml = body_text(resp).await;
+        assert!(xml.contains("<Message>method &lt;x&amp;y&gt; is not an S3 method</Message>"), "{xml}");
+        let busy = FrontError::PreconditionRace.into_response("r");
+        assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(busy.headers()[http::header::RETRY_AFTER], "1");
     }
 }

@@ -372,8 +372,7 @@ impl Front {
                 }
                 span.in_scope(|| tracing::info!(%error, "refused"));
                 // Rendered here rather than returned as an error, which s3s would log again.
-                let resp = error.into_s3_error(&request_id).to_http_response()?;
-                Ok(client_response(resp))
+                Ok(client_response(error.into_response(&request_id)))
             }
         }
     }
