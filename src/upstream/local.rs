@@ -374,6 +374,9 @@ impl Upstream for LocalUpstream {
             let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchKey, "The specified key does not exist.");
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
+        if *req.method() == Method::GET && key.is_empty() && addresses_bucket && lists_versions(req.uri().query()) {
+            return self.list_versions(req, bucket).await;
+        }
         if let Some(answer) = self.read_condition(&req, key).await? {
             return Ok(answer);
         }
@@ -418,5 +421,116 @@ impl Upstream for LocalUpstream {
     /// Checked in `send` (`upload_is_for`).
     fn ties_upload_ids_to_keys(&self) -> bool {
         true
+    }
+}
+
+/// Whether a bucket GET is ListObjectVersions (`?versions`).
+fn lists_versions(query: Option<&str>) -> bool {
+    query.is_some_and(|q| form_urlencoded::parse(q.as_bytes()).any(|(name, _)| name == "versions"))
+}
+
+/// The part of a ListObjectsV2 answer that ListObjectVersions repeats.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+struct ListedObjects {
+    contents: Vec<ListedObject>,
+    common_prefixes: Vec<ListedPrefix>,
+    is_truncated: bool,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+struct ListedObject {
+    key: String,
+    last_modified: String,
+    #[serde(rename = "ETag")]
+    e_tag: String,
+    size: u64,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+struct ListedPrefix {
+    prefix: String,
+}
+
+impl LocalUpstream {
+    /// ListObjectVersions. The local upstream keeps no versions: as S3 does for a bucket that
+    /// was never versioned, every object is listed once, as its latest version, with version
+    /// id `null` (a `DELETE ?versionId=null` removes it). Made from the store's own
+    /// ListObjectsV2, `key-marker` as `start-after`.
+    async fn list_versions(
+        &self,
+        req: http::Request<Body>,
+        bucket: &str,
+    ) -> Result<http::Response<Body>, UpstreamError> {
+        let local = |e: &dyn std::fmt::Debug| UpstreamError::Local(format!("{e:?}").into());
+        let asked: std::collections::HashMap<String, String> =
+            form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes()).into_owned().collect();
+        let arg = |name: &str| asked.get(name).map(String::as_str).unwrap_or_default();
+        let max_keys = arg("max-keys").parse::<u32>().unwrap_or(1000).min(1000);
+        let query = {
+            let mut query = form_urlencoded::Serializer::new(String::new());
+            query.append_pair("list-type", "2").append_pair("max-keys", &max_keys.to_string());
+            for (ours, theirs) in [("prefix", "prefix"), ("delimiter", "delimiter"), ("key-marker", "start-after")] {
+                if !arg(ours).is_empty() {
+                    query.append_pair(theirs, arg(ours));
+                }
+            }
+            query.finish()
+        };
+        let (parts, _) = req.into_parts();
+        let mut list = http::Request::new(Body::empty());
+        *list.uri_mut() = format!("/{bucket}?{query}").parse().map_err(|e| local(&e))?;
+        *list.headers_mut() = parts.headers;
+        list.headers_mut().remove(http::header::CONTENT_LENGTH);
+        let resp = self.service.call(list).await.map_err(|e| local(&e))?;
+        if !resp.status().is_success() {
+            return Ok(resp);
+        }
+        let (mut head, body) = resp.into_parts();
+        let body = http_body_util::BodyExt::collect(body).await.map_err(|e| local(&e))?.to_bytes();
+        let listed: ListedObjects =
+            quick_xml::de::from_str(std::str::from_utf8(&body).map_err(|e| local(&e))?).map_err(|e| local(&e))?;
+
+        let esc = |text: &str| quick_xml::escape::escape(text).into_owned();
+        let mut xml = String::from(
+            r#"<?xml version="1.0" encoding="UTF-8"?><ListVersionsResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">"#,
+        );
+        let bucket_name = crate::percent::decode(bucket).unwrap_or_else(|| bucket.to_owned());
+        xml += &format!("<Name>{}</Name><Prefix>{}</Prefix>", esc(&bucket_name), esc(arg("prefix")));
+        xml += &format!("<KeyMarker>{}</KeyMarker><VersionIdMarker></VersionIdMarker>", esc(arg("key-marker")));
+        xml += &format!("<MaxKeys>{max_keys}</MaxKeys>");
+        if !arg("delimiter").is_empty() {
+            xml += &format!("<Delimiter>{}</Delimiter>", esc(arg("delimiter")));
+        }
+        xml += &format!("<IsTruncated>{}</IsTruncated>", listed.is_truncated);
+        if listed.is_truncated {
+            // The greater of the last key and the last common prefix: where the next page starts.
+            let last_key = listed.contents.last().map(|o| o.key.as_str()).unwrap_or_default();
+            let last_prefix = listed.common_prefixes.last().map(|p| p.prefix.as_str()).unwrap_or_default();
+            let next = last_key.max(last_prefix);
+            xml +=
+                &format!("<NextKeyMarker>{}</NextKeyMarker><NextVersionIdMarker>null</NextVersionIdMarker>", esc(next));
+        }
+        for object in &listed.contents {
+            // An ETag where the store's own listing has one.
+            let etag =
+                if object.e_tag.is_empty() { String::new() } else { format!("<ETag>{}</ETag>", esc(&object.e_tag)) };
+            xml += &format!(
+                "<Version><Key>{}</Key><VersionId>null</VersionId><IsLatest>true</IsLatest>\
+                 <LastModified>{}</LastModified>{etag}<Size>{}</Size><StorageClass>STANDARD</StorageClass></Version>",
+                esc(&object.key),
+                esc(&object.last_modified),
+                object.size
+            );
+        }
+        for prefix in &listed.common_prefixes {
+            xml += &format!("<CommonPrefixes><Prefix>{}</Prefix></CommonPrefixes>", esc(&prefix.prefix));
+        }
+        xml += "</ListVersionsResult>";
+        head.headers.remove(http::header::CONTENT_LENGTH);
+        head.headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/xml"));
+        Ok(http::Response::from_parts(head, Body::from(xml)))
     }
 }

@@ -183,6 +183,37 @@ def test_a_non_empty_bucket_is_not_deleted(fencegate):
     assert gone.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
 
 
+def test_object_versions_are_listed_as_s3_lists_an_unversioned_bucket(fencegate):
+    """The local upstream keeps no versions: ListObjectVersions lists each object once, latest,
+    with version id `null`, as S3 does for a bucket never versioned, and paginates by key (it
+    was 501 NotImplemented, which broke every tool that empties a bucket by its versions)."""
+    fg = fencegate()
+    c = fg.client()
+    c.create_bucket(Bucket="vers")
+    keys = ["a", "b&<c>", "dir/x", "dir/y", "z"]
+    for key in keys:
+        fg.client(token=1).put_object(Bucket="vers", Key=key, Body=key.encode())
+    listed = c.list_object_versions(Bucket="vers")
+    assert [v["Key"] for v in listed["Versions"]] == keys
+    assert {(v["VersionId"], v["IsLatest"]) for v in listed["Versions"]} == {("null", True)}
+    assert [v["Size"] for v in listed["Versions"]] == [len(k) for k in keys]
+    v2 = c.list_objects_v2(Bucket="vers")["Contents"]
+    assert [(v["LastModified"], v.get("ETag")) for v in listed["Versions"]] == [
+        (o["LastModified"], o.get("ETag")) for o in v2]
+    assert not listed["IsTruncated"]
+    folded = c.list_object_versions(Bucket="vers", Delimiter="/")
+    assert [v["Key"] for v in folded["Versions"]] == ["a", "b&<c>", "z"]
+    assert [p["Prefix"] for p in folded["CommonPrefixes"]] == ["dir/"]
+    assert [v["Key"] for v in c.list_object_versions(Bucket="vers", Prefix="dir/")["Versions"]] == ["dir/x", "dir/y"]
+    pages = c.get_paginator("list_object_versions").paginate(Bucket="vers", MaxKeys=2)
+    assert [v["Key"] for page in pages for v in page.get("Versions", [])] == keys
+    # What the listing names can be deleted by it, and the bucket then goes.
+    for v in listed["Versions"]:
+        fg.client(token=1).delete_object(Bucket="vers", Key=v["Key"], VersionId=v["VersionId"])
+    assert "Versions" not in c.list_object_versions(Bucket="vers")
+    assert c.delete_bucket(Bucket="vers")["ResponseMetadata"]["HTTPStatusCode"] == 204
+
+
 def test_an_empty_fence_store_file_is_refused_at_start(fencegate):
     fg = fencegate()
     fg.client().create_bucket(Bucket="bkt")
