@@ -374,8 +374,13 @@ impl Upstream for LocalUpstream {
             let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchKey, "The specified key does not exist.");
             return error.to_http_response().map_err(|e| UpstreamError::Local(format!("{e:?}").into()));
         }
-        if *req.method() == Method::GET && key.is_empty() && addresses_bucket && lists_versions(req.uri().query()) {
-            return self.list_versions(req, bucket).await;
+        if *req.method() == Method::GET && key.is_empty() && addresses_bucket {
+            if let Some(empty) = listing_under_a_slash(bucket, req.uri().query()) {
+                return Ok(empty);
+            }
+            if lists_versions(req.uri().query()) {
+                return self.list_versions(req, bucket).await;
+            }
         }
         if let Some(answer) = self.read_condition(&req, key).await? {
             return Ok(answer);
@@ -423,6 +428,54 @@ impl Upstream for LocalUpstream {
         true
     }
 }
+
+/// A listing whose prefix starts with `/`: no key of the local upstream does (a leading
+/// slash is an empty segment), so it lists nothing. s3s-fs trims the slash and lists every
+/// key, and a tool that deletes what a prefix lists would delete the wrong objects.
+fn listing_under_a_slash(bucket: &str, query: Option<&str>) -> Option<http::Response<Body>> {
+    let asked: std::collections::HashMap<String, String> =
+        form_urlencoded::parse(query?.as_bytes()).into_owned().collect();
+    let prefix = asked.get("prefix").filter(|p| p.starts_with('/'))?;
+    if asked.keys().any(|name| !LISTING_PARAMETERS.contains(&name.as_str())) {
+        return None; // a sub-resource of the bucket, not a listing
+    }
+    let esc = |text: &str| quick_xml::escape::escape(text).into_owned();
+    let bucket = crate::percent::decode(bucket).unwrap_or_else(|| bucket.to_owned());
+    let max_keys = asked.get("max-keys").and_then(|n| n.parse::<u32>().ok()).unwrap_or(1000).min(1000);
+    let delimiter = asked.get("delimiter").map(|d| format!("<Delimiter>{}</Delimiter>", esc(d))).unwrap_or_default();
+    let (root, extra) = if asked.contains_key("versions") {
+        ("ListVersionsResult", "<KeyMarker></KeyMarker><VersionIdMarker></VersionIdMarker>".to_owned())
+    } else if asked.get("list-type").is_some_and(|t| t == "2") {
+        ("ListBucketResult", "<KeyCount>0</KeyCount>".to_owned())
+    } else {
+        ("ListBucketResult", "<Marker></Marker>".to_owned())
+    };
+    let xml = format!(
+        r#"<?xml version="1.0" encoding="UTF-8"?><{root} xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>{}</Name><Prefix>{}</Prefix>{extra}<MaxKeys>{max_keys}</MaxKeys>{delimiter}<IsTruncated>false</IsTruncated></{root}>"#,
+        esc(&bucket),
+        esc(prefix),
+    );
+    let mut resp = http::Response::new(Body::from(xml));
+    resp.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/xml"));
+    Some(resp)
+}
+
+/// The query parameters of ListObjects, ListObjectsV2 and ListObjectVersions.
+const LISTING_PARAMETERS: &[&str] = &[
+    "prefix",
+    "delimiter",
+    "max-keys",
+    "marker",
+    "list-type",
+    "continuation-token",
+    "start-after",
+    "fetch-owner",
+    "encoding-type",
+    "versions",
+    "key-marker",
+    "version-id-marker",
+    "x-id",
+];
 
 /// Whether a bucket GET is ListObjectVersions (`?versions`).
 fn lists_versions(query: Option<&str>) -> bool {

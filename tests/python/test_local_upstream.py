@@ -186,7 +186,8 @@ def test_a_non_empty_bucket_is_not_deleted(fencegate):
 def test_object_versions_are_listed_as_s3_lists_an_unversioned_bucket(fencegate):
     """The local upstream keeps no versions: ListObjectVersions lists each object once, latest,
     with version id `null`, as S3 does for a bucket never versioned, and paginates by key (it
-    was 501 NotImplemented, which broke every tool that empties a bucket by its versions)."""
+    was 501 NotImplemented, which broke every tool that empties a bucket by its versions). A
+    prefix with a leading slash lists nothing on any listing."""
     fg = fencegate()
     c = fg.client()
     c.create_bucket(Bucket="vers")
@@ -207,6 +208,11 @@ def test_object_versions_are_listed_as_s3_lists_an_unversioned_bucket(fencegate)
     assert [v["Key"] for v in c.list_object_versions(Bucket="vers", Prefix="dir/")["Versions"]] == ["dir/x", "dir/y"]
     pages = c.get_paginator("list_object_versions").paginate(Bucket="vers", MaxKeys=2)
     assert [v["Key"] for page in pages for v in page.get("Versions", [])] == keys
+    # No key starts with a slash, so a prefix that does lists nothing (s3s-fs listed every key).
+    assert "Contents" not in c.list_objects_v2(Bucket="vers", Prefix="/", Delimiter="d")
+    assert "Contents" not in c.list_objects(Bucket="vers", Prefix="/dir/")
+    assert "Versions" not in c.list_object_versions(Bucket="vers", Prefix="/")
+    assert c.list_objects_v2(Bucket="vers", Prefix="/dir/")["Prefix"] == "/dir/"
     # What the listing names can be deleted by it, and the bucket then goes.
     for v in listed["Versions"]:
         fg.client(token=1).delete_object(Bucket="vers", Key=v["Key"], VersionId=v["VersionId"])
