@@ -238,11 +238,17 @@ impl Gate {
     /// still checks. On a shared store the refusal is `settle_shared`'s own, store repair
     /// included.
     pub fn refuse_known_stale(&self, resource: &ResourceKey, token: FenceToken) -> Result<(), AdmitError> {
-        let slot = self.slot(resource);
-        let known = slot.state().fence.flatten(); // the guard must not outlive this line
-        match known {
+        self.refuse_below_mark(&self.slot(resource), resource, token)
+    }
+
+    /// The refusal of a token below the slot's fence (this replica's high-water mark); on a
+    /// shared store the store may have rolled back below it (and other replicas would accept
+    /// the token), so it is raised back.
+    fn refuse_below_mark(&self, slot: &Arc<Slot>, resource: &ResourceKey, token: FenceToken) -> Result<(), AdmitError> {
+        let mark = slot.state().fence.flatten(); // the guard must not outlive this line
+        match mark {
             Some(current) if token < current => {
-                self.repair_in_background(&slot, resource, current);
+                self.repair_in_background(slot, resource, current);
                 Err(AdmitError::Stale { presented: token, current })
             }
             _ => Ok(()),
@@ -392,15 +398,7 @@ impl Gate {
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
         let deadline_ms = millis(self.limits.inflight_deadline);
-        let mark = slot.state().fence.flatten(); // the guard must not outlive this line
-        if let Some(floor) = mark
-            && token < floor
-        {
-            // Refused from this replica's mark; the store may have rolled back below it (and
-            // other replicas would accept the token): raise it back.
-            self.repair_in_background(slot, resource, floor);
-            return Err(AdmitError::Stale { presented: token, current: floor });
-        }
+        self.refuse_below_mark(slot, resource, token)?;
         // Registered locally first, so that an announced advance can cancel it while the
         // store is being asked.
         let mut permit = if register {
