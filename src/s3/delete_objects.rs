@@ -2,14 +2,26 @@
 //! per-key `<Error>` entries (`FencingTokenStale`); the others are forwarded in a rewritten
 //! request body, with a fresh `Content-MD5`, and the two results are merged.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use base64::Engine;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode};
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use md5::Digest;
+use s3s::{Body, S3Response};
 use serde::Deserialize;
 
 use super::error::FrontError;
+use super::forward::{client_response, upstream_headers, upstream_request};
+use super::objects::ClientCondition;
+use super::{Admitted, Front, Request, Target};
+use crate::config::millis;
+use crate::fence::outcome::{Bounded, bounded_call};
+use crate::fence::{AdmitError, FenceToken, Permit, ResourceKey};
+use crate::metrics;
 
 /// S3 allows 1000 keys per request; the XML for them stays well under this.
 pub const REQUEST_BYTES_MAX: usize = 2 * 1024 * 1024;
@@ -133,6 +145,169 @@ pub fn merge(upstream: Option<&[u8]>, refused: &[String]) -> Result<Bytes, Front
 
 fn escape(text: &str) -> String {
     quick_xml::escape::escape(text).into_owned()
+}
+
+/// Object heads read at once for the stamp checks of one DeleteObjects.
+const STAMP_CHECKS_CONCURRENT: usize = 16;
+
+impl Front {
+    /// DeleteObjects: each key against its own resource; stale keys become per-key errors.
+    /// `lease`: signed with a lease credential, whose resource every key must belong to.
+    pub(super) async fn delete_objects(
+        &self,
+        request: Request,
+        token: FenceToken,
+        lease: Option<ResourceKey>,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
+        let path = request.path_and_query();
+        let parsed = read(request.body).await?;
+        let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<ObjectId>> = Default::default();
+        let mut refused = Vec::new();
+        for object in parsed.objects {
+            if let Err(error) = self.check_key(&bucket, &object.key) {
+                refused.push(error_entry(&object, error.code(), &error.to_string()));
+                continue;
+            }
+            if let Some(lease) = &lease
+                && let Err(error) = self.within_lease(lease, &bucket, &object.key)
+            {
+                refused.push(error_entry(&object, error.code(), &error.to_string()));
+                continue;
+            }
+            match self.wire.resource(&request.headers, &bucket, &object.key) {
+                Ok(resource) => by_resource.entry(resource).or_default().push(object),
+                Err(error) => refused.push(error_entry(&object, error.code(), &error.to_string())),
+            }
+        }
+        let mut permits = Vec::with_capacity(by_resource.len());
+        let mut checked = Vec::new();
+        for (resource, objects) in by_resource {
+            match self.gate.admit_write(&resource, token, self.writes_advance).await {
+                Ok(permit) => {
+                    metrics::decision("accepted");
+                    let permit = Arc::new(permit);
+                    let deadline = tokio::time::Instant::now() + self.request_timeout;
+                    let admitted = Admitted { token, resource: resource.clone(), permit: permit.clone(), deadline };
+                    checked.extend(objects.into_iter().map(|object| (admitted.clone(), object)));
+                    permits.push((resource, permit));
+                }
+                Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {
+                    let error = FrontError::from(refusal);
+                    metrics::decision(error.decision());
+                    for object in &objects {
+                        refused.push(error_entry(object, error.code(), &error.to_string()));
+                    }
+                }
+                Err(other) => return Err(other.into()),
+            }
+        }
+        // Each key against its stamp, as any other object write (G4): a key stamped with a newer
+        // token is refused on its own.
+        let mut admitted = Vec::with_capacity(checked.len());
+        let stamps = futures_util::stream::iter(checked.into_iter().map(|(write, object)| {
+            let bucket = &bucket;
+            async move {
+                let target = Target {
+                    raw_path: format!("/{bucket}/{}", crate::percent::encode_key(&object.key)),
+                    bucket: Some(bucket.clone()),
+                    key: Some(object.key.clone()),
+                };
+                let name = format!("{bucket}/{}", object.key);
+                let mut checked = self.object_state(&target, &name, true, &write).await;
+                if let (Ok(state), Some(etag)) = (&checked, &object.etag) {
+                    // The client's condition on this key, judged as on a single delete.
+                    let mut headers = HeaderMap::new();
+                    if let Ok(value) = HeaderValue::from_str(etag) {
+                        headers.insert(http::header::IF_MATCH, value);
+                    }
+                    let condition = ClientCondition::of(&headers);
+                    checked = self.client_condition(&condition, &target, &name, state.clone(), &write).await;
+                }
+                (object, checked)
+            }
+        }))
+        .buffer_unordered(STAMP_CHECKS_CONCURRENT)
+        .collect::<Vec<_>>()
+        .await;
+        for (object, checked) in stamps {
+            match checked {
+                Ok(_) => admitted.push(object),
+                Err(error) => {
+                    // Stale, or its head could not be read: that key alone is refused.
+                    if matches!(error, FrontError::Stale { .. }) {
+                        metrics::decision("stale");
+                    }
+                    refused.push(error_entry(&object, error.code(), &error.to_string()));
+                }
+            }
+        }
+        let (status, mut headers, result) = if admitted.is_empty() {
+            (StatusCode::OK, HeaderMap::new(), merge(None, &refused)?)
+        } else {
+            let body = forwarded_body(&admitted, parsed.quiet);
+            let mut headers = upstream_headers(&request.headers, &self.wire);
+            rewrite_headers(&mut headers, &body);
+            let resp = self.send_batch(&permits, &path, headers, Body::from(body)).await?;
+            for object in &admitted {
+                self.etags.forget(&format!("{bucket}/{}", object.key));
+            }
+            let (resp, committed) =
+                self.read_write_xml(resp, &permits.iter().map(|(_, p)| p.clone()).collect::<Vec<_>>()).await?;
+            if !resp.status().is_success() || !committed {
+                return Ok(client_response(resp));
+            }
+            let (parts, body) = resp.into_parts();
+            let merged = merge(body.bytes().as_deref(), &refused)?;
+            (parts.status, parts.headers, merged)
+        };
+        drop(permits);
+        for name in ["content-length", "content-md5", "etag"] {
+            headers.remove(name);
+        }
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+        let mut resp = S3Response::with_headers(Body::from(result), headers);
+        resp.status = Some(status);
+        Ok(resp)
+    }
+
+    /// The upstream call of a DeleteObjects: its keys are not conditional, so the permits of
+    /// every resource it touches are held until its outcome is known (`fence::outcome`).
+    async fn send_batch(
+        &self,
+        admitted: &[(ResourceKey, Arc<Permit>)],
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let deadline = tokio::time::Instant::now() + self.request_timeout;
+        for (resource, permit) in admitted {
+            if !permit.mark_body_sent() {
+                // Cut off by a newer token (or a lost registration) since admission.
+                let admitted =
+                    Admitted { token: permit.token(), resource: resource.clone(), permit: permit.clone(), deadline };
+                return Err(self.cut_off_error(&admitted).await);
+            }
+        }
+        let permits: Vec<Arc<Permit>> = admitted.iter().map(|(_, p)| p.clone()).collect();
+        let req = upstream_request(Method::POST, path_and_query, headers, body)?;
+        let upstream = self.upstream.clone();
+        let started = Instant::now();
+        let call = async move { upstream.send(req).await };
+        match bounded_call(&permits, deadline, self.unknown_outcome_hold, call).await {
+            Bounded::Done(result) => {
+                metrics::upstream_call(
+                    "delete_objects",
+                    started.elapsed(),
+                    result.as_ref().ok().map(|r| r.status().as_u16()),
+                );
+                result.map_err(FrontError::Upstream)
+            }
+            Bounded::CutOff | Bounded::Unknown => {
+                Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) })
+            }
+        }
+    }
 }
 
 #[cfg(test)]

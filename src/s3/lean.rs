@@ -21,7 +21,7 @@ use http::{HeaderMap, Method, Version};
 use s3s::route::S3Route;
 use s3s::{Body, S3Request};
 
-use super::{BucketNames, FencegateRoute};
+use super::service::{BucketNames, FencegateRoute};
 use crate::lease::LeaseService;
 use crate::sigv4::{EMPTY_PAYLOAD_SHA256, UNSIGNED_PAYLOAD, Verifier};
 

@@ -1,18 +1,71 @@
-//! A multipart upload belongs to one key: on an upstream that keeps parts by upload id alone,
-//! each fenced multipart step is checked against the upstream's list of uploads first
-//! (docs/design.md, "A multipart upload belongs to one key").
+//! Multipart uploads. CompleteMultipartUpload is their commit point, a conditional write like
+//! PutObject's. A multipart upload belongs to one key: on an upstream that keeps parts by
+//! upload id alone, each fenced multipart step is checked against the upstream's list of
+//! uploads first (docs/design.md, "A multipart upload belongs to one key").
 
-use http::{HeaderMap, Method};
+use http::{HeaderMap, HeaderValue, Method};
 use http_body_util::BodyExt;
-use s3s::Body;
+use s3s::{Body, S3Response};
 
+use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;
-use super::{Front, Target, XML_RESPONSE_BYTES_MAX};
+use super::forward::{WriteBody, XML_RESPONSE_BYTES_MAX, client_response, upstream_headers};
+use super::objects::ObjectState;
+use super::{Admitted, Front, Request, Target};
+use crate::upstream::xml_element;
+
+/// A CompleteMultipartUpload body lists at most 10,000 parts.
+pub(super) const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
 
 /// Pages of ListMultipartUploads read to find one upload (1,000 uploads each).
 const UPLOAD_LIST_PAGES_MAX: usize = 10;
 
 impl Front {
+    /// CompleteMultipartUpload: the gate checked the token again, and the completion is
+    /// conditional on the object's last known state. Its parts list was read before admission
+    /// (`Front::route`), so it can be sent twice.
+    pub(super) async fn complete_multipart(
+        &self,
+        request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let path = request.path_and_query();
+        let parts = request.body.bytes().unwrap_or_default();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let write = ObjectWrite::of(&request, &admitted)?;
+        let (headers, path, parts, object, admitted) = (&headers, &path, &parts, &write.object, &admitted);
+        self.conditional_write(&write, Cached::Any, move |state| {
+            Box::pin(async move {
+                let mut headers = headers.clone();
+                set_precondition(&mut headers, &state);
+                let body = WriteBody::InMemory(Body::from(parts.clone()));
+                let resp = self.send_write("complete_multipart", admitted, Method::POST, path, headers, body).await?;
+                let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
+                if !committed {
+                    return Ok(Attempt::NotCommitted(resp));
+                }
+                self.remember_completion(object.clone(), &resp);
+                Ok(Attempt::Committed(client_response(resp)))
+            })
+        })
+        .await
+    }
+
+    /// The ETag of a completed upload is in its XML body, not in a header. Its stamp is the one
+    /// CreateMultipartUpload set (the creator's token), which the completion does not name, so
+    /// the cache records none rather than the completer's.
+    fn remember_completion(&self, object: String, resp: &http::Response<Body>) {
+        let etag = resp
+            .body()
+            .bytes()
+            .and_then(|xml| xml_element(&xml, "ETag"))
+            .and_then(|e| HeaderValue::from_str(&e.replace("&quot;", "\"")).ok());
+        match etag {
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag, stamp: None }),
+            None => self.etags.forget(&object),
+        }
+    }
+
     /// A multipart step names its upload by id and its object by key; the write is fenced on
     /// the key's resource. On an upstream that keeps parts by the id alone, a part or a
     /// completion sent under a key the caller may write would land in another resource's

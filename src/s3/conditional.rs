@@ -1,0 +1,240 @@
+//! The conditional object write, once for every operation that replaces or removes an object
+//! (PutObject, CopyObject, DeleteObject, CompleteMultipartUpload): fencegate's own precondition
+//! names the object's last known state, so a write that lands after a newer token's is refused
+//! by the upstream itself (G4, docs/design.md "The commit protocol"). When the upstream refuses
+//! that precondition, the object is read again, and the write is sent once more only when a
+//! same-or-older token's writer changed it meanwhile.
+
+use futures_util::future::BoxFuture;
+use http::{HeaderMap, StatusCode};
+use s3s::{Body, S3Response};
+
+use super::error::FrontError;
+use super::forward::client_response;
+use super::objects::{self, ClientCondition, ConditionFailed, ObjectState};
+use super::{Admitted, Front, Request, Target};
+use crate::config::millis;
+use crate::fence::FenceToken;
+use crate::metrics;
+use crate::upstream::UpstreamError;
+
+/// Attempts of one conditional write: the first, and one more after a same-or-older token's
+/// writer changed the object under it.
+const ATTEMPTS: u32 = 2;
+
+/// An admitted write to one object, with the client's own condition on it.
+pub(super) struct ObjectWrite<'a> {
+    pub(super) target: &'a Target,
+    /// `bucket/key`, the ETag cache's name for it.
+    pub(super) object: String,
+    pub(super) condition: ClientCondition,
+    pub(super) admitted: &'a Admitted,
+}
+
+impl<'a> ObjectWrite<'a> {
+    /// The request's object and the client's condition on it.
+    pub(super) fn of(request: &'a Request, admitted: &'a Admitted) -> Result<Self, FrontError> {
+        let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+        Ok(Self { target: &request.target, object, condition: ClientCondition::of(&request.headers), admitted })
+    }
+}
+
+/// Which cached state a write may start from; any other is read from the upstream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cached {
+    /// Any cached state.
+    Any,
+    /// Only a cached `Present`: a cached `Absent` may be stale for a write that would then
+    /// not be sent at all (a DELETE of a missing object is answered without one).
+    PresentOnly,
+    /// None: the write cannot be sent twice, so it starts from a fresh read.
+    Never,
+}
+
+/// What one attempt of a conditional write came to.
+pub(super) enum Attempt {
+    /// Committed (what it changed is remembered): the client's answer.
+    Committed(S3Response<Body>),
+    /// The upstream did not commit it; its answer, which may be a refused precondition.
+    NotCommitted(http::Response<Body>),
+    /// Answered without a write (a DELETE of an object that is not there).
+    Answered(S3Response<Body>),
+    /// A retry is due but the write cannot be sent again (its body was not retained).
+    CannotResend,
+}
+
+impl Front {
+    /// Runs a conditional write: `send` makes one attempt with fencegate's precondition on
+    /// the state given (the client's own condition was judged on that state first, so the
+    /// upstream enforces both at once). After a refused precondition the object is read again:
+    /// a newer stamp makes the write stale, a failed client condition is the client's answer,
+    /// an unchanged object means the refusal was about something else (a missing source or
+    /// upload) and the upstream's answer is the client's; otherwise `send` goes again on the
+    /// fresh state. A second lost race is a 503 `SlowDown`.
+    ///
+    /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
+    /// be `Send`, which the compiler cannot yet prove through a generic async closure.
+    pub(super) async fn conditional_write<'w>(
+        &self,
+        write: &ObjectWrite<'_>,
+        cached: Cached,
+        mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let mut state = self.starting_state(write, cached).await?;
+        for attempt in 0..ATTEMPTS {
+            let resp = match send(state.clone()).await? {
+                Attempt::Committed(resp) => {
+                    if attempt > 0 {
+                        metrics::precondition_conflict("retried");
+                    }
+                    return Ok(resp);
+                }
+                Attempt::Answered(resp) => return Ok(resp),
+                Attempt::NotCommitted(resp) => resp,
+                Attempt::CannotResend => break,
+            };
+            if !lost_precondition(resp.status(), &state) {
+                return Ok(client_response(resp));
+            }
+            let fresh = self.reread_after_conflict(write.target, &write.object, write.admitted).await?;
+            refuse_client_condition(&write.condition, &fresh)?;
+            if fresh.same_version(&state) {
+                // fencegate's precondition named the object as it still is: the refusal was
+                // about something else, and the upstream's answer is the client's.
+                return Ok(client_response(resp));
+            }
+            state = fresh;
+        }
+        metrics::precondition_conflict("gave_up");
+        Err(FrontError::PreconditionRace)
+    }
+
+    /// The state a conditional write starts from, with its stamp and the client's condition
+    /// checked on it.
+    async fn starting_state(&self, write: &ObjectWrite<'_>, cached: Cached) -> Result<ObjectState, FrontError> {
+        let state = match (cached, self.etags.get(&write.object)) {
+            (Cached::Any, Some(state)) | (Cached::PresentOnly, Some(state @ ObjectState::Present { .. })) => state,
+            _ => self.head(write.target).await?,
+        };
+        self.refuse_newer_stamp(&write.object, &state, write.admitted)?;
+        self.client_condition(&write.condition, write.target, &write.object, state, write.admitted).await
+    }
+
+    /// The object's state for a precondition: from the cache when allowed, else a head read.
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    pub(super) async fn object_state(
+        &self,
+        target: &Target,
+        object: &str,
+        use_cache: bool,
+        admitted: &Admitted,
+    ) -> Result<ObjectState, FrontError> {
+        let cached = if use_cache { self.etags.get(object) } else { None };
+        let state = match cached {
+            Some(state) => state,
+            None => self.head(target).await?,
+        };
+        self.refuse_newer_stamp(object, &state, admitted)?;
+        Ok(state)
+    }
+
+    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    /// The stamp does not raise the resource's fence: it was written under whatever resource its
+    /// writer named (`Fencing-Resource` is the client's word), so it proves nothing about this one.
+    pub(super) fn refuse_newer_stamp(
+        &self,
+        object: &str,
+        state: &ObjectState,
+        admitted: &Admitted,
+    ) -> Result<(), FrontError> {
+        if let Some(newer) = state.newer_stamp(admitted.token) {
+            tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
+            return Err(FrontError::Stale { presented: admitted.token, current: newer });
+        }
+        Ok(())
+    }
+
+    /// The client's own condition (`If-Match` / `If-None-Match`) judged on `state`. A failure on
+    /// a cached state is looked at again on a fresh read before it is answered (fencegate's
+    /// cache may be behind). Returns the state the write goes ahead on: fencegate's precondition
+    /// then names exactly that state, so the upstream enforces both conditions at once.
+    pub(super) async fn client_condition(
+        &self,
+        condition: &ClientCondition,
+        target: &Target,
+        object: &str,
+        state: ObjectState,
+        admitted: &Admitted,
+    ) -> Result<ObjectState, FrontError> {
+        if condition.is_none() || condition.failure(&state).is_none() {
+            return Ok(state);
+        }
+        self.etags.forget(object);
+        let fresh = self.head(target).await?;
+        self.refuse_newer_stamp(object, &fresh, admitted)?;
+        refuse_client_condition(condition, &fresh)?;
+        Ok(fresh)
+    }
+
+    /// The object's head at the upstream, bounded like any read.
+    pub(super) async fn head(&self, target: &Target) -> Result<ObjectState, FrontError> {
+        let read = objects::head(self.upstream.as_ref(), &target.raw_path);
+        tokio::time::timeout(self.request_timeout, read)
+            .await
+            .map_err(|_| FrontError::Upstream(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }))?
+    }
+
+    /// After the upstream refused a precondition: re-read the object; a newer stamp means the
+    /// write is stale, anything else is a same-or-older writer and the write may retry.
+    async fn reread_after_conflict(
+        &self,
+        target: &Target,
+        object: &str,
+        admitted: &Admitted,
+    ) -> Result<ObjectState, FrontError> {
+        self.etags.forget(object);
+        let fresh = self.head(target).await?;
+        if fresh.newer_stamp(admitted.token).is_some() {
+            metrics::precondition_conflict("stale");
+        }
+        self.refuse_newer_stamp(object, &fresh, admitted)?;
+        Ok(fresh)
+    }
+
+    pub(super) fn remember_write(&self, object: String, headers: &HeaderMap, token: FenceToken) {
+        match headers.get(http::header::ETAG) {
+            Some(etag) => self.etags.put(object, ObjectState::Present { etag: etag.clone(), stamp: Some(token) }),
+            None => self.etags.forget(&object),
+        }
+    }
+}
+
+/// The client's condition failed on a fresh read: answered as S3 would, never retried, never
+/// counted as fencegate's own lost race.
+fn refuse_client_condition(condition: &ClientCondition, state: &ObjectState) -> Result<(), FrontError> {
+    match condition.failure(state) {
+        None => Ok(()),
+        Some(ConditionFailed::Precondition) => Err(FrontError::ClientPrecondition),
+        Some(ConditionFailed::NoSuchKey) => Err(FrontError::ClientNoSuchKey),
+    }
+}
+
+/// fencegate's precondition, in place of the client's (which was judged on the same state).
+pub(super) fn set_precondition(headers: &mut HeaderMap, state: &ObjectState) {
+    headers.remove(http::header::IF_MATCH);
+    headers.remove(http::header::IF_NONE_MATCH);
+    let (name, value) = state.precondition();
+    headers.insert(name, value);
+}
+
+/// 412, or 409 (S3's `ConditionalRequestConflict` for a concurrent conditional write), or 404
+/// to an `If-Match` (S3's answer when the object is gone): the object is not as fencegate last
+/// saw it (`sent` is the state the precondition named), so it is read again. A 404 to a write
+/// on an object believed absent is the upstream's own answer (no such bucket).
+fn lost_precondition(status: StatusCode, sent: &ObjectState) -> bool {
+    match status {
+        StatusCode::PRECONDITION_FAILED | StatusCode::CONFLICT => true,
+        StatusCode::NOT_FOUND => matches!(sent, ObjectState::Present { .. }),
+        _ => false,
+    }
+}

@@ -1,0 +1,213 @@
+//! CopyObject: the destination is written like any object (stamped, conditional, G4). With
+//! the `COPY` metadata directive the source's metadata is read and sent with `REPLACE`, so the
+//! stamp can be added without losing the rest. On an upstream that ignores `If-Match` on
+//! copies, across replicas, the copy is made as a read and a conditional PUT instead.
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use s3s::{Body, S3Response};
+
+use super::body::ForwardBody;
+use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
+use super::error::FrontError;
+use super::forward::{WriteBody, client_response, upstream_headers};
+use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
+
+impl Front {
+    pub(super) async fn copy_object(
+        &self,
+        mut request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
+        if self.copy_by_read_and_put {
+            return self.copy_by_read_and_put(request, admitted).await;
+        }
+        if !replaces_metadata(&request.headers) {
+            self.copy_source_metadata(&mut request.headers).await?;
+        }
+        stamp(&mut request.headers, admitted.token);
+        let path = request.path_and_query();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let write = ObjectWrite::of(&request, &admitted)?;
+        let (headers, path, object, admitted) = (&headers, &path, &write.object, &admitted);
+        self.conditional_write(&write, Cached::Any, move |state| {
+            Box::pin(async move {
+                let mut headers = headers.clone();
+                set_precondition(&mut headers, &state);
+                let body = WriteBody::InMemory(Body::empty());
+                let resp = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await?;
+                let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
+                if !committed {
+                    return Ok(Attempt::NotCommitted(resp));
+                }
+                self.remember_write(object.clone(), resp.headers(), admitted.token);
+                Ok(Attempt::Committed(client_response(resp)))
+            })
+        })
+        .await
+    }
+
+    /// CopyObject as a read of the source and a stamped, conditional PUT of its bytes to the
+    /// destination (streamed through fencegate, cancellable like any upload), for an upstream
+    /// that ignores `If-Match` on copies: the write is then refused per object when it lands
+    /// late, like any PutObject (G4). The client's copy-source conditions become the read's
+    /// conditions; the answer is S3's `CopyObjectResult`. Each attempt reads the source again.
+    async fn copy_by_read_and_put(&self, request: Request, admitted: Admitted) -> Result<S3Response<Body>, FrontError> {
+        let source = request
+            .headers
+            .get("x-amz-copy-source")
+            .and_then(|v| v.to_str().ok())
+            .ok_or(FrontError::NotSupported("CopyObject without x-amz-copy-source"))?;
+        let source_path = format!("/{}", source.trim_start_matches('/'));
+        let replaces = replaces_metadata(&request.headers);
+        let mut read_headers = HeaderMap::new();
+        for (from, to) in COPY_SOURCE_CONDITIONS {
+            if let Some(value) = request.headers.get(*from) {
+                read_headers.insert(to.clone(), value.clone());
+            }
+        }
+        let mut put_headers = request.headers.clone();
+        for name in ["x-amz-copy-source", "x-amz-metadata-directive", "x-amz-tagging-directive"] {
+            put_headers.remove(name);
+        }
+        let conditions: Vec<HeaderName> =
+            put_headers.keys().filter(|name| name.as_str().starts_with("x-amz-copy-source-")).cloned().collect();
+        for name in conditions {
+            put_headers.remove(name);
+        }
+        stamp(&mut put_headers, admitted.token);
+        let write = ObjectWrite::of(&request, &admitted)?;
+        let (source_path, read_headers, put_headers, raw_path, object, admitted) =
+            (&source_path, &read_headers, &put_headers, &request.target.raw_path, &write.object, &admitted);
+        self.conditional_write(&write, Cached::Any, move |state| {
+            Box::pin(async move {
+                let source = self
+                    .send("copy_source_read", Method::GET, source_path, read_headers.clone(), Body::empty())
+                    .await?;
+                match source.status() {
+                    StatusCode::PRECONDITION_FAILED | StatusCode::NOT_MODIFIED => {
+                        return Err(FrontError::CopySourceCondition);
+                    }
+                    status if !status.is_success() => return Ok(Attempt::Answered(client_response(source))),
+                    _ => {}
+                }
+                let (source, body) = source.into_parts();
+                let mut headers = put_headers.clone();
+                if !replaces {
+                    copy_metadata(&source.headers, &mut headers);
+                }
+                let Some(length) = source.headers.get(http::header::CONTENT_LENGTH) else {
+                    return Err(FrontError::UpstreamStatus {
+                        step: "the copy source read (no length)",
+                        status: source.status,
+                    });
+                };
+                headers.insert(http::header::CONTENT_LENGTH, length.clone());
+                let mut headers = upstream_headers(&headers, &self.wire);
+                set_precondition(&mut headers, &state);
+                let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), None, 0);
+                let body = WriteBody::Streamed(Body::http_body(body));
+                let path = raw_path;
+                let result = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await;
+                let resp = self.settle_body(result, &report, admitted).await?;
+                if !resp.status().is_success() {
+                    return Ok(Attempt::NotCommitted(resp));
+                }
+                let etag = resp.headers().get(http::header::ETAG).cloned();
+                self.remember_write(object.clone(), resp.headers(), admitted.token);
+                Ok(Attempt::Committed(copy_result(etag)))
+            })
+        })
+        .await
+    }
+
+    /// Replaces a COPY directive by REPLACE with the source's own metadata.
+    /// (A copy made by [`Self::copy_by_read_and_put`] takes it from its read instead.)
+    async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
+        let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
+            return Ok(());
+        };
+        let source_path = format!("/{}", source.trim_start_matches('/'));
+        let resp = self.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
+        if !resp.status().is_success() {
+            return Ok(()); // the copy itself will fail with the upstream's own error
+        }
+        copy_metadata(resp.headers(), headers);
+        headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
+        Ok(())
+    }
+}
+
+/// `x-amz-metadata-directive: REPLACE`: the copy takes the request's metadata, not the source's.
+fn replaces_metadata(headers: &HeaderMap) -> bool {
+    headers.get("x-amz-metadata-directive").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"))
+}
+
+/// A CopyObject of an object onto itself that changes nothing S3 counts (metadata, tags,
+/// storage class, website redirect, encryption), from its current version.
+pub(super) fn copies_onto_itself_unchanged(target: &Target, headers: &HeaderMap) -> bool {
+    let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else { return false };
+    if source.contains("versionId=") {
+        return false;
+    }
+    let source = source.split('?').next().unwrap_or("");
+    let Some(source) = crate::percent::decode(source.trim_start_matches('/')) else { return false };
+    let same = target.object_name().is_some_and(|name| name == source);
+    let replaces = |name: &str| headers.get(name).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
+    let changes = replaces("x-amz-metadata-directive")
+        || replaces("x-amz-tagging-directive")
+        || ["x-amz-storage-class", "x-amz-website-redirect-location", "x-amz-server-side-encryption"]
+            .iter()
+            .any(|name| headers.contains_key(*name));
+    same && !changes
+}
+
+/// The client's conditions on a copy's source, and the read conditions they become.
+const COPY_SOURCE_CONDITIONS: &[(&str, HeaderName)] = &[
+    ("x-amz-copy-source-if-match", http::header::IF_MATCH),
+    ("x-amz-copy-source-if-none-match", http::header::IF_NONE_MATCH),
+    ("x-amz-copy-source-if-modified-since", http::header::IF_MODIFIED_SINCE),
+    ("x-amz-copy-source-if-unmodified-since", http::header::IF_UNMODIFIED_SINCE),
+];
+
+/// The source object's metadata a copy keeps: its user metadata (less the stamp) and the
+/// content headers.
+fn copy_metadata(source: &HeaderMap, into: &mut HeaderMap) {
+    const COPIED: &[HeaderName] = &[
+        http::header::CONTENT_TYPE,
+        http::header::CONTENT_ENCODING,
+        http::header::CONTENT_DISPOSITION,
+        http::header::CONTENT_LANGUAGE,
+        http::header::CACHE_CONTROL,
+        http::header::EXPIRES,
+    ];
+    for (name, value) in source {
+        let user_metadata = name.as_str().starts_with("x-amz-meta-") && name.as_str() != METADATA_TOKEN_HEADER;
+        if user_metadata || COPIED.contains(name) {
+            into.insert(name.clone(), value.clone());
+        }
+    }
+}
+
+/// S3's answer to a CopyObject: the new ETag and the time of the copy.
+fn copy_result(etag: Option<HeaderValue>) -> S3Response<Body> {
+    let now = time::OffsetDateTime::now_utc();
+    let last_modified = format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second(),
+        now.millisecond()
+    );
+    let etag = etag.and_then(|e| e.to_str().ok().map(|e| e.replace('"', "&quot;"))).unwrap_or_default();
+    let xml = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<CopyObjectResult><LastModified>{last_modified}</LastModified><ETag>{etag}</ETag></CopyObjectResult>"
+    );
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
+    let mut resp = S3Response::with_headers(Body::from(xml), headers);
+    resp.status = Some(StatusCode::OK);
+    resp
+}

@@ -1,0 +1,79 @@
+//! DeleteObject: conditional on the ETag of the version the token may delete. A DELETE of an
+//! object that is not there is answered 204 (as S3 does) without forwarding it: sent without a
+//! precondition, it could land after a newer token's write and delete it.
+
+use http::{HeaderMap, Method, StatusCode};
+use s3s::{Body, S3Response};
+
+use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
+use super::error::FrontError;
+use super::forward::{WriteBody, client_response, upstream_headers};
+use super::objects::ObjectState;
+use super::{Admitted, Front, Request, Target, classify};
+
+impl Front {
+    pub(super) async fn delete_object(
+        &self,
+        request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let versioned = classify::query_has(Some(request.query.trim_start_matches('?')), "versionId");
+        let path = request.path_and_query();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let write = ObjectWrite::of(&request, &admitted)?;
+        let empty = || WriteBody::InMemory(Body::empty());
+        let (headers, path, object, target, admitted) = (&headers, &path, &write.object, write.target, &admitted);
+        // A cached `Absent` is not trusted: another writer may have created the object since.
+        self.conditional_write(&write, Cached::PresentOnly, move |state| {
+            Box::pin(async move {
+                let mut headers = headers.clone();
+                let ObjectState::Present { .. } = &state else {
+                    if versioned {
+                        // A version id names its own object version; the upstream decides.
+                        headers.remove(http::header::IF_MATCH);
+                        headers.remove(http::header::IF_NONE_MATCH);
+                        let resp =
+                            self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
+                        return Ok(Attempt::Answered(client_response(resp)));
+                    }
+                    // A missing bucket is the upstream's 404 too: S3 answers NoSuchBucket for it.
+                    if let Some(missing) = self.missing_bucket(target).await? {
+                        return Ok(Attempt::Answered(client_response(missing)));
+                    }
+                    self.etags.put(object.clone(), ObjectState::Absent);
+                    return Ok(Attempt::Answered(no_content()));
+                };
+                set_precondition(&mut headers, &state);
+                let resp = self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
+                if !resp.status().is_success() {
+                    return Ok(Attempt::NotCommitted(resp));
+                }
+                self.etags.put(object.clone(), ObjectState::Absent);
+                Ok(Attempt::Committed(client_response(resp)))
+            })
+        })
+        .await
+    }
+
+    /// The upstream's answer if the target's bucket does not exist (a bounded `HEAD /bucket`).
+    async fn missing_bucket(&self, target: &Target) -> Result<Option<http::Response<Body>>, FrontError> {
+        let Some(bucket) = &target.bucket else { return Ok(None) };
+        let path = format!("/{}", crate::percent::encode_key(bucket));
+        let resp = self.send("bucket_head", Method::HEAD, &path, HeaderMap::new(), Body::empty()).await?;
+        if resp.status() != StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        let error = s3s::S3Error::with_message(s3s::S3ErrorCode::NoSuchBucket, "The specified bucket does not exist");
+        let resp = error
+            .to_http_response()
+            .map_err(|_| FrontError::UpstreamStatus { step: "the bucket head read", status: StatusCode::NOT_FOUND })?;
+        Ok(Some(resp.map(Body::from)))
+    }
+}
+
+/// What S3 answers to a DELETE: 204 with no body.
+fn no_content() -> S3Response<Body> {
+    let mut resp = S3Response::new(Body::empty());
+    resp.status = Some(StatusCode::NO_CONTENT);
+    resp
+}

@@ -1,0 +1,342 @@
+//! The hop to the upstream: the request as forwarded (the client's headers less the hop's own,
+//! the query less fencegate's presign parameters), one bounded call, and the answer as the
+//! client gets it. A write's calls are bounded by its deadline and never abandoned once the
+//! request may have reached the upstream (`src/fence/outcome.rs`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method};
+use http_body_util::BodyExt;
+use s3s::{Body, S3Response};
+
+use super::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
+use super::error::FrontError;
+use super::{Admitted, Front, Request, WireContract};
+use crate::config::millis;
+use crate::fence::CutOff;
+use crate::fence::Permit;
+use crate::fence::outcome::{Bounded, bounded_call, hold_for};
+use crate::metrics;
+use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
+use crate::upstream::UpstreamError;
+
+/// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
+/// ones of every listener): never forwarded, the upstream request is signed anew.
+const S3_HOP_HEADERS: &[&str] = &[
+    "authorization",
+    "x-amz-date",
+    "x-amz-content-sha256",
+    "x-amz-security-token",
+    "x-amz-decoded-content-length",
+    "x-amz-trailer",
+];
+
+/// Query parameters of presigned URLs: fencegate's own signature, not the upstream's.
+const PRESIGN_PARAMS: &[&str] = &[
+    "X-Amz-Algorithm",
+    "X-Amz-Credential",
+    "X-Amz-Date",
+    "X-Amz-Expires",
+    "X-Amz-SignedHeaders",
+    "X-Amz-Signature",
+    "X-Amz-Security-Token",
+    "AWSAccessKeyId",
+    "Signature",
+    "Expires",
+];
+
+/// Success responses of these operations can still carry an `<Error>` body; they are read
+/// (bounded) before the write counts as committed.
+pub(super) const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
+
+/// The body of one upstream call of an admitted write.
+pub(super) enum WriteBody {
+    /// A [`ForwardBody`]: it marks the write sent when its last chunk goes.
+    Streamed(Body),
+    /// Already in memory: the write counts as sent before the call starts.
+    InMemory(Body),
+}
+
+impl Front {
+    /// One upstream call of an admitted write, bounded by the write's deadline and never
+    /// abandoned once its request may have reached the upstream (`fence::outcome`).
+    pub(super) async fn send_write(
+        &self,
+        op: &'static str,
+        admitted: &Admitted,
+        method: Method,
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: WriteBody,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let body = match body {
+            WriteBody::Streamed(body) => body,
+            WriteBody::InMemory(body) => {
+                if !admitted.permit.mark_body_sent() {
+                    return Err(self.cut_off_error(admitted).await);
+                }
+                body
+            }
+        };
+        let req = upstream_request(method, path_and_query, headers, body)?;
+        let upstream = self.upstream.clone();
+        let started = Instant::now();
+        let call = async move { upstream.send(req).await };
+        let permits = std::slice::from_ref(&admitted.permit);
+        match bounded_call(permits, admitted.deadline, self.unknown_outcome_hold, call).await {
+            Bounded::Done(result) => {
+                let status = result.as_ref().ok().map(|r| r.status().as_u16());
+                metrics::upstream_call(op, started.elapsed(), status);
+                if let Some(status) = status {
+                    tracing::Span::current().record("upstream_status", status);
+                }
+                result.map_err(FrontError::Upstream)
+            }
+            Bounded::CutOff => Err(self.cut_off_error(admitted).await),
+            Bounded::Unknown => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
+        }
+    }
+
+    /// The answer for a write that was cut off before its whole body reached the upstream.
+    pub(super) async fn cut_off_error(&self, admitted: &Admitted) -> FrontError {
+        match admitted.permit.cut_off() {
+            Some(CutOff::Deadline) => FrontError::WriteDeadline { after_ms: millis(self.request_timeout) },
+            Some(CutOff::Revoked) => FrontError::RegistrationLost,
+            // Not cancelled, yet not sent: a further call past the write's deadline.
+            None if tokio::time::Instant::now() >= admitted.deadline => {
+                FrontError::WriteDeadline { after_ms: millis(self.request_timeout) }
+            }
+            Some(CutOff::Superseded) | None => {
+                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
+                FrontError::StaleWhileStreaming { presented: admitted.token, current }
+            }
+        }
+    }
+
+    /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
+    /// gate orders it, and its body is cancellable like any other.
+    pub(super) async fn forward_admitted(
+        &self,
+        request: Request,
+        admitted: Admitted,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let path = request.path_and_query();
+        let headers = upstream_headers(&request.headers, &self.wire);
+        let check = trailer_check(&request);
+        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
+        let body = WriteBody::Streamed(Body::http_body(body));
+        let result = self.send_write("fenced_write", &admitted, request.method, &path, headers, body).await;
+        let resp = self.settle_body(result, &report, &admitted).await?;
+        Ok(client_response(resp))
+    }
+
+    /// Reads the XML answer of a write (CopyObject, CompleteMultipartUpload, DeleteObjects),
+    /// whose `<Error>` body can mean no commit: part of the upstream's answer, so a body that
+    /// breaks off or does not come within the request timeout leaves the outcome unknown, and
+    /// the write stays in flight for the in-flight deadline (`fence::outcome`).
+    pub(super) async fn read_write_xml(
+        &self,
+        resp: http::Response<Body>,
+        permits: &[Arc<Permit>],
+    ) -> Result<(http::Response<Body>, bool), FrontError> {
+        match tokio::time::timeout(self.request_timeout, read_xml_response(resp)).await {
+            Ok(Ok(read)) => Ok(read),
+            failed => {
+                metrics::ambiguous_outcome("response_body");
+                tracing::warn!(
+                    "the upstream's answer to a write broke off: outcome unknown, the write stays in flight"
+                );
+                hold_for(permits.to_vec(), self.unknown_outcome_hold);
+                match failed {
+                    Ok(Err(error)) => Err(error),
+                    _ => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
+                }
+            }
+        }
+    }
+
+    /// Maps what happened to a forwarded body onto the write's outcome.
+    pub(super) async fn settle_body(
+        &self,
+        result: Result<http::Response<Body>, FrontError>,
+        report: &BodyReport,
+        admitted: &Admitted,
+    ) -> Result<http::Response<Body>, FrontError> {
+        match report.failure() {
+            Some(BodyFailure::Cancelled) => Err(self.cut_off_error(admitted).await),
+            Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
+            Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
+            Some(BodyFailure::TooLarge) => {
+                Err(FrontError::TooLarge { bytes: self.body_bytes_max.saturating_add(1), max: self.body_bytes_max })
+            }
+            None => result,
+        }
+    }
+
+    pub(super) async fn send(
+        &self,
+        op: &'static str,
+        method: Method,
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let req = upstream_request(method, path_and_query, headers, body)?;
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.request_timeout, self.upstream.send(req)).await {
+            Ok(result) => result,
+            Err(_) => Err(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }),
+        };
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        metrics::upstream_call(op, started.elapsed(), status);
+        if let Some(status) = status {
+            tracing::Span::current().record("upstream_status", status);
+        }
+        result.map_err(FrontError::Upstream)
+    }
+}
+
+pub(super) fn upstream_request(
+    method: Method,
+    path_and_query: &str,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<http::Request<Body>, FrontError> {
+    let mut req =
+        http::Request::builder().method(method).uri(path_and_query).body(body).map_err(|_| FrontError::UnsafeKey)?;
+    *req.headers_mut() = headers;
+    Ok(req)
+}
+
+pub(super) fn trailer_check(request: &Request) -> Option<TrailerCheck> {
+    let announced = request.headers.get("x-amz-trailer")?.to_str().ok()?;
+    TrailerCheck::new(announced, request.trailers.clone()?)
+}
+
+/// The client's headers minus everything about the hop to fencegate.
+pub(super) fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let n = name.as_str();
+        let hop = REQUEST_HOP_HEADERS.contains(&n) || S3_HOP_HEADERS.contains(&n);
+        if hop || *name == wire.token_header || *name == wire.resource_header {
+            continue;
+        }
+        if *name == http::header::CONTENT_ENCODING {
+            // aws-chunked is the framing s3s already removed; keep any real encoding.
+            let rest: Vec<&str> = value
+                .to_str()
+                .unwrap_or("")
+                .split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("aws-chunked"))
+                .collect();
+            if !rest.is_empty()
+                && let Ok(v) = HeaderValue::from_str(&rest.join(","))
+            {
+                out.append(name.clone(), v);
+            }
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    if let Some(decoded) = headers.get("x-amz-decoded-content-length") {
+        out.insert(http::header::CONTENT_LENGTH, decoded.clone());
+    }
+    // The algorithm header goes with a checksum header; a trailing checksum is verified here
+    // and not forwarded (the body goes upstream unframed), so its algorithm header goes too.
+    if headers.contains_key("x-amz-trailer") {
+        out.remove("x-amz-sdk-checksum-algorithm");
+    }
+    out
+}
+
+/// The query to forward: the client's, less fencegate's own presign parameters.
+pub(super) fn forwarded_query(query: Option<&str>) -> String {
+    let Some(query) = query.filter(|q| !q.is_empty()) else {
+        return String::new();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let name = pair.split('=').next().unwrap_or("");
+            !PRESIGN_PARAMS.contains(&name)
+        })
+        .collect();
+    if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) }
+}
+
+pub(super) fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
+    let (parts, body) = resp.into_parts();
+    let mut headers = parts.headers;
+    for name in RESPONSE_HOP_HEADERS {
+        headers.remove(*name);
+    }
+    let mut out = S3Response::with_headers(body, headers);
+    out.status = Some(parts.status);
+    out
+}
+
+/// Reads a small XML response (CopyObject, CompleteMultipartUpload) and says whether it is a
+/// real success: S3 can answer 200 with an `<Error>` body.
+async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
+    let (parts, body) = resp.into_parts();
+    let limited = http_body_util::Limited::new(body, XML_RESPONSE_BYTES_MAX);
+    let bytes: Bytes = limited
+        .collect()
+        .await
+        .map_err(|e| FrontError::Upstream(crate::upstream::UpstreamError::Transport(e)))?
+        .to_bytes();
+    let committed = parts.status.is_success() && !contains_error_element(&bytes);
+    Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
+}
+
+fn contains_error_element(xml: &[u8]) -> bool {
+    xml.windows(b"<Error>".len()).any(|w| w == b"<Error>")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderName;
+
+    #[test]
+    fn presign_parameters_are_not_forwarded() {
+        assert_eq!(forwarded_query(None), "");
+        assert_eq!(forwarded_query(Some("X-Amz-Signature=abc&X-Amz-Date=1")), "");
+        assert_eq!(forwarded_query(Some("uploadId=7&X-Amz-Signature=abc&partNumber=2")), "?uploadId=7&partNumber=2");
+    }
+
+    #[test]
+    fn hop_headers_and_fencing_headers_are_not_forwarded() {
+        let wire = WireContract {
+            token_header: HeaderName::from_static("fencing-token"),
+            resource_header: HeaderName::from_static("fencing-resource"),
+            rules: vec![],
+        };
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("authorization", "AWS4-HMAC-SHA256 ..."),
+            ("fencing-token", "12"),
+            ("content-encoding", "aws-chunked,gzip"),
+            ("x-amz-decoded-content-length", "5"),
+            ("content-length", "90"),
+            ("x-amz-meta-a", "b"),
+        ] {
+            h.insert(k, v.parse().unwrap());
+        }
+        let out = upstream_headers(&h, &wire);
+        assert!(out.get("authorization").is_none() && out.get("fencing-token").is_none());
+        assert_eq!(out["content-encoding"], "gzip");
+        assert_eq!(out["content-length"], "5");
+        assert_eq!(out["x-amz-meta-a"], "b");
+    }
+
+    #[test]
+    fn error_bodies_in_success_responses_are_seen() {
+        assert!(contains_error_element(b"<?xml version=\"1.0\"?><Error><Code>InternalError</Code></Error>"));
+        assert!(!contains_error_element(b"<CopyObjectResult><ETag>x</ETag></CopyObjectResult>"));
+    }
+}

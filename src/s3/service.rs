@@ -1,0 +1,145 @@
+//! The S3 service as s3s builds it: authentication (`[[credentials]]` and lease credentials),
+//! virtual hosts under `server.domain`, bucket naming, and one catch-all route that hands lease
+//! endpoints to the lease service and every other request to the S3 front.
+
+use std::sync::Arc;
+
+use http::{HeaderMap, Method};
+use s3s::route::S3Route;
+use s3s::service::S3ServiceBuilder;
+use s3s::{Body, S3Request, S3Response, S3Result};
+
+use super::auth::{self, Service};
+use super::{Front, lean, wire};
+use crate::config::Config;
+use crate::fence::Gate;
+use crate::lease::LeaseService;
+use crate::lease::credentials::{ACCESS_KEY_PREFIX, Issuers};
+use crate::upstream::{Enforcement, Upstream};
+
+/// Builds the S3 service: authentication from `[[credentials]]` and lease credentials, virtual
+/// hosts from `server.domain`, and fencegate's handler behind it.
+pub fn service(
+    config: &Config,
+    gate: Arc<Gate>,
+    upstream: Arc<dyn Upstream>,
+    leases: Arc<LeaseService>,
+    issuers: Arc<Issuers>,
+    enforcement: Option<Enforcement>,
+) -> anyhow::Result<Service> {
+    let fixed: std::collections::HashMap<String, String> =
+        config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect();
+    let mut front = Front::new(config, gate, upstream)?;
+    // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
+    // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
+    front.copy_by_read_and_put = front.gate.store().shared().is_some() && enforcement.is_some_and(|e| !e.copy_object);
+    // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
+    front.upload_ids_tied_to_keys =
+        enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
+    let route = FencegateRoute { front: Arc::new(front), leases, issuers: issuers.clone() };
+    // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
+    let lean = config.server.domain.is_none().then(|| {
+        Arc::new(lean::LeanPath { verifier: crate::sigv4::Verifier::new(fixed.clone()), route: route.clone() })
+    });
+    let mut builder = S3ServiceBuilder::new(NoOperations);
+    builder.set_auth(auth::Credentials { fixed, issuers });
+    builder.set_route(route);
+    builder.set_validation(BucketNames);
+    if let Some(domain) = &config.server.domain {
+        builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
+    }
+    Ok(auth::Service { inner: builder.build(), lean })
+}
+
+/// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
+/// any other host (the domain itself, an IP, `localhost`) is path-style. The port is not part
+/// of the name (s3s's own parser keeps it, and then sees `bucket.domain:9000` as a bucket).
+struct VirtualHosts {
+    domain: String,
+}
+
+impl s3s::host::S3Host for VirtualHosts {
+    fn parse_host_header<'a>(&'a self, host: &'a str) -> S3Result<s3s::host::VirtualHost<'a>> {
+        let name = match host.rsplit_once(':') {
+            Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => host,
+        };
+        let bucket = name
+            .len()
+            .checked_sub(self.domain.len() + 1)
+            .filter(|&end| name[end..].eq_ignore_ascii_case(&format!(".{}", self.domain)))
+            .map(|end| &name[..end])
+            .filter(|bucket| !bucket.is_empty());
+        let host = s3s::host::VirtualHost::new(self.domain.as_str());
+        Ok(match bucket {
+            Some(bucket) => host.with_bucket(bucket.to_ascii_lowercase()),
+            None => host,
+        })
+    }
+}
+
+/// s3s wants an implementation of its typed operations; fencegate's route takes every request
+/// before they are reached.
+struct NoOperations;
+
+#[async_trait::async_trait]
+impl s3s::S3 for NoOperations {}
+
+/// Every authenticated request: lease endpoints to the lease service, the rest to the S3 front.
+#[derive(Clone)]
+pub(super) struct FencegateRoute {
+    pub(super) front: Arc<Front>,
+    pub(super) leases: Arc<LeaseService>,
+    /// The issuers (`role = "issuer"`), whose secrets make lease credentials.
+    pub(super) issuers: Arc<Issuers>,
+}
+
+/// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
+pub(super) struct BucketNames;
+
+impl s3s::validation::NameValidation for BucketNames {
+    fn validate_bucket_name(&self, name: &str) -> bool {
+        name == crate::lease::PSEUDO_BUCKET || s3s::path::check_bucket_name(name)
+    }
+}
+
+#[async_trait::async_trait]
+impl S3Route for FencegateRoute {
+    fn is_match(&self, _: &Method, _: &http::Uri, _: &HeaderMap, _: &mut http::Extensions) -> bool {
+        true
+    }
+
+    async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+        auth::routed();
+        if LeaseService::handles(req.uri.path()) {
+            let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.is_issuer(&c.access_key));
+            let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
+            // The body names the token or the holder: it must be signed too (its SHA-256 in
+            // `x-amz-content-sha256`, which the signature covers and the library checks the
+            // body against), or whoever sees the request could resend it with another body.
+            let body_signed = req
+                .headers
+                .get("x-amz-content-sha256")
+                .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
+            let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
+            let scope = self
+                .front
+                .scopes
+                .get(&access_key)
+                .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.wire.rules.clone() });
+            let caller = crate::lease::Caller { access_key, issuer, scope, signed: body_signed && !presigned };
+            return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
+        }
+        let lease = match req.credentials.as_ref() {
+            Some(c) if c.access_key.starts_with(ACCESS_KEY_PREFIX) => {
+                // Verified with the secret derived from these claims: they are the signer's.
+                match auth::lease_claims() {
+                    Some(claims) => Some(claims),
+                    None => return Err(s3s::s3_error!(AccessDenied, "a lease credential without its claims")),
+                }
+            }
+            _ => None,
+        };
+        self.front.clone().handle(req, lease).await
+    }
+}
