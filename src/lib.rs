@@ -17,6 +17,8 @@
 //! - [`metrics`]: every exported metric.
 //! - [`percent`]: percent-decoding of paths.
 //! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
+//! - [`refusal`]: the fencing protocol's refusals, one type for both fronts, and the token
+//!   header read once.
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
@@ -28,6 +30,7 @@ pub mod lease;
 pub mod metrics;
 pub mod percent;
 pub mod problem;
+pub mod refusal;
 pub mod s3;
 pub mod server;
 pub mod sigv4;

@@ -8,35 +8,18 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 use s3s::Body;
 
-use crate::fence::{AdmitError, AmbiguousCause, FenceToken, ResourceKeyError, StoreError, TokenParseError};
-use crate::s3::CURRENT_TOKEN_HEADER;
+use crate::fence::{AdmitError, AmbiguousCause, StoreError};
+use crate::refusal::{CURRENT_TOKEN_HEADER, Refusal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
-    #[error("this write needs a fencing token")]
-    MissingToken,
-    #[error("invalid fencing token: {0}")]
-    InvalidToken(TokenParseError),
-    #[error("the fencing token header appears more than once")]
-    RepeatedToken,
-    #[error("invalid fencing resource: {0}")]
-    InvalidResource(ResourceKeyError),
+    /// The fencing protocol's own refusals, shared with the S3 front.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
     #[error("the route's resource template needs path segment {0} after the prefix")]
     MissingSegment(usize),
-    #[error("the path belongs to resource {bound:?}, not to {presented:?}")]
-    ResourceMismatch { bound: String, presented: String },
     #[error("the path is malformed or has `.` or `..` segments")]
     UnsafePath,
-    #[error("fencing token {presented} is older than the current fence {current}")]
-    Stale { presented: FenceToken, current: FenceToken },
-    #[error("fencing token {presented} is above the fence; on this route only registrations and lease grants raise it")]
-    Unregistered { presented: FenceToken, current: Option<FenceToken> },
-    #[error("fence state unknown; the request was not forwarded")]
-    StoreUnavailable(#[source] StoreError),
-    #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
-    DrainTimeout { waited_ms: u64 },
-    #[error("{max} writes are already in flight on the resource; retry")]
-    TooManyInflight { max: usize },
     #[error("this route holds as many request bodies as routes.buffered_bytes_max allows; retry")]
     BufferFull,
     #[error("the body is larger than routes.body_bytes_max ({max} bytes)")]
@@ -67,19 +50,13 @@ pub enum GatewayError {
 
 impl From<AdmitError> for GatewayError {
     fn from(e: AdmitError) -> Self {
-        match e {
-            AdmitError::Stale { presented, current } => Self::Stale { presented, current },
-            AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
-            AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
-            AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
-            AdmitError::Unregistered { presented, current } => Self::Unregistered { presented, current },
-        }
+        Self::Refused(e.into())
     }
 }
 
 impl From<StoreError> for GatewayError {
     fn from(e: StoreError) -> Self {
-        Self::StoreUnavailable(e)
+        Self::Refused(Refusal::StoreUnavailable(e))
     }
 }
 
@@ -87,15 +64,17 @@ impl GatewayError {
     /// The label of `fencegate_decisions_total` for errors that are decisions.
     pub fn decision(&self) -> &'static str {
         match self {
-            Self::MissingToken => "missing_token",
-            Self::InvalidToken(_) | Self::RepeatedToken => "invalid_token",
-            Self::InvalidResource(_) | Self::MissingSegment(_) | Self::ResourceMismatch { .. } => "invalid_resource",
-            Self::Stale { .. } => "stale",
-            Self::Unregistered { .. } => "unregistered",
-            Self::StoreUnavailable(_) => "store_unavailable",
-            Self::DrainTimeout { .. } => "drain_timeout",
-            Self::TooManyInflight { .. } => "too_many_inflight",
+            Self::Refused(refusal) => refusal.decision(),
+            Self::MissingSegment(_) => "invalid_resource",
             _ => "error",
+        }
+    }
+
+    /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
+    pub fn current_fence(&self) -> Option<crate::fence::FenceToken> {
+        match self {
+            Self::Refused(refusal) => refusal.current_fence(),
+            _ => None,
         }
     }
 
@@ -113,16 +92,9 @@ impl GatewayError {
     fn parts(&self) -> (StatusCode, &'static str) {
         use StatusCode as S;
         match self {
-            Self::MissingToken => (S::PRECONDITION_REQUIRED, "FencingTokenRequired"),
-            Self::InvalidToken(_) | Self::RepeatedToken => (S::BAD_REQUEST, "InvalidFencingToken"),
-            Self::InvalidResource(_) | Self::MissingSegment(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
-            Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
+            Self::Refused(refusal) => (refusal.status(), refusal.code()),
+            Self::MissingSegment(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
             Self::UnsafePath => (S::BAD_REQUEST, "InvalidPath"),
-            Self::Stale { .. } => (S::CONFLICT, "FencingTokenStale"),
-            Self::Unregistered { .. } => (S::CONFLICT, "FencingTokenUnregistered"),
-            Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
-            Self::DrainTimeout { .. } => (S::SERVICE_UNAVAILABLE, "FencingDrainTimeout"),
-            Self::TooManyInflight { .. } => (S::SERVICE_UNAVAILABLE, "TooManyInflightWrites"),
             Self::BufferFull => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "RequestTooLarge"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
@@ -145,10 +117,11 @@ impl GatewayError {
     pub fn into_response(self) -> http::Response<Body> {
         let (status, code) = self.parts();
         let mut problem = crate::problem::document(status, code, &self.to_string());
+        let current = self.current_fence();
+        if let Some(current) = current {
+            problem["fencing_token_current"] = serde_json::json!(current.0);
+        }
         match &self {
-            Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } => {
-                problem["fencing_token_current"] = serde_json::json!(current.0)
-            }
             Self::OutcomeUnknown { upstream_key: Some(key), .. } => {
                 problem["upstream_idempotency_key"] = serde_json::json!(key)
             }
@@ -161,7 +134,7 @@ impl GatewayError {
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::problem::CONTENT_TYPE));
-        if let Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } = &self {
+        if let Some(current) = current {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
         if status == StatusCode::SERVICE_UNAVAILABLE || matches!(self, Self::RequestInFlight) {
@@ -174,11 +147,13 @@ impl GatewayError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fence::FenceToken;
 
     /// A stale token's problem names the code in `type` and the fence in a header.
     #[test]
     fn stale_tokens_become_409_problems_with_the_current_fence() {
-        let resp = GatewayError::Stale { presented: FenceToken(11), current: FenceToken(12) }.into_response();
+        let resp =
+            GatewayError::from(Refusal::Stale { presented: FenceToken(11), current: FenceToken(12) }).into_response();
         assert_eq!(resp.status(), StatusCode::CONFLICT);
         assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/problem+json");
         assert_eq!(resp.headers()[CURRENT_TOKEN_HEADER], "12");

@@ -48,6 +48,7 @@ use crate::fence::{
 };
 use crate::lease::Clock;
 use crate::metrics;
+use crate::refusal::{Refusal, single_token};
 use crate::s3::body::{BodyFailure, ForwardBody};
 
 /// The header carrying the client's request id, and fencegate's key to the API.
@@ -152,7 +153,7 @@ impl Gateway {
                     metrics::decision(decision);
                     span.record("decision", decision);
                 }
-                if let GatewayError::Stale { current, .. } = &error {
+                if let Some(current) = error.current_fence() {
                     span.record("fence", current.0);
                 }
                 metrics::gateway_request(mode, error.outcome());
@@ -176,7 +177,7 @@ impl Gateway {
         }
         let Some(token) = self.token(&parts.headers)? else {
             if self.require_token {
-                return Err(GatewayError::MissingToken);
+                return Err(Refusal::MissingToken.into());
             }
             metrics::decision("unchecked");
             tracing::Span::current().record("decision", "unchecked");
@@ -288,7 +289,7 @@ impl Gateway {
         if let (Some(current), Some(client_key)) = (stale, &client_key) {
             let key = record_key(client_key);
             if self.store_call(store.idempotency_get(&key, now_ms)).await?.is_none() {
-                return Err(GatewayError::Stale { presented: token, current });
+                return Err(Refusal::Stale { presented: token, current }.into());
             }
         }
         // The body is held whole until the call ends: bounded per route across requests.
@@ -302,7 +303,7 @@ impl Gateway {
         if let Some(current) = stale {
             return match self.store_call(store.idempotency_get(&key, now_ms)).await? {
                 Some(record) => self.answer_from(route, &record, &fingerprint, now_ms),
-                None => Err(GatewayError::Stale { presented: token, current }),
+                None => Err(Refusal::Stale { presented: token, current }.into()),
             };
         }
 
@@ -462,13 +463,11 @@ impl Gateway {
     async fn cut_off_error(&self, route: &Route, resource: &ResourceKey, permit: &Permit) -> GatewayError {
         match permit.cut_off() {
             Some(CutOff::Deadline) => GatewayError::UpstreamTimeout { after_ms: millis(route.request_timeout) },
-            Some(CutOff::Revoked) => {
-                GatewayError::StoreUnavailable(StoreError::Backend("the write's registration could not be kept".into()))
-            }
+            Some(CutOff::Revoked) => StoreError::Backend("the write's registration could not be kept".into()).into(),
             Some(CutOff::Superseded) | None => {
                 let token = permit.token();
                 let current = self.gate.fence(resource).await.ok().flatten().unwrap_or(token);
-                GatewayError::Stale { presented: token, current }
+                Refusal::Stale { presented: token, current }.into()
             }
         }
     }
@@ -561,12 +560,7 @@ impl Gateway {
 
     /// The presented token: one header, parsed by the same rules as for S3.
     fn token(&self, headers: &HeaderMap) -> Result<Option<FenceToken>, GatewayError> {
-        let mut values = headers.get_all(&self.token_header).iter();
-        let Some(first) = values.next() else { return Ok(None) };
-        if values.next().is_some() {
-            return Err(GatewayError::RepeatedToken);
-        }
-        FenceToken::parse(first.as_bytes()).map(Some).map_err(GatewayError::InvalidToken)
+        Ok(single_token(headers, &self.token_header, "fencing token")?)
     }
 
     /// The resource the route's template binds the path to; a `Fencing-Resource` header must
@@ -576,10 +570,11 @@ impl Gateway {
         if let Some(presented) = headers.get(&self.resource_header)
             && presented.as_bytes() != bound.as_str().as_bytes()
         {
-            return Err(GatewayError::ResourceMismatch {
+            return Err(Refusal::ResourceMismatch {
                 bound: bound.as_str().to_owned(),
                 presented: String::from_utf8_lossy(presented.as_bytes()).into_owned(),
-            });
+            }
+            .into());
         }
         Ok(bound)
     }

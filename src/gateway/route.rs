@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::config::{RouteConfig, RouteMode, ms};
 use crate::fence::ResourceKey;
+use crate::refusal::Refusal;
 
 use super::client::ApiClient;
 use super::error::GatewayError;
@@ -96,7 +97,7 @@ impl Route {
     pub fn resource(&self, rest: &str) -> Result<ResourceKey, GatewayError> {
         let segments: Vec<&str> = rest.split('/').collect();
         let name = self.template.render(&segments)?;
-        ResourceKey::new(&name).map_err(GatewayError::InvalidResource)
+        Ok(ResourceKey::new(&name).map_err(Refusal::InvalidResource)?)
     }
 }
 

@@ -16,6 +16,7 @@ use super::{Admitted, Front, Request, Target};
 use crate::config::millis;
 use crate::fence::FenceToken;
 use crate::metrics;
+use crate::refusal::Refusal;
 use crate::upstream::UpstreamError;
 
 /// Attempts of one conditional write: the first, and one more after a same-or-older token's
@@ -149,7 +150,7 @@ impl Front {
     ) -> Result<(), FrontError> {
         if let Some(newer) = state.newer_stamp(admitted.token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
-            return Err(FrontError::Stale { presented: admitted.token, current: newer });
+            return Err(Refusal::Stale { presented: admitted.token, current: newer }.into());
         }
         Ok(())
     }

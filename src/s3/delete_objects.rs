@@ -22,6 +22,7 @@ use crate::config::millis;
 use crate::fence::outcome::{Bounded, bounded_call};
 use crate::fence::{AdmitError, FenceToken, Permit, ResourceKey};
 use crate::metrics;
+use crate::refusal::Refusal;
 
 /// S3 allows 1000 keys per request; the XML for them stays well under this.
 pub const REQUEST_BYTES_MAX: usize = 2 * 1024 * 1024;
@@ -235,7 +236,7 @@ impl Front {
                 Ok(_) => admitted.push(object),
                 Err(error) => {
                     // Stale, or its head could not be read: that key alone is refused.
-                    if matches!(error, FrontError::Stale { .. }) {
+                    if matches!(error, FrontError::Refused(Refusal::Stale { .. })) {
                         metrics::decision("stale");
                     }
                     refused.push(error_entry(&object, error.code(), &error.to_string()));

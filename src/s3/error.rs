@@ -5,46 +5,25 @@
 
 use http::{HeaderValue, StatusCode};
 
-use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
+use crate::fence::{AdmitError, FenceToken};
+use crate::refusal::{CURRENT_TOKEN_HEADER, Refusal};
 use crate::upstream::UpstreamError;
-
-/// The response header that tells a rejected writer the current fence.
-pub const CURRENT_TOKEN_HEADER: &str = "fencing-token-current";
 
 #[derive(Debug, thiserror::Error)]
 pub enum FrontError {
-    #[error("this write needs a fencing token")]
-    MissingToken,
-    #[error("invalid fencing token: {0}")]
-    InvalidToken(TokenParseError),
-    #[error("the fencing token appears more than once in the {0} header")]
-    RepeatedToken(&'static str),
+    /// The fencing protocol's own refusals, shared with the API gateway.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
     #[error("a presigned request's {0} header counts only if the signature covers it: list it in X-Amz-SignedHeaders")]
     UnsignedOnPresigned(String),
     #[error("X-Amz-Expires must be at most 604800 seconds (7 days)")]
     PresignTooLong,
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
     TokenMismatch { header: FenceToken, metadata: FenceToken },
-    #[error("invalid fencing resource: {0}")]
-    InvalidResource(ResourceKeyError),
-    #[error("the key belongs to resource {bound:?} by a rule, not to {presented:?}")]
-    ResourceMismatch { bound: String, presented: String },
-    #[error("fencing token {presented} is older than the current fence {current}")]
-    Stale { presented: FenceToken, current: FenceToken },
     #[error(
         "fencing token {presented} became stale while its body was streaming (fence {current}); the upload was cut off and nothing was committed"
     )]
     StaleWhileStreaming { presented: FenceToken, current: FenceToken },
-    #[error(
-        "fencing token {presented} is above the fence; only registrations and lease grants raise it (fencing.advance = \"registration\")"
-    )]
-    Unregistered { presented: FenceToken, current: Option<FenceToken> },
-    #[error("fence state unknown; the write was not forwarded")]
-    StoreUnavailable(#[source] StoreError),
-    #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
-    DrainTimeout { waited_ms: u64 },
-    #[error("{max} writes are already in flight on the resource; retry")]
-    TooManyInflight { max: usize },
     #[error("the body is {bytes} bytes, more than server.body_bytes_max ({max})")]
     TooLarge { bytes: u64, max: u64 },
     #[error("object keys with `.` or `..` path segments are refused")]
@@ -116,13 +95,7 @@ pub enum FrontError {
 
 impl From<AdmitError> for FrontError {
     fn from(e: AdmitError) -> Self {
-        match e {
-            AdmitError::Stale { presented, current } => Self::Stale { presented, current },
-            AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
-            AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
-            AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
-            AdmitError::Unregistered { presented, current } => Self::Unregistered { presented, current },
-        }
+        Self::Refused(e.into())
     }
 }
 
@@ -130,22 +103,12 @@ impl FrontError {
     /// The label of `fencegate_decisions_total` for errors that are decisions.
     pub fn decision(&self) -> &'static str {
         match self {
-            Self::MissingToken => "missing_token",
-            Self::InvalidToken(_)
-            | Self::RepeatedToken(_)
-            | Self::TokenMismatch { .. }
-            | Self::UnsignedOnPresigned(_)
-            | Self::PresignTooLong => "invalid_token",
+            Self::Refused(refusal) => refusal.decision(),
+            Self::TokenMismatch { .. } | Self::UnsignedOnPresigned(_) | Self::PresignTooLong => "invalid_token",
             Self::LeaseTokenMismatch { .. } => "invalid_token",
-            Self::InvalidResource(_) | Self::ResourceMismatch { .. } | Self::LeaseResourceMismatch { .. } => {
-                "invalid_resource"
-            }
+            Self::LeaseResourceMismatch { .. } => "invalid_resource",
             Self::LeaseExpired => "lease_expired",
-            Self::Stale { .. } | Self::StaleWhileStreaming { .. } => "stale",
-            Self::Unregistered { .. } => "unregistered",
-            Self::StoreUnavailable(_) => "store_unavailable",
-            Self::DrainTimeout { .. } => "drain_timeout",
-            Self::TooManyInflight { .. } => "too_many_inflight",
+            Self::StaleWhileStreaming { .. } => "stale",
             _ => "error",
         }
     }
@@ -153,20 +116,11 @@ impl FrontError {
     fn parts(&self) -> (StatusCode, &'static str) {
         use StatusCode as S;
         match self {
-            Self::MissingToken => (S::PRECONDITION_REQUIRED, "FencingTokenRequired"),
-            Self::InvalidToken(_)
-            | Self::RepeatedToken(_)
-            | Self::TokenMismatch { .. }
-            | Self::UnsignedOnPresigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::Refused(refusal) => (refusal.status(), refusal.s3_code()),
+            Self::TokenMismatch { .. } | Self::UnsignedOnPresigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
             Self::PresignTooLong => (S::BAD_REQUEST, "AuthorizationQueryParametersError"),
-            Self::InvalidResource(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
-            Self::ResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
-            Self::Stale { .. } | Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),
-            Self::Unregistered { .. } => (S::CONFLICT, "FencingTokenUnregistered"),
-            Self::StoreUnavailable(_) => (S::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
-            Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::PreconditionRace => {
-                (S::SERVICE_UNAVAILABLE, "SlowDown")
-            }
+            Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),
+            Self::PreconditionRace => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
             Self::UnsafeKey | Self::EmptySegmentOnLocal | Self::NonAsciiMetadata(_) => {
                 (S::BAD_REQUEST, "InvalidArgument")
@@ -194,6 +148,15 @@ impl FrontError {
         }
     }
 
+    /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
+    pub fn current_fence(&self) -> Option<FenceToken> {
+        match self {
+            Self::Refused(refusal) => refusal.current_fence(),
+            Self::StaleWhileStreaming { current, .. } => Some(*current),
+            _ => None,
+        }
+    }
+
     /// The S3 error code.
     pub fn code(&self) -> &'static str {
         self.parts().1
@@ -217,10 +180,7 @@ impl FrontError {
         let mut resp = http::Response::new(s3s::Body::from(xml));
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
-        if let Self::Stale { current, .. }
-        | Self::StaleWhileStreaming { current, .. }
-        | Self::Unregistered { current: Some(current), .. } = &self
-        {
+        if let Some(current) = self.current_fence() {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
         if status == StatusCode::SERVICE_UNAVAILABLE {
@@ -246,7 +206,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_stale_refusal_names_the_fence() {
-        let resp = FrontError::Stale { presented: FenceToken(3), current: FenceToken(9) }.into_response("req-1");
+        let resp = FrontError::from(Refusal::Stale { presented: FenceToken(3), current: FenceToken(9) })
+            .into_response("req-1");
         assert_eq!(resp.status(), StatusCode::CONFLICT);
         assert_eq!(resp.headers()[CURRENT_TOKEN_HEADER], "9");
         assert_eq!(resp.headers()["x-amz-request-id"], "req-1");

@@ -7,6 +7,7 @@ use super::error::FrontError;
 use super::{Front, Op, Target};
 use crate::fence::{FenceToken, ResourceKey};
 use crate::lease::credentials::Claims;
+use crate::refusal::Refusal;
 
 /// A lease credential's lease, standing: writes carry its token.
 pub(super) struct LeaseStanding {
@@ -26,18 +27,18 @@ impl Front {
         target: &Target,
         headers: &HeaderMap,
     ) -> Result<LeaseStanding, FrontError> {
-        let resource = ResourceKey::new(&claims.resource).map_err(FrontError::InvalidResource)?;
+        let resource = ResourceKey::new(&claims.resource).map_err(Refusal::InvalidResource)?;
         let write = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
-        let stored = self.gate.lease_record(&resource).await.map_err(FrontError::StoreUnavailable)?;
+        let stored = self.gate.lease_record(&resource).await.map_err(Refusal::StoreUnavailable)?;
         let now_ms = crate::lease::Clock::now_ms(&crate::lease::SystemClock);
         let stands = stored.as_ref().is_some_and(|l| claims.names(l) && l.is_live(now_ms));
         let token = FenceToken(claims.token);
         if !stands {
             if write
-                && let Some(current) = self.gate.fence(&resource).await.map_err(FrontError::StoreUnavailable)?
+                && let Some(current) = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?
                 && current > token
             {
-                return Err(FrontError::Stale { presented: token, current });
+                return Err(Refusal::Stale { presented: token, current }.into());
             }
             return Err(FrontError::LeaseExpired);
         }

@@ -40,9 +40,10 @@ use tracing::{Instrument, field};
 
 pub use self::auth::Service;
 pub use self::classify::{Op, Target, classify, target};
-pub use self::error::{CURRENT_TOKEN_HEADER, FrontError};
+pub use self::error::FrontError;
 pub use self::service::service;
 pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
+pub use crate::refusal::CURRENT_TOKEN_HEADER;
 
 use self::checks::check_headers;
 use self::copy::copies_onto_itself_unchanged;
@@ -55,6 +56,7 @@ use crate::fence::outcome::detached;
 use crate::fence::{FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
+use crate::refusal::Refusal;
 use crate::upstream::Upstream;
 
 /// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
@@ -184,7 +186,7 @@ impl Front {
                     span.record("decision", decision);
                 }
                 span.record("error", error.code());
-                if let FrontError::Stale { current, .. } | FrontError::StaleWhileStreaming { current, .. } = &error {
+                if let Some(current) = error.current_fence() {
                     span.record("fence", current.0);
                 }
                 span.in_scope(|| tracing::info!(%error, "refused"));
@@ -255,7 +257,7 @@ impl Front {
         };
         let Some(token) = presented else {
             if self.require_token {
-                return Err(FrontError::MissingToken);
+                return Err(Refusal::MissingToken.into());
             }
             metrics::decision("unchecked");
             tracing::Span::current().record("decision", "unchecked");
@@ -285,10 +287,10 @@ impl Front {
         let mut request = request;
         if op == Op::CompleteMultipartUpload {
             // A stale completion is refused before its body is read.
-            if let Some(current) = self.gate.fence(&resource).await.map_err(FrontError::StoreUnavailable)?
+            if let Some(current) = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?
                 && token < current
             {
-                return Err(FrontError::Stale { presented: token, current });
+                return Err(Refusal::Stale { presented: token, current }.into());
             }
             // The parts list is read before admission: a client that sends it slowly must not
             // hold a write that is past cancelling (its body is complete once read).

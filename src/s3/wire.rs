@@ -6,6 +6,7 @@ use http::{HeaderMap, HeaderName};
 use super::error::FrontError;
 use crate::config::RuleConfig;
 use crate::fence::{FenceToken, ResourceKey};
+use crate::refusal::{Refusal, single_token};
 
 /// The metadata header SDKs send for object metadata `fencing-token`.
 pub const METADATA_TOKEN_HEADER: &str = "x-amz-meta-fencing-token";
@@ -35,8 +36,7 @@ impl WireContract {
     pub fn resource(&self, headers: &HeaderMap, bucket: &str, key: &str) -> Result<ResourceKey, FrontError> {
         let presented = match headers.get(&self.resource_header) {
             Some(v) => Some(
-                v.to_str()
-                    .map_err(|_| FrontError::InvalidResource(crate::fence::ResourceKeyError::ControlCharacter))?,
+                v.to_str().map_err(|_| Refusal::InvalidResource(crate::fence::ResourceKeyError::ControlCharacter))?,
             ),
             None => None,
         };
@@ -47,13 +47,13 @@ impl WireContract {
             .max_by_key(|r| r.prefix.len());
         let name = match (rule, presented) {
             (Some(rule), Some(p)) if p != rule.resource => {
-                return Err(FrontError::ResourceMismatch { bound: rule.resource.clone(), presented: p.to_owned() });
+                return Err(Refusal::ResourceMismatch { bound: rule.resource.clone(), presented: p.to_owned() }.into());
             }
             (Some(rule), _) => rule.resource.clone(),
             (None, Some(p)) => p.to_owned(),
             (None, None) => format!("{bucket}/{key}"),
         };
-        ResourceKey::new(&name).map_err(FrontError::InvalidResource)
+        Ok(ResourceKey::new(&name).map_err(Refusal::InvalidResource)?)
     }
 }
 
@@ -128,17 +128,6 @@ impl Presign {
     }
 }
 
-fn single_token(headers: &HeaderMap, name: &HeaderName, what: &'static str) -> Result<Option<FenceToken>, FrontError> {
-    let mut values = headers.get_all(name).iter();
-    let Some(first) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(FrontError::RepeatedToken(what));
-    }
-    FenceToken::parse(first.as_bytes()).map(Some).map_err(FrontError::InvalidToken)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,10 +196,13 @@ mod tests {
             c.token(&headers(&[("fencing-token", "12"), (METADATA_TOKEN_HEADER, "11")])),
             Err(FrontError::TokenMismatch { .. })
         ));
-        assert!(matches!(c.token(&headers(&[("fencing-token", "0x10")])), Err(FrontError::InvalidToken(_))));
+        assert!(matches!(
+            c.token(&headers(&[("fencing-token", "0x10")])),
+            Err(FrontError::Refused(Refusal::InvalidToken(_)))
+        ));
         assert!(matches!(
             c.token(&headers(&[("fencing-token", "1"), ("fencing-token", "2")])),
-            Err(FrontError::RepeatedToken(_))
+            Err(FrontError::Refused(Refusal::RepeatedToken(_)))
         ));
     }
 
@@ -222,7 +214,7 @@ mod tests {
         assert_eq!(c.resource(&headers(&[("fencing-resource", "job:x")]), "b", "jobs/1").unwrap().as_str(), "job:x");
         assert!(matches!(
             c.resource(&headers(&[("fencing-resource", "job:y")]), "b", "jobs/1"),
-            Err(FrontError::ResourceMismatch { .. })
+            Err(FrontError::Refused(Refusal::ResourceMismatch { .. }))
         ));
         assert_eq!(c.resource(&headers(&[("fencing-resource", "r")]), "b", "other").unwrap().as_str(), "r");
         assert_eq!(c.resource(&headers(&[]), "b", "other").unwrap().as_str(), "b/other");
