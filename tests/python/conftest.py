@@ -17,7 +17,9 @@ from fencegate_testlib import (  # noqa: E402
     RedisServer,
     base_config,
     merge,
+    unique,
 )
+from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HeldS3, HoldingUpstream  # noqa: E402
 
 # Keep the user's own AWS configuration out of every client the tests make.
 os.environ["AWS_CONFIG_FILE"] = os.devnull
@@ -91,6 +93,51 @@ def fencegate(tmp_path):
             except Exception:  # noqa: BLE001 - teardown must try every instance
                 fg.kill9()
             print(fg.log_tail(40))
+
+
+@pytest.fixture
+def held_s3(fencegate, moto_server):
+    """Factory: `held_s3(**overrides)` starts a HoldingUpstream in front of moto_server (or takes
+    `proxy`), makes a fresh bucket at moto, and starts a fencegate using the proxy as its S3
+    upstream; every key under `jobs/` of the bucket belongs to resource `job`. Returns a HeldS3.
+
+    Keyword arguments:
+      upstream -- merged over the [upstream] table (moto's, with the proxy as `endpoint` and the
+                  fresh bucket as `probe_bucket`)
+      fencing  -- merged over [fencing] (which has the `jobs/` rule)
+      config   -- merged over the whole config (after `fencing`)
+      proxy    -- a HoldingUpstream of the test's own (e.g. only `reserve()`d, started later)
+      bucket_prefix -- the start of the bucket's name
+    At teardown every proxy is closed (its holds released, its requests in flight answered)
+    before fencegate stops.
+    """
+    proxies: list[HoldingUpstream] = []
+
+    def start(
+        upstream: dict | None = None,
+        fencing: dict | None = None,
+        config: dict | None = None,
+        proxy: HoldingUpstream | None = None,
+        bucket_prefix: str = "held",
+    ) -> HeldS3:
+        up = proxy or HoldingUpstream(moto_server.url).start()
+        proxies.append(up)
+        bucket = unique(bucket_prefix)
+        moto = moto_server.client()
+        moto.create_bucket(Bucket=bucket)
+        rule = {"bucket": bucket, "prefix": HELD_PREFIX, "resource": HELD_RESOURCE}
+        cfg = merge({"fencing": {"rules": [rule]}}, {"fencing": fencing or {}})
+        cfg = merge(cfg, config or {})
+        upstream_cfg = dict(moto_server.upstream_config(), endpoint=up.url, probe_bucket=bucket)
+        upstream_cfg.update(upstream or {})
+        fg = fencegate(upstream=upstream_cfg, config=cfg)
+        return HeldS3(fg=fg, up=up, bucket=bucket, moto=moto)
+
+    try:
+        yield start
+    finally:
+        for up in proxies:
+            up.close()
 
 
 @pytest.fixture

@@ -19,17 +19,28 @@ write does not block the others. `requests()` lists every request that arrived w
 too), in arrival order.
 
 Everything listens on and talks to 127.0.0.1; every wait is bounded.
+
+`HeldS3` is what conftest's `held_s3` fixture hands a test: such a proxy in front of the session's
+moto_server, a fresh bucket, and a fencegate using the proxy as its S3 upstream, where every key
+under `jobs/` of the bucket belongs to resource `job`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moto_proxy import Answer, MotoProxy, Request, peer_closed
 
+if TYPE_CHECKING:
+    from fencegate_testlib import FenceGate
+
 READ_METHODS = {"GET", "HEAD", "OPTIONS"}
 HOLD_MAX_S = 120.0  # a hold nobody releases ends by itself (the test has failed by then)
+HELD_RESOURCE = "job"  # the resource of every key under HELD_PREFIX in a HeldS3 bucket
+HELD_PREFIX = "jobs/"
 
 
 class Hold:
@@ -154,3 +165,17 @@ class HoldingUpstream(MotoProxy):
         entry["t_answered"] = time.monotonic()
         entry["status"] = answer.status
         return answer
+
+
+@dataclass
+class HeldS3:
+    """A fencegate in front of a HoldingUpstream in front of moto, with a bucket of its own
+    (made by conftest's `held_s3`). Test modules subclass it for helpers of their own."""
+
+    fg: FenceGate
+    up: HoldingUpstream
+    bucket: str
+    moto: object  # a boto3 client straight at moto (bypasses fencegate and the proxy)
+
+    def path(self, key: str) -> str:
+        return f"/{self.bucket}/{key}"

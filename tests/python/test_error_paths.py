@@ -51,12 +51,11 @@ from fencegate_testlib import (
     sign_headers,
     signed_raw_request,
     to_toml,
-    unique,
     wait_until,
 )
-from holding_upstream import HoldingUpstream
+from holding_upstream import HELD_RESOURCE, HeldS3, HoldingUpstream
 
-RESOURCE = "job"
+RESOURCE = HELD_RESOURCE
 WAIT_S = 15.0  # every wait for something that should happen promptly
 DECISIONS = "fencegate_decisions_total"
 AMBIGUOUS = "fencegate_ambiguous_outcomes_total"
@@ -108,15 +107,8 @@ def in_thread(fn) -> tuple:
     return t, out
 
 
-@dataclass
-class S3Env:
-    fg: FenceGate
-    up: HoldingUpstream
-    bucket: str
-    moto: object  # boto3 straight at moto
-
-    def path(self, key: str) -> str:
-        return f"/{self.bucket}/{key}"
+class S3Env(HeldS3):
+    """`held_s3`'s HeldS3 with this file's helpers."""
 
     def put(self, key: str, token: int, body: bytes, timeout: float = WAIT_S):
         return signed_raw_request(self.fg, "PUT", self.path(key), {"Fencing-Token": str(token)}, body,
@@ -143,33 +135,13 @@ class S3Env:
 
 
 @pytest.fixture
-def s3_env(fencegate, moto_server):
-    """Factory: a holding proxy in front of moto, a fresh bucket, and a fencegate using the proxy
-    as its S3 upstream; every key under `jobs/` belongs to resource `job`. At teardown every hold
-    is released before fencegate stops."""
-    proxies: list = []
+def s3_env(held_s3):
+    """Factory: `held_s3` (same arguments: upstream, fencing, config, proxy) returning an S3Env."""
 
-    def start(upstream: dict | None = None, fencing: dict | None = None, config: dict | None = None,
-              proxy: HoldingUpstream | None = None) -> S3Env:
-        up = proxy or HoldingUpstream(moto_server.url).start()
-        proxies.append(up)
-        bucket = unique("errpaths")
-        moto = moto_server.client()
-        moto.create_bucket(Bucket=bucket)
-        cfg = {"fencing": {"rules": [{"bucket": bucket, "prefix": "jobs/", "resource": RESOURCE}],
-                           **(fencing or {})}}
-        for k, v in (config or {}).items():
-            cfg[k] = v
-        upstream_cfg = dict(moto_server.upstream_config(), endpoint=up.url, probe_bucket=bucket)
-        upstream_cfg.update(upstream or {})
-        fg = fencegate(upstream=upstream_cfg, config=cfg)
-        return S3Env(fg=fg, up=up, bucket=bucket, moto=moto)
+    def start(**kwargs) -> S3Env:
+        return S3Env(**vars(held_s3(bucket_prefix="errpaths", **kwargs)))
 
-    try:
-        yield start
-    finally:
-        for up in proxies:
-            up.close()
+    return start
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 
 import pytest
 from botocore.auth import SigV4Auth
@@ -35,25 +34,17 @@ from fencegate_testlib import (
     sign_headers,
     signed_raw_request,
     status_of,
-    unique,
     wait_until,
 )
-from holding_upstream import HoldingUpstream
+from holding_upstream import HELD_RESOURCE, HeldS3
 
-RESOURCE = "job"
+RESOURCE = HELD_RESOURCE
 WAIT_S = 15.0  # every wait for something that should happen promptly
 NEWER_WAITS_S = 2.5  # how long a test watches the newer token being held back
 
 
-@dataclass
-class Env:
-    fg: FenceGate
-    up: HoldingUpstream
-    bucket: str
-    moto: object  # a boto3 client straight at moto (bypasses fencegate and the proxy)
-
-    def path(self, key: str) -> str:
-        return f"/{self.bucket}/{key}"
+class Env(HeldS3):
+    """`held_s3`'s HeldS3 with this file's `committed()`."""
 
     def committed(self, key_part: str = "jobs/") -> list:
         """(method, key, token) of every write moto answered 2xx under `jobs/`, commit order."""
@@ -66,36 +57,17 @@ class Env:
 
 
 @pytest.fixture
-def inflight_env(fencegate, moto_server):
-    """Factory: a holding proxy in front of moto, a fresh bucket, and a fencegate using the proxy
-    as its S3 upstream. At teardown every hold is released before fencegate stops."""
-    started: list = []
+def inflight_env(held_s3):
+    """Factory: `held_s3` with `fencing.inflight_deadline_ms` (3000 unless given) and, if given,
+    `upstream.request_timeout_ms`; returns an Env."""
 
     def start(request_timeout_ms: int | None = None, inflight_deadline_ms: int = 3000) -> Env:
-        up = HoldingUpstream(moto_server.url).start()
-        started.append(up)
-        bucket = unique("inflight")
-        moto = moto_server.client()
-        moto.create_bucket(Bucket=bucket)
-        upstream = dict(moto_server.upstream_config(), endpoint=up.url)
-        if request_timeout_ms is not None:
-            upstream["request_timeout_ms"] = request_timeout_ms
-        fg = fencegate(
-            upstream=upstream,
-            config={
-                "fencing": {
-                    "inflight_deadline_ms": inflight_deadline_ms,
-                    "rules": [{"bucket": bucket, "prefix": "jobs/", "resource": RESOURCE}],
-                }
-            },
-        )
-        return Env(fg=fg, up=up, bucket=bucket, moto=moto)
+        upstream = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
+        held = held_s3(upstream=upstream, fencing={"inflight_deadline_ms": inflight_deadline_ms},
+                       bucket_prefix="inflight")
+        return Env(**vars(held))
 
-    try:
-        yield start
-    finally:
-        for up in started:
-            up.close()
+    return start
 
 
 # --------------------------------------------------------------------------------------------
