@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 
 use crate::admin::Admin;
 use crate::config::{Config, ProbeMode, StoreKind, ms};
-use crate::fence::{FenceStore, Gate, GateLimits};
+use crate::fence::{Gate, GateLimits, Store};
 use crate::gateway::Gateway;
 use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
@@ -25,6 +25,9 @@ const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
 pub struct App {
     config: Config,
     gate: Arc<Gate>,
+    /// The fence store, for its own lifecycle (a clean start and stop); every fence, lease
+    /// and record call goes through the gate.
+    store: Arc<dyn Store>,
     upstream: Arc<dyn Upstream>,
     /// The `[[routes]]` to third-party APIs, served on the main listener before S3.
     gateway: Arc<Gateway>,
@@ -55,7 +58,7 @@ impl App {
                 "store.timeout_ms should be well below a quarter of fencing.inflight_deadline_ms with a shared store"
             );
         }
-        let store: Arc<dyn FenceStore> = match config.store.kind {
+        let store: Arc<dyn Store> = match config.store.kind {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
                 let store = EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?;
@@ -94,7 +97,7 @@ impl App {
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let opened_clean = store.opened_clean();
-        let gate = Arc::new(Gate::new(store, limits));
+        let gate = Arc::new(Gate::new(store.clone(), limits));
         if !opened_clean {
             tracing::warn!(
                 hold_ms = config.fencing.inflight_deadline_ms,
@@ -110,7 +113,7 @@ impl App {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, upstream, gateway, tls, enforcement: None })
+        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -120,7 +123,7 @@ impl App {
     /// Operations whose preconditions the upstream ignores are named in the log: across
     /// replicas they rely on the gate's ordering alone (README, "Several replicas").
     pub async fn probe(&mut self) -> anyhow::Result<()> {
-        let shared = self.gate.store().shared().is_some();
+        let shared = self.gate.is_shared();
         let accepted = self.config.upstream.accept_no_preconditions;
         let mode = match self.config.upstream.probe {
             ProbeMode::Warn if shared && !accepted => ProbeMode::Require,
@@ -195,8 +198,8 @@ impl App {
     /// Ends a run that served nothing (`fencegate probe`): a store that opened clean is left
     /// clean, so that the next `serve` does not hold writes as after a crash.
     pub fn close_unused(&self) {
-        if self.gate.store().opened_clean()
-            && let Err(error) = self.gate.store().mark_clean_shutdown()
+        if self.store.opened_clean()
+            && let Err(error) = self.store.mark_clean_shutdown()
         {
             tracing::warn!(%error, "could not record a clean shutdown");
         }
@@ -317,7 +320,7 @@ impl App {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         if self.gate.inflight_writes() == 0 {
-            if let Err(error) = self.gate.store().mark_clean_shutdown() {
+            if let Err(error) = self.store.mark_clean_shutdown() {
                 tracing::warn!(%error, "could not record a clean shutdown");
             }
         } else {

@@ -2,8 +2,9 @@
 //! whose token is older than the newest one seen for its resource, atomically with the commit.
 //!
 //! The layout:
-//! - [`fence`]: the core. Tokens and resources, the pure [`fence::decide`], the
-//!   [`fence::FenceStore`] trait, and the [`fence::Gate`] that orders writes per resource.
+//! - [`fence`]: the core. Tokens and resources, the pure [`fence::decide`], the store traits
+//!   ([`fence::FenceStore`], [`fence::LeaseStore`], [`fence::IdempotencyStore`]), every store
+//!   call timed once ([`fence::TimedStore`]), and the [`fence::Gate`] that orders writes.
 //! - [`store`]: the fence stores (`embedded`: redb).
 //! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked; fencing and forwarding here).
 //! - [`gateway`]: the HTTP API front end: `[[routes]]` to third-party APIs behind the same gate

@@ -13,9 +13,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Fencegate, RedisServer, redis_store_toml};
-use fencegate::fence::{
-    FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, ResourceKey,
-};
 use http::{HeaderMap, Method, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -795,77 +792,6 @@ fn make_certificates(dir: &std::path::Path) -> (std::path::PathBuf, std::path::P
     ]);
     (dir.join("ca.pem"), dir.join("leaf.pem"), dir.join("leaf.key"))
 }
-
-/// Both durable stores keep the idempotency contract: one claim per live key, the existing
-/// record to everyone else, only the claimant finishes it, removal frees the key, and an
-/// expired record counts as absent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_stores_keep_the_idempotency_record_contract() {
-    let dir = tempfile::tempdir().unwrap();
-    let embedded = fencegate::store::EmbeddedStore::open(dir.path()).unwrap();
-    record_contract(&embedded, "embedded").await;
-    let redis = RedisServer::start().await;
-    let shared =
-        fencegate::store::RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into(), None).await.unwrap();
-    record_contract(&shared, "redis").await;
-    record_contract(&fencegate::store::MemoryStore::default(), "memory").await;
-    #[cfg(feature = "etcd")]
-    {
-        let etcd = common::EtcdCluster::start(1).await;
-        let store =
-            fencegate::store::EtcdStore::connect(&etcd.endpoints(), Duration::from_secs(2), "t".into()).await.unwrap();
-        record_contract(&store, "etcd").await;
-    }
-}
-
-async fn record_contract(store: &dyn FenceStore, name: &str) {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    let key = IdempotencyKey::new(ResourceKey::new("payment:{1}").unwrap(), b"client-key");
-    let record = |claim: &str, expires_at_ms: u64| IdempotencyRecord {
-        claim: claim.into(),
-        fingerprint: "fp".into(),
-        token: FenceToken(4),
-        upstream_key: key.upstream_key(FenceToken(4)),
-        expires_at_ms,
-        outcome: IdempotencyOutcome::InFlight { deadline_ms: now + 1_000 },
-    };
-    let a = record("a", now + 60_000);
-    assert_eq!(store.idempotency_begin(&key, &a, now).await.unwrap(), IdempotencyBegin::Claimed, "{name}");
-    assert_eq!(
-        store.idempotency_begin(&key, &record("b", now + 60_000), now).await.unwrap(),
-        IdempotencyBegin::Existing(a.clone()),
-        "{name}"
-    );
-    let done = IdempotencyRecord {
-        outcome: IdempotencyOutcome::Completed(fencegate::fence::RecordedResponse {
-            status: 201,
-            headers: vec![("etag".into(), "\"e1\"".into())],
-            body: Some(b"\x00\xffbody".to_vec()),
-        }),
-        ..a.clone()
-    };
-    store.idempotency_finish(&key, "b", Some(&done)).await.unwrap();
-    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), Some(a.clone()), "{name}: only the claimant finishes");
-    store.idempotency_finish(&key, "a", Some(&done)).await.unwrap();
-    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), Some(done.clone()), "{name}");
-    store.idempotency_finish(&key, "a", None).await.unwrap();
-    assert_eq!(store.idempotency_get(&key, now).await.unwrap(), None, "{name}: removed");
-
-    // Expiry: a short-lived record is absent once its time is up, and the key is free again.
-    let short = record("c", now + 150);
-    assert_eq!(store.idempotency_begin(&key, &short, now).await.unwrap(), IdempotencyBegin::Claimed);
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    let later = now + 250;
-    assert_eq!(store.idempotency_get(&key, later).await.unwrap(), None, "{name}: expired");
-    assert_eq!(
-        store.idempotency_begin(&key, &record("d", later + 60_000), later).await.unwrap(),
-        IdempotencyBegin::Claimed
-    );
-    store.idempotency_finish(&key, "d", None).await.unwrap();
-}
-
-// ---------------------------------------------------------------------------------------------
-// The latency each mode adds.
 
 /// Every mode serves a bounded concurrent load with every write answered 2xx, against the real
 /// binary; the latency each mode adds over calling the fake API directly is printed. In CI it

@@ -56,7 +56,7 @@ impl Admin {
         let path = req.uri().path().to_owned();
         let response = match (req.method(), path.as_str()) {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-            (&Method::GET, "/readyz") => match self.gate.store().ping().await {
+            (&Method::GET, "/readyz") => match self.gate.ping().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
                 Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
             },

@@ -12,8 +12,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    AdvanceOutcome, Decision, FenceStore, FenceToken, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
-    SharedAdmit, SharedRegistry, StoreError, StoreEvent, decide,
+    AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
+    SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, decide,
 };
 use crate::config::millis;
 use crate::metrics;
@@ -58,9 +58,9 @@ pub enum AdmitError {
     Unregistered { presented: FenceToken, current: Option<FenceToken> },
 }
 
-/// Orders writes per resource against a [`FenceStore`].
+/// Orders writes per resource against a fence store ([`Store`]).
 pub struct Gate {
-    store: Arc<dyn FenceStore>,
+    store: TimedStore,
     limits: GateLimits,
     slots: Mutex<HashMap<ResourceKey, Arc<Slot>>>,
     next_write_id: AtomicU64,
@@ -160,9 +160,9 @@ impl SlotState {
 }
 
 impl Gate {
-    pub fn new(store: Arc<dyn FenceStore>, limits: GateLimits) -> Self {
+    pub fn new(store: Arc<dyn Store>, limits: GateLimits) -> Self {
         Self {
-            store,
+            store: TimedStore::new(store, limits.store_timeout),
             limits,
             slots: Mutex::new(HashMap::new()),
             next_write_id: AtomicU64::new(1),
@@ -205,8 +205,19 @@ impl Gate {
         slots.iter().map(|slot| slot.state().inflight.len()).sum()
     }
 
-    pub fn store(&self) -> &Arc<dyn FenceStore> {
-        &self.store
+    /// Whether the fence store is shared by several replicas.
+    pub fn is_shared(&self) -> bool {
+        self.store.shared().is_some()
+    }
+
+    /// Whether the fence store answers (for `/readyz`).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+
+    /// The API gateway's idempotency records, in the same store.
+    pub fn idempotency_records(&self) -> IdempotencyRecords {
+        IdempotencyRecords::new(self.store.clone())
     }
 
     /// Admits a write with `token` on `resource`: advances the fence durably if `token` is
@@ -282,7 +293,7 @@ impl Gate {
         }
         let outcome = {
             let _io = slot.io.lock().await;
-            let outcome = self.store_call(self.store.lease(resource, command, now_ms)).await?;
+            let outcome = self.store.lease(resource, command, now_ms).await?;
             if let LeaseOutcome::Granted(lease) = &outcome {
                 let mut state = slot.state();
                 let fence = state.fence.flatten().max(Some(lease.token));
@@ -304,7 +315,7 @@ impl Gate {
     pub async fn fence(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
         let slot = self.slot(resource);
         if self.store.shared().is_some() {
-            let stored = self.store_call(self.store.load(resource)).await?;
+            let stored = self.store.load(resource).await?;
             let floor = slot.state().fence.flatten();
             return Ok(stored.max(floor));
         }
@@ -317,7 +328,7 @@ impl Gate {
 
     /// The lease stored on `resource` (live or expired), as the store has it now.
     pub async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
-        self.store_call(self.store.lease_record(resource)).await
+        self.store.lease_record(resource).await
     }
 
     /// Loops until `token` is the fence and no older write is in flight, then (if `register`)
@@ -415,7 +426,7 @@ impl Gate {
             let floor = slot.state().fence.flatten();
             // On an error the store withdraws what the call may have registered.
             let call = shared.admit(resource, token, floor, register, may_advance, deadline_ms);
-            let answer = self.store_call(call).await?;
+            let answer = self.store.call(call).await?;
             match answer {
                 SharedAdmit::Unregistered { current, repaired_from } => {
                     if let Some(had) = repaired_from {
@@ -518,23 +529,15 @@ impl Gate {
             }
             state.repair_asked = Some(now);
         }
-        let (store, resource, timeout) = (self.store.clone(), resource.clone(), self.limits.store_timeout);
+        let (store, resource) = (self.store.clone(), resource.clone());
         let slot = slot.clone();
         tokio::spawn(async move {
-            let outcome = tokio::time::timeout(timeout, store.advance(&resource, mark)).await;
-            match outcome {
-                Ok(Ok(AdvanceOutcome::Advanced { previous })) => rollback_repaired(&resource, previous, Some(mark)),
-                Ok(Ok(AdvanceOutcome::Unchanged { .. })) => {}
-                Ok(Err(error)) => {
+            match store.advance(&resource, mark).await {
+                Ok(AdvanceOutcome::Advanced { previous }) => rollback_repaired(&resource, previous, Some(mark)),
+                Ok(AdvanceOutcome::Unchanged { .. }) => {}
+                Err(error) => {
                     tracing::warn!(%error, resource = resource.as_str(), "could not check the store against this replica's mark");
                     slot.state().repair_asked = None; // the next refusal asks again
-                }
-                Err(_) => {
-                    tracing::warn!(
-                        resource = resource.as_str(),
-                        "could not check the store against this replica's mark in time"
-                    );
-                    slot.state().repair_asked = None;
                 }
             }
         });
@@ -562,7 +565,7 @@ impl Gate {
         if slot.state().fence.is_some() {
             return Ok(());
         }
-        let fence = self.store_call(self.store.load(resource)).await?;
+        let fence = self.store.load(resource).await?;
         slot.state().fence = Some(fence);
         Ok(())
     }
@@ -574,7 +577,7 @@ impl Gate {
         if decide(fence, token) != Decision::Advance {
             return Ok(()); // raised while we waited for the io lock: the caller re-decides
         }
-        let outcome = self.store_call(self.store.advance(resource, token)).await?;
+        let outcome = self.store.advance(resource, token).await?;
         let new_fence = match outcome {
             AdvanceOutcome::Advanced { .. } => {
                 metrics::advanced();
@@ -585,19 +588,6 @@ impl Gate {
         slot.state().fence = Some(Some(new_fence));
         slot.changed.notify_waiters();
         Ok(())
-    }
-
-    async fn store_call<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let result = match tokio::time::timeout(self.limits.store_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.limits.store_timeout) }),
-        };
-        metrics::store_call(self.store.kind(), started.elapsed(), result.is_ok());
-        result
     }
 
     fn slot(&self, resource: &ResourceKey) -> Arc<Slot> {
@@ -667,7 +657,7 @@ pub struct Permit {
 
 /// A write registered in a shared store; dropping it ends the registration's use.
 struct RemoteTicket {
-    store: Arc<dyn FenceStore>,
+    store: TimedStore,
     resource: ResourceKey,
     token: FenceToken,
 }

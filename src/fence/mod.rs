@@ -7,6 +7,7 @@ mod idempotency;
 mod lease;
 pub mod outcome;
 mod store;
+mod timed;
 mod token;
 
 pub use decision::{Decision, decide};
@@ -16,5 +17,9 @@ pub use idempotency::{
     fingerprint,
 };
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
-pub use store::{AdvanceOutcome, FenceStore, SharedAdmit, SharedRegistry, StoreError, StoreEvent};
+pub use store::{
+    AdvanceOutcome, FenceStore, IdempotencyStore, LeaseStore, SharedAdmit, SharedRegistry, Store, StoreError,
+    StoreEvent,
+};
+pub use timed::{IdempotencyRecords, TimedStore};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

@@ -42,44 +42,6 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Raises the fence of `resource` to `token` if `token` is greater, atomically.
     async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError>;
 
-    /// Applies a lease command (see [`super::apply_lease`]) at wall-clock `now_ms`, atomically
-    /// with the fence it raises: a grant and its fence are durable together or not at all.
-    async fn lease(
-        &self,
-        resource: &ResourceKey,
-        command: LeaseCommand,
-        now_ms: u64,
-    ) -> Result<LeaseOutcome, StoreError>;
-
-    /// The lease stored on `resource`, live or expired (a released or superseded lease is
-    /// gone). Lease credentials are checked against it on every request.
-    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError>;
-
-    /// Stores `claim` (an in-flight record) under `key` unless a live record is there, in
-    /// which case that one is returned and nothing changes. A record whose `expires_at_ms` is
-    /// at or before `now_ms` counts as absent. Returns `Claimed` only once the claim is
-    /// durable. Used by the API gateway's `idempotency-key` mode.
-    async fn idempotency_begin(
-        &self,
-        key: &IdempotencyKey,
-        claim: &IdempotencyRecord,
-        now_ms: u64,
-    ) -> Result<IdempotencyBegin, StoreError>;
-
-    /// The live record under `key`, if any.
-    async fn idempotency_get(&self, key: &IdempotencyKey, now_ms: u64)
-    -> Result<Option<IdempotencyRecord>, StoreError>;
-
-    /// Replaces the record claimed as `claim` by `record`, or removes it (`None`: nothing was
-    /// sent, so a retry may go ahead), keeping its expiry. Does nothing if the record under
-    /// `key` is not that claim any more (it expired and another request claimed the key).
-    async fn idempotency_finish(
-        &self,
-        key: &IdempotencyKey,
-        claim: &str,
-        record: Option<&IdempotencyRecord>,
-    ) -> Result<(), StoreError>;
-
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
 
@@ -106,6 +68,58 @@ pub trait FenceStore: Send + Sync + 'static {
         Ok(())
     }
 }
+
+/// Leases, kept with the fences they raise (`src/fence/lease.rs` is their state machine).
+#[async_trait]
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Applies a lease command (see [`super::apply_lease`]) at wall-clock `now_ms`, atomically
+    /// with the fence it raises: a grant and its fence are durable together or not at all.
+    async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError>;
+
+    /// The lease stored on `resource`, live or expired (a released or superseded lease is
+    /// gone). Lease credentials are checked against it on every request.
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError>;
+}
+
+/// The API gateway's idempotency records (`[[routes]] mode = "idempotency-key"`), kept in the
+/// fence store so that a record and the fence it was written under share one durability.
+#[async_trait]
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Stores `claim` (an in-flight record) under `key` unless a live record is there, in
+    /// which case that one is returned and nothing changes. A record whose `expires_at_ms` is
+    /// at or before `now_ms` counts as absent. Returns `Claimed` only once the claim is
+    /// durable.
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError>;
+
+    /// The live record under `key`, if any.
+    async fn idempotency_get(&self, key: &IdempotencyKey, now_ms: u64)
+    -> Result<Option<IdempotencyRecord>, StoreError>;
+
+    /// Replaces the record claimed as `claim` by `record`, or removes it (`None`: nothing was
+    /// sent, so a retry may go ahead), keeping its expiry. Does nothing if the record under
+    /// `key` is not that claim any more (it expired and another request claimed the key).
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError>;
+}
+
+/// A fence store as fencegate opens one: fences, leases and idempotency records in one place.
+pub trait Store: FenceStore + LeaseStore + IdempotencyStore {}
+
+impl<T: FenceStore + LeaseStore + IdempotencyStore> Store for T {}
 
 /// The answer of a shared store to "may this write go ahead?".
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -44,7 +44,7 @@ use crate::fence::CutOff;
 use crate::fence::outcome::{Bounded, bounded_call, detached};
 use crate::fence::{
     AmbiguousCause, Decision, FenceToken, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
-    IdempotencyRecord, Permit, ResourceKey, StoreError, decide, fingerprint,
+    IdempotencyRecord, IdempotencyRecords, Permit, ResourceKey, StoreError, decide, fingerprint,
 };
 use crate::lease::Clock;
 use crate::metrics;
@@ -65,6 +65,8 @@ pub struct Gateway {
     /// Longest prefix first, so the most specific route takes a path.
     routes: Vec<Route>,
     gate: Arc<Gate>,
+    /// The idempotency records (`mode = "idempotency-key"`), in the fence store.
+    records: IdempotencyRecords,
     token_header: HeaderName,
     resource_header: HeaderName,
     require_token: bool,
@@ -99,6 +101,7 @@ impl Gateway {
         routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
         Ok(Self {
             routes,
+            records: gate.idempotency_records(),
             gate,
             token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
             resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
@@ -271,7 +274,6 @@ impl Gateway {
     ) -> Result<http::Response<Body>, GatewayError> {
         let route = &self.routes[ix];
         let client_key = client_idempotency_key(&parts.headers)?;
-        let store = self.gate.store().clone();
         let now_ms = self.clock.now_ms();
 
         // A stale token may still be the retry of a request that executed: its record answers
@@ -288,7 +290,7 @@ impl Gateway {
             |request_id: &str| IdempotencyKey::new(resource.clone(), format!("{caller}\n{request_id}").as_bytes());
         if let (Some(current), Some(client_key)) = (stale, &client_key) {
             let key = record_key(client_key);
-            if self.store_call(store.idempotency_get(&key, now_ms)).await?.is_none() {
+            if self.records.get(&key, now_ms).await?.is_none() {
                 return Err(Refusal::Stale { presented: token, current }.into());
             }
         }
@@ -301,7 +303,7 @@ impl Gateway {
         let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());
         let key = record_key(request_id);
         if let Some(current) = stale {
-            return match self.store_call(store.idempotency_get(&key, now_ms)).await? {
+            return match self.records.get(&key, now_ms).await? {
                 Some(record) => self.answer_from(route, &record, &fingerprint, now_ms),
                 None => Err(Refusal::Stale { presented: token, current }.into()),
             };
@@ -317,9 +319,7 @@ impl Gateway {
                 deadline_ms: now_ms.saturating_add(millis(self.claim_window(route))),
             },
         };
-        if let IdempotencyBegin::Existing(record) =
-            self.store_call(store.idempotency_begin(&key, &claim, now_ms)).await?
-        {
+        if let IdempotencyBegin::Existing(record) = self.records.begin(&key, &claim, now_ms).await? {
             return self.answer_from(route, &record, &fingerprint, now_ms);
         }
         // The claim is ours: every path below finishes it, with an outcome or by removing it
@@ -407,8 +407,7 @@ impl Gateway {
     /// flight: retries get 409 until its deadline, then "outcome unknown". Never a second call.
     async fn finish(&self, key: &IdempotencyKey, claim: &IdempotencyRecord, outcome: Option<IdempotencyOutcome>) {
         let record = outcome.map(|outcome| IdempotencyRecord { outcome, ..claim.clone() });
-        let call = self.gate.store().idempotency_finish(key, &claim.claim, record.as_ref());
-        if let Err(error) = self.store_call(call).await {
+        if let Err(error) = self.records.finish(key, &claim.claim, record.as_ref()).await {
             metrics::idempotency_record_failed();
             tracing::error!(%error, upstream_key = claim.upstream_key, "cannot record the outcome of an API call");
         }
@@ -522,19 +521,6 @@ impl Gateway {
         if let Some(status) = status {
             tracing::Span::current().record("upstream_status", status);
         }
-        result
-    }
-
-    async fn store_call<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let result = match tokio::time::timeout(self.store_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.store_timeout) }),
-        };
-        metrics::store_call(self.gate.store().kind(), started.elapsed(), result.is_ok());
         result
     }
 

@@ -32,7 +32,7 @@ pub fn service(
     let mut front = Front::new(config, gate, upstream)?;
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
-    front.copy_by_read_and_put = front.gate.store().shared().is_some() && enforcement.is_some_and(|e| !e.copy_object);
+    front.copy_by_read_and_put = front.gate.is_shared() && enforcement.is_some_and(|e| !e.copy_object);
     // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
     front.upload_ids_tied_to_keys =
         enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);

@@ -12,8 +12,8 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, StoreError, apply_lease,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, apply_lease,
 };
 
 /// resource name → fence token.
@@ -235,6 +235,32 @@ impl FenceStore for EmbeddedStore {
         self.submit(WriteRequest::Advance { resource: resource.clone(), token, reply }, answer).await
     }
 
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.check_poisoned()
+    }
+
+    fn opened_clean(&self) -> bool {
+        self.opened_clean
+    }
+
+    fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
+        self.check_poisoned()?;
+        let mark = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            let txn = self.db.begin_write()?;
+            txn.open_table(META)?.insert(CLEAN_SHUTDOWN, 1)?;
+            txn.commit()?;
+            Ok(())
+        };
+        mark().map_err(StoreError::Backend)
+    }
+}
+
+#[async_trait]
+impl LeaseStore for EmbeddedStore {
     async fn lease(
         &self,
         resource: &ResourceKey,
@@ -256,7 +282,10 @@ impl FenceStore for EmbeddedStore {
         let json = read().map_err(|e| StoreError::Backend(Box::new(e)))?;
         json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
     }
+}
 
+#[async_trait]
+impl IdempotencyStore for EmbeddedStore {
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,
@@ -313,29 +342,6 @@ impl FenceStore for EmbeddedStore {
             reply,
         };
         self.submit(request, answer).await
-    }
-
-    fn kind(&self) -> &'static str {
-        "embedded"
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.check_poisoned()
-    }
-
-    fn opened_clean(&self) -> bool {
-        self.opened_clean
-    }
-
-    fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
-        self.check_poisoned()?;
-        let mark = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-            let txn = self.db.begin_write()?;
-            txn.open_table(META)?.insert(CLEAN_SHUTDOWN, 1)?;
-            txn.commit()?;
-            Ok(())
-        };
-        mark().map_err(StoreError::Backend)
     }
 }
 

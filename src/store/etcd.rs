@@ -35,8 +35,9 @@ use etcd_client::{
 use super::registrations::{Member, Renewal, Withdrawal};
 use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry, StoreError, apply_lease,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry,
+    StoreError, apply_lease,
 };
 use crate::metrics;
 
@@ -346,6 +347,26 @@ impl FenceStore for EtcdStore {
         }
     }
 
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    /// A linearizable read: it needs a leader and a majority, like every write.
+    async fn ping(&self) -> Result<(), StoreError> {
+        let count = || {
+            let mut kv = self.client.kv_client();
+            async move { kv.get(FENCES, Some(GetOptions::new().with_count_only())).await }
+        };
+        read_bounded(self.timeout, count).await.map(|_| ())
+    }
+
+    fn shared(&self) -> Option<&dyn SharedRegistry> {
+        Some(&self.shared)
+    }
+}
+
+#[async_trait]
+impl LeaseStore for EtcdStore {
     async fn lease(
         &self,
         resource: &ResourceKey,
@@ -397,7 +418,10 @@ impl FenceStore for EtcdStore {
         let read = self.read(&[&lease_key(resource)]).await?.remove(0);
         read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()
     }
+}
 
+#[async_trait]
+impl IdempotencyStore for EtcdStore {
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,
@@ -470,23 +494,6 @@ impl FenceStore for EtcdStore {
             }
             attempts.again()?;
         }
-    }
-
-    fn kind(&self) -> &'static str {
-        "etcd"
-    }
-
-    /// A linearizable read: it needs a leader and a majority, like every write.
-    async fn ping(&self) -> Result<(), StoreError> {
-        let count = || {
-            let mut kv = self.client.kv_client();
-            async move { kv.get(FENCES, Some(GetOptions::new().with_count_only())).await }
-        };
-        read_bounded(self.timeout, count).await.map(|_| ())
-    }
-
-    fn shared(&self) -> Option<&dyn SharedRegistry> {
-        Some(&self.shared)
     }
 }
 

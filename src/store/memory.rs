@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, LeaseWrite, ResourceKey, StoreError, apply_lease,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, apply_lease,
 };
 
 #[derive(Default)]
@@ -54,6 +54,17 @@ impl FenceStore for MemoryStore {
         }
     }
 
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.check()
+    }
+}
+
+#[async_trait]
+impl LeaseStore for MemoryStore {
     async fn lease(
         &self,
         resource: &ResourceKey,
@@ -83,7 +94,10 @@ impl FenceStore for MemoryStore {
         self.check()?;
         Ok(self.leases.lock().expect("memory store lock").get(resource).cloned())
     }
+}
 
+#[async_trait]
+impl IdempotencyStore for MemoryStore {
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,
@@ -131,13 +145,5 @@ impl FenceStore for MemoryStore {
             }
         }
         Ok(())
-    }
-
-    fn kind(&self) -> &'static str {
-        "memory"
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.check()
     }
 }

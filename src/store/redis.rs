@@ -30,8 +30,8 @@ use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 
 use crate::config::millis;
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
+    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
 };
 use crate::metrics;
 
@@ -529,6 +529,22 @@ impl FenceStore for RedisStore {
         })
     }
 
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = self.connection.query(&redis::cmd("PING")).await.map_err(backend)?;
+        Ok(())
+    }
+
+    fn shared(&self) -> Option<&dyn SharedRegistry> {
+        Some(&self.shared)
+    }
+}
+
+#[async_trait]
+impl LeaseStore for RedisStore {
     async fn lease(
         &self,
         resource: &ResourceKey,
@@ -614,7 +630,10 @@ impl FenceStore for RedisStore {
             expires_at_ms: number(&expires_at_ms)?,
         }))
     }
+}
 
+#[async_trait]
+impl IdempotencyStore for RedisStore {
     async fn idempotency_begin(
         &self,
         key: &IdempotencyKey,
@@ -652,19 +671,6 @@ impl FenceStore for RedisStore {
         inv.arg(claim).arg(record.map(encode_record).unwrap_or_default());
         let _changed: i64 = self.connection.invoke(&inv).await.map_err(backend)?;
         Ok(())
-    }
-
-    fn kind(&self) -> &'static str {
-        "redis"
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        let _: String = self.connection.query(&redis::cmd("PING")).await.map_err(backend)?;
-        Ok(())
-    }
-
-    fn shared(&self) -> Option<&dyn SharedRegistry> {
-        Some(&self.shared)
     }
 }
 

@@ -1,0 +1,106 @@
+//! Every call to the fence store, bounded by `store.timeout_ms` and counted in the store-call
+//! metrics, written once for the gate and the API gateway. A store call that does not answer
+//! in time is `StoreError::Timeout`: its outcome is unknown, and callers fail closed.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{
+    AdvanceOutcome, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome,
+    LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError,
+};
+use crate::config::millis;
+use crate::metrics;
+
+/// The fence store with its deadline. Cheap to clone.
+#[derive(Clone)]
+pub struct TimedStore {
+    store: Arc<dyn Store>,
+    timeout: Duration,
+}
+
+impl TimedStore {
+    pub fn new(store: Arc<dyn Store>, timeout: Duration) -> Self {
+        Self { store, timeout }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    /// The cross-replica registry of a shared store (its calls bound themselves).
+    pub fn shared(&self) -> Option<&dyn SharedRegistry> {
+        self.store.shared()
+    }
+
+    pub(super) async fn call<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout { after_ms: millis(self.timeout) }),
+        };
+        metrics::store_call(self.store.kind(), started.elapsed(), result.is_ok());
+        result
+    }
+
+    pub async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
+        self.call(self.store.load(resource)).await
+    }
+
+    pub async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
+        self.call(self.store.advance(resource, token)).await
+    }
+
+    pub async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.call(self.store.lease(resource, command, now_ms)).await
+    }
+
+    pub async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        self.call(self.store.lease_record(resource)).await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.call(self.store.ping()).await
+    }
+}
+
+/// The API gateway's part of the store: its idempotency records, timed like every store call.
+#[derive(Clone)]
+pub struct IdempotencyRecords(TimedStore);
+
+impl IdempotencyRecords {
+    pub fn new(store: TimedStore) -> Self {
+        Self(store)
+    }
+
+    /// See [`super::IdempotencyStore::idempotency_begin`].
+    pub async fn begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        self.0.call(self.0.store.idempotency_begin(key, claim, now_ms)).await
+    }
+
+    /// See [`super::IdempotencyStore::idempotency_get`].
+    pub async fn get(&self, key: &IdempotencyKey, now_ms: u64) -> Result<Option<IdempotencyRecord>, StoreError> {
+        self.0.call(self.0.store.idempotency_get(key, now_ms)).await
+    }
+
+    /// See [`super::IdempotencyStore::idempotency_finish`].
+    pub async fn finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        self.0.call(self.0.store.idempotency_finish(key, claim, record)).await
+    }
+}
