@@ -8,6 +8,7 @@
 //! - [`fencing`]: [`FencingInterceptor`], attaching `Fencing-Token` and `Fencing-Resource` to
 //!   every request of an aws-sdk-s3 client.
 //! - [`metrics`]: `lease_acquired`, `lease_lost`, `heartbeat_latency`.
+//! - `cli` (feature `worker`): what the command-line tools share, how they reach fencegate.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -28,6 +29,8 @@
 //! ```
 
 pub mod api;
+#[cfg(feature = "worker")]
+pub mod cli;
 pub mod fencing;
 pub mod lease;
 pub mod metrics;

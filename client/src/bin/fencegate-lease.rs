@@ -30,7 +30,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use fencegate_client::{Credentials, Grant, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
+use fencegate_client::cli::Connection;
+use fencegate_client::{Grant, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::process::Child;
@@ -54,17 +55,9 @@ const ACQUIRE_RETRY_MAX: Duration = Duration::from_millis(500);
     about = "Run a command under a fencegate lease, fenced by lease credentials"
 )]
 struct Cli {
-    /// fencegate's S3 listener.
-    #[arg(long, env = "FENCEGATE_ENDPOINT", default_value = "http://127.0.0.1:9000")]
-    endpoint: String,
-    /// The signing region fencegate accepts.
-    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
-    region: String,
-    /// The issuer credential (`role = "issuer"`) that asks for the lease.
-    #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
-    access_key_id: String,
-    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
-    secret_access_key: String,
+    /// fencegate, and the issuer credential (`role = "issuer"`) that asks for the lease.
+    #[command(flatten)]
+    connection: Connection,
     #[command(subcommand)]
     command: Command,
 }
@@ -113,8 +106,7 @@ enum Command {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let credentials = Credentials::new(&cli.access_key_id, &cli.secret_access_key, None, None, "fencegate-lease");
-    let client = match LeaseClient::new(&cli.endpoint, credentials, &cli.region) {
+    let client = match cli.connection.lease_client("fencegate-lease") {
         Ok(client) => client,
         Err(error) => {
             eprintln!("fencegate-lease: {error}");
@@ -168,7 +160,7 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
         .env("AWS_ACCESS_KEY_ID", &credentials.access_key_id)
         .env("AWS_SECRET_ACCESS_KEY", &credentials.secret_access_key)
         .env("AWS_SESSION_TOKEN", &credentials.session_token)
-        .env("AWS_ENDPOINT_URL", &cli.endpoint)
+        .env("AWS_ENDPOINT_URL", &cli.connection.endpoint)
         .env("FENCEGATE_LEASE_NAME", lease.name())
         .env("FENCEGATE_LEASE_TOKEN", lease.token().to_string())
         // The older name of the session token variable: it must not be some other session's.
@@ -177,7 +169,7 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
         .process_group(0);
     for region in ["AWS_REGION", "AWS_DEFAULT_REGION"] {
         if std::env::var_os(region).is_none() {
-            child.env(region, &cli.region);
+            child.env(region, &cli.connection.region);
         }
     }
     let mut child = match child.spawn() {

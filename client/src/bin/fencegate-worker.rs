@@ -34,6 +34,7 @@ use aws_sdk_s3::config::{BehaviorVersion, Region};
 use aws_sdk_s3::error::ProvideErrorMetadata;
 use aws_sdk_s3::primitives::ByteStream;
 use clap::Parser;
+use fencegate_client::cli::Connection;
 use fencegate_client::{Credentials, FencingInterceptor, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
 use tokio::io::AsyncBufReadExt;
 
@@ -48,15 +49,9 @@ const ACQUIRE_RETRY_MAX: Duration = Duration::from_millis(500);
 #[derive(Parser, Debug)]
 #[command(name = "fencegate-worker", about = "Acquire a fencegate lease and write through fencegate under it")]
 struct Args {
-    /// fencegate's S3 listener.
-    #[arg(long, default_value = "http://127.0.0.1:9000")]
-    endpoint: String,
-    #[arg(long, default_value = "us-east-1")]
-    region: String,
-    #[arg(long, env = "AWS_ACCESS_KEY_ID", default_value = "fencegate-dev")]
-    access_key_id: String,
-    #[arg(long, env = "AWS_SECRET_ACCESS_KEY", default_value = "fencegate-dev-secret", hide_env_values = true)]
-    secret_access_key: String,
+    /// fencegate, and the credential that asks for the lease (an issuer).
+    #[command(flatten)]
+    connection: Connection,
     /// The lease, which is also the resource every write is fenced on.
     #[arg(long)]
     name: String,
@@ -136,8 +131,8 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<u8, Box<dyn std::error::Error>> {
-    let credentials = Credentials::new(&args.access_key_id, &args.secret_access_key, None, None, "fencegate-worker");
-    let client = LeaseClient::new(&args.endpoint, credentials.clone(), &args.region)?;
+    let credentials = args.connection.credentials("fencegate-worker");
+    let client = LeaseClient::new(&args.connection.endpoint, credentials.clone(), &args.connection.region)?;
     let Some(lease) = acquire(&client, &args).await? else {
         return Ok(EXIT_HELD);
     };
@@ -278,8 +273,8 @@ fn s3_client(args: &Args, credentials: Credentials, fencing: FencingInterceptor)
     let http = aws_smithy_http_client::Builder::new().build_http();
     let config = aws_sdk_s3::Config::builder()
         .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(args.region.clone()))
-        .endpoint_url(&args.endpoint)
+        .region(Region::new(args.connection.region.clone()))
+        .endpoint_url(&args.connection.endpoint)
         .force_path_style(true)
         .credentials_provider(credentials)
         .http_client(http)
