@@ -54,34 +54,53 @@ pub(super) enum Cached {
 
 /// What one attempt of a conditional write came to.
 pub(super) enum Attempt {
-    /// Committed (what it changed is remembered): the client's answer.
+    /// Committed, and what it changed is remembered in the ETag cache: the client's answer.
     Committed(S3Response<Body>),
-    /// The upstream did not commit it; its answer, which may be a refused precondition.
+    /// The upstream did not commit it: its answer as it came, which may be a refused
+    /// precondition.
     NotCommitted(http::Response<Body>),
-    /// Answered without a write (a DELETE of an object that is not there).
-    Answered(S3Response<Body>),
-    /// A retry is due but the write cannot be sent again (its body was not retained).
+    /// The client's answer as it is: no precondition to judge, nothing to count (a DELETE of
+    /// an object that is not there, a versioned DELETE, a copy source that cannot be read).
+    Final(S3Response<Body>),
+    /// A retry is due but the write cannot be sent again (its body was not retained). Only a
+    /// second attempt returns it.
     CannotResend,
 }
 
 impl Front {
-    /// Runs a conditional write: `send` makes one attempt with fencegate's precondition on
-    /// the state given (the client's own condition was judged on that state first, so the
-    /// upstream enforces both at once). After a refused precondition the object is read again:
-    /// a newer stamp makes the write stale, a failed client condition is the client's answer,
-    /// an unchanged object means the refusal was about something else (a missing source or
-    /// upload) and the upstream's answer is the client's; otherwise `send` goes again on the
-    /// fresh state. A second lost race is a 503 `SlowDown`.
-    ///
-    /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
-    /// be `Send`, which the compiler cannot yet prove through a generic async closure.
-    pub(super) async fn conditional_write<'w>(
+    /// The state a conditional write starts from (`cached` says which cached state will do),
+    /// with its stamp and the client's condition checked on it.
+    pub(super) async fn starting_state(
         &self,
         write: &ObjectWrite<'_>,
         cached: Cached,
+    ) -> Result<ObjectState, FrontError> {
+        let state = self.object_state(write.target, &write.object, cached, write.admitted).await?;
+        self.client_condition(&write.condition, write.target, &write.object, state, write.admitted).await
+    }
+
+    /// Runs a conditional write from `state` (see [`Self::starting_state`]). `send` makes one
+    /// attempt: it puts fencegate's precondition on the state it is given
+    /// ([`set_precondition`]: the client's own condition was judged on that state, so the
+    /// upstream enforces both at once), remembers what a committed write changed, and says
+    /// what came of it ([`Attempt`]). After a refused precondition the object is read again:
+    /// a newer stamp makes the write stale (409), a failed client condition is the client's
+    /// answer (412 or 404), an unchanged object means the refusal was about something else (a
+    /// missing source or upload) and the upstream's answer is the client's; otherwise `send`
+    /// goes once more on the fresh state. A retry that loses again is judged the same way,
+    /// and is a 503 `SlowDown` when the object changed once more under a same-or-older token.
+    ///
+    /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
+    /// be `Send`, which the compiler cannot yet prove through a generic async closure. Callers
+    /// borrow what the attempts share before the closure (`let (headers, path) = (&headers,
+    /// &path);`), so that each `async move` block copies references and the closure can run
+    /// twice.
+    pub(super) async fn conditional_write<'w>(
+        &self,
+        write: &ObjectWrite<'_>,
+        mut state: ObjectState,
         mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
     ) -> Result<S3Response<Body>, FrontError> {
-        let mut state = self.starting_state(write, cached).await?;
         for attempt in 0..ATTEMPTS {
             let resp = match send(state.clone()).await? {
                 Attempt::Committed(resp) => {
@@ -90,7 +109,7 @@ impl Front {
                     }
                     return Ok(resp);
                 }
-                Attempt::Answered(resp) => return Ok(resp),
+                Attempt::Final(resp) => return Ok(resp),
                 Attempt::NotCommitted(resp) => resp,
                 Attempt::CannotResend => break,
             };
@@ -110,30 +129,19 @@ impl Front {
         Err(FrontError::PreconditionRace)
     }
 
-    /// The state a conditional write starts from, with its stamp and the client's condition
-    /// checked on it.
-    async fn starting_state(&self, write: &ObjectWrite<'_>, cached: Cached) -> Result<ObjectState, FrontError> {
-        let state = match (cached, self.etags.get(&write.object)) {
-            (Cached::Any, Some(state)) | (Cached::PresentOnly, Some(state @ ObjectState::Present { .. })) => state,
-            _ => self.head(write.target).await?,
-        };
-        self.refuse_newer_stamp(&write.object, &state, write.admitted)?;
-        self.client_condition(&write.condition, write.target, &write.object, state, write.admitted).await
-    }
-
-    /// The object's state for a precondition: from the cache when allowed, else a head read.
-    /// An object stamped with a newer token makes the write stale (G4), whatever the store says.
+    /// The object's state for a precondition: from the cache when `cached` allows, else a head
+    /// read. An object stamped with a newer token makes the write stale (G4), whatever the
+    /// fence store says.
     pub(super) async fn object_state(
         &self,
         target: &Target,
         object: &str,
-        use_cache: bool,
+        cached: Cached,
         admitted: &Admitted,
     ) -> Result<ObjectState, FrontError> {
-        let cached = if use_cache { self.etags.get(object) } else { None };
-        let state = match cached {
-            Some(state) => state,
-            None => self.head(target).await?,
+        let state = match (cached, self.etags.get(object)) {
+            (Cached::Any, Some(state)) | (Cached::PresentOnly, Some(state @ ObjectState::Present { .. })) => state,
+            _ => self.head(target).await?,
         };
         self.refuse_newer_stamp(object, &state, admitted)?;
         Ok(state)

@@ -15,21 +15,24 @@ use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
 impl Front {
     pub(super) async fn copy_object(
         &self,
-        mut request: Request,
+        request: Request,
         admitted: Admitted,
     ) -> Result<S3Response<Body>, FrontError> {
         if self.copy_by_read_and_put {
             return self.copy_by_read_and_put(request, admitted).await;
         }
-        if !replaces_metadata(&request.headers) {
-            self.copy_source_metadata(&mut request.headers).await?;
-        }
-        stamp(&mut request.headers, admitted.token);
-        let path = request.path_and_query();
-        let headers = upstream_headers(&request.headers, &self.wire);
         let write = ObjectWrite::of(&request, &admitted)?;
+        // The destination first: a stale or refused copy costs no read of its source.
+        let state = self.starting_state(&write, Cached::Any).await?;
+        let mut headers = request.headers.clone();
+        if !replaces_metadata(&headers) {
+            self.copy_source_metadata(&mut headers).await?;
+        }
+        stamp(&mut headers, admitted.token);
+        let headers = upstream_headers(&headers, &self.wire);
+        let path = request.path_and_query();
         let (headers, path, object, admitted) = (&headers, &path, &write.object, &admitted);
-        self.conditional_write(&write, Cached::Any, move |state| {
+        self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
                 let mut headers = headers.clone();
                 set_precondition(&mut headers, &state);
@@ -78,7 +81,8 @@ impl Front {
         let write = ObjectWrite::of(&request, &admitted)?;
         let (source_path, read_headers, put_headers, raw_path, object, admitted) =
             (&source_path, &read_headers, &put_headers, &request.target.raw_path, &write.object, &admitted);
-        self.conditional_write(&write, Cached::Any, move |state| {
+        let state = self.starting_state(&write, Cached::Any).await?;
+        self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
                 let source = self
                     .send("copy_source_read", Method::GET, source_path, read_headers.clone(), Body::empty())
@@ -87,7 +91,7 @@ impl Front {
                     StatusCode::PRECONDITION_FAILED | StatusCode::NOT_MODIFIED => {
                         return Err(FrontError::CopySourceCondition);
                     }
-                    status if !status.is_success() => return Ok(Attempt::Answered(client_response(source))),
+                    status if !status.is_success() => return Ok(Attempt::Final(client_response(source))),
                     _ => {}
                 }
                 let (source, body) = source.into_parts();
@@ -106,8 +110,7 @@ impl Front {
                 set_precondition(&mut headers, &state);
                 let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), None, 0);
                 let body = WriteBody::Streamed(Body::http_body(body));
-                let path = raw_path;
-                let result = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await;
+                let result = self.send_write("copy_object", admitted, Method::PUT, raw_path, headers, body).await;
                 let resp = self.settle_body(result, &report, admitted).await?;
                 if !resp.status().is_success() {
                     return Ok(Attempt::NotCommitted(resp));

@@ -24,7 +24,8 @@ impl Front {
         let empty = || WriteBody::InMemory(Body::empty());
         let (headers, path, object, target, admitted) = (&headers, &path, &write.object, write.target, &admitted);
         // A cached `Absent` is not trusted: another writer may have created the object since.
-        self.conditional_write(&write, Cached::PresentOnly, move |state| {
+        let state = self.starting_state(&write, Cached::PresentOnly).await?;
+        self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
                 let mut headers = headers.clone();
                 let ObjectState::Present { .. } = &state else {
@@ -34,14 +35,14 @@ impl Front {
                         headers.remove(http::header::IF_NONE_MATCH);
                         let resp =
                             self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
-                        return Ok(Attempt::Answered(client_response(resp)));
+                        return Ok(Attempt::Final(client_response(resp)));
                     }
                     // A missing bucket is the upstream's 404 too: S3 answers NoSuchBucket for it.
                     if let Some(missing) = self.missing_bucket(target).await? {
-                        return Ok(Attempt::Answered(client_response(missing)));
+                        return Ok(Attempt::Final(client_response(missing)));
                     }
                     self.etags.put(object.clone(), ObjectState::Absent);
-                    return Ok(Attempt::Answered(no_content()));
+                    return Ok(Attempt::Final(no_content()));
                 };
                 set_precondition(&mut headers, &state);
                 let resp = self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;

@@ -14,6 +14,7 @@ use md5::Digest;
 use s3s::{Body, S3Response};
 use serde::Deserialize;
 
+use super::conditional::Cached;
 use super::error::FrontError;
 use super::forward::{client_response, upstream_headers, upstream_request};
 use super::objects::ClientCondition;
@@ -215,7 +216,7 @@ impl Front {
                     key: Some(object.key.clone()),
                 };
                 let name = format!("{bucket}/{}", object.key);
-                let mut checked = self.object_state(&target, &name, true, &write).await;
+                let mut checked = self.object_state(&target, &name, Cached::Any, &write).await;
                 if let (Ok(state), Some(etag)) = (&checked, &object.etag) {
                     // The client's condition on this key, judged as on a single delete.
                     let mut headers = HeaderMap::new();

@@ -5,9 +5,9 @@
 //! through the gate, and forwards on raw HTTP to the upstream (`forward.rs`).
 //!
 //! The map: `mod.rs` takes a request from classification to admission; `put.rs`, `copy.rs`,
-//! `delete.rs`, `multipart.rs` and `delete_objects.rs` are the fenced writes, each around the
-//! one conditional write of `conditional.rs`; `objects.rs` is what fencegate knows of an
-//! object; `checks.rs`, `scopes.rs` and `leased.rs` decide what a request may do; `wire.rs`
+//! `delete.rs` and `multipart.rs` are the fenced writes, each around the one conditional write
+//! of `conditional.rs`; `delete_objects.rs` fences each key of a batch on its own resource and
+//! stamp; `objects.rs` is what fencegate knows of an object; `checks.rs`, `scopes.rs` and `leased.rs` decide what a request may do; `wire.rs`
 //! reads the token and resource; `error.rs` is every refusal, rendered as S3 XML.
 
 mod auth;
@@ -46,6 +46,7 @@ pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 pub use crate::refusal::CURRENT_TOKEN_HEADER;
 
 use self::checks::check_headers;
+use self::conditional::Cached;
 use self::copy::copies_onto_itself_unchanged;
 use self::forward::{client_response, forwarded_query, upstream_headers};
 use self::multipart::COMPLETE_REQUEST_BYTES_MAX;
@@ -352,7 +353,7 @@ impl Front {
                 // stamp like any other write (G4).
                 let object =
                     request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-                self.object_state(&request.target, &object, true, &admitted).await?;
+                self.object_state(&request.target, &object, Cached::Any, &admitted).await?;
                 self.forward_admitted(request, admitted).await
             }
             _ => self.forward_admitted(request, admitted).await,
@@ -379,7 +380,7 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// The stamp every object write carries (G4).
-pub(super) fn stamp(headers: &mut HeaderMap, token: FenceToken) {
+fn stamp(headers: &mut HeaderMap, token: FenceToken) {
     headers.insert(METADATA_TOKEN_HEADER, HeaderValue::from(token.0));
 }
 

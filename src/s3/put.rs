@@ -32,7 +32,8 @@ impl Front {
         // the write itself.
         let cached = if retainable { Cached::Any } else { Cached::Never };
         let (headers, path, report, object, admitted) = (&headers, &path, &report, &write.object, &admitted);
-        self.conditional_write(&write, cached, move |state| {
+        let state = self.starting_state(&write, cached).await?;
+        self.conditional_write(&write, state, move |state| {
             let streamed = first.take();
             Box::pin(async move {
                 let mut headers = headers.clone();

@@ -79,3 +79,28 @@ def test_one_process_copies_at_the_upstream(fencegate, moto_server):
     # Both copies were made by the upstream (CopyObject), none as a read of the source.
     assert after["copy_source_read"] - before["copy_source_read"] == 0, (before, after)
     assert after["copy_object"] - before["copy_object"] == 2, (before, after)
+
+
+def test_a_copy_onto_a_newer_object_is_refused_before_its_source_is_read(fencegate, moto_server):
+    """The destination is judged first: an object stamped with a newer token than the copy's
+    makes it stale (409) before fencegate reads the source's metadata, so a refused copy costs
+    no upstream call on its source (a slow source would otherwise turn the 409 into a 504)."""
+    bucket = f"copy-{free_port()}"
+    moto = moto_server.client()
+    moto.create_bucket(Bucket=bucket)
+    fg = _start(fencegate, moto_server, bucket)
+    moto.put_object(Bucket=bucket, Key="src", Body=b"source")
+    # Written under token 9 by a path fencegate did not see: only the object's stamp says so.
+    moto.put_object(Bucket=bucket, Key="dst", Body=b"newer", Metadata={"fencing-token": "9"})
+    before = metric(metric_samples(fg), "fencegate_upstream_latency_seconds_count", op="copy_source_head")
+    with pytest.raises(ClientError) as refused:
+        fg.client(token=5).copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"})
+    assert (status_of(refused.value), code_of(refused.value)) == (409, "FencingTokenStale")
+    after = metric(metric_samples(fg), "fencegate_upstream_latency_seconds_count", op="copy_source_head")
+    assert after == before, (before, after)
+    assert moto.get_object(Bucket=bucket, Key="dst")["Body"].read() == b"newer"
+    # The same copy under a newer token reads the source's metadata once and lands.
+    fg.client(token=10).copy_object(Bucket=bucket, Key="dst", CopySource={"Bucket": bucket, "Key": "src"})
+    final = metric(metric_samples(fg), "fencegate_upstream_latency_seconds_count", op="copy_source_head")
+    assert final == after + 1, (after, final)
+    assert moto.get_object(Bucket=bucket, Key="dst")["Body"].read() == b"source"
