@@ -28,7 +28,7 @@ pub struct Config {
     pub fencing: FencingConfig,
     #[serde(default)]
     pub leases: LeasesConfig,
-    /// Third-party HTTP APIs behind the same gate (SPEC section 6).
+    /// Third-party HTTP APIs behind the same gate (README.md, "HTTP API gateway").
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
@@ -688,7 +688,7 @@ impl Config {
                 return Err((
                     "credentials.access_key_id",
                     format!(
-                        "{:?}: ids starting with {:?} are lease credentials' (SPEC section 9)",
+                        "{:?}: ids starting with {:?} are lease credentials' (docs/leases.md)",
                         c.access_key_id,
                         crate::lease::credentials::ACCESS_KEY_PREFIX
                     ),

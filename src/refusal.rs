@@ -132,7 +132,7 @@ impl Refusal {
     }
 }
 
-/// The token a request presents in `name`: absent, or one value parsed by SPEC's token rules
+/// The token a request presents in `name`: absent, or one value parsed by the token rules (`FenceToken::parse`)
 /// (`what` names the header in the refusal).
 pub fn single_token(headers: &HeaderMap, name: &HeaderName, what: &'static str) -> Result<Option<FenceToken>, Refusal> {
     let mut values = headers.get_all(name).iter();

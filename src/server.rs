@@ -18,6 +18,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
+/// How long an accept loop waits after a failed accept (out of file descriptors and the like)
+/// before it tries again, instead of spinning.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Request headers about the hop to fencegate (RFC 9110 hop-by-hop fields, the host it was
 /// addressed as, and `Expect`, which fencegate itself answers): never forwarded upstream.
 pub const REQUEST_HOP_HEADERS: &[&str] = &[
@@ -87,7 +91,7 @@ pub async fn run<S, B>(
                 Err(error) => {
                     // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
             },

@@ -1,4 +1,4 @@
-//! Proves the HTTP API gateway (SPEC section 6) against a fake third-party API that executes
+//! Proves the HTTP API gateway (README.md, "HTTP API gateway") against a fake third-party API that executes
 //! every request it gets, records the `Idempotency-Key` and `If-Match` it was sent, honours
 //! preconditions with 412, and can be told to stall or to drop a connection: a retried request
 //! executes once and its replay is identical (both stores), stale writes never reach the API,

@@ -1,4 +1,4 @@
-//! The HTTP API gateway (SPEC section 6): third-party APIs behind the same gate as the S3 front.
+//! The HTTP API gateway (README.md, "HTTP API gateway"): third-party APIs behind the same gate as the S3 front.
 //!
 //! A request whose path starts with a route's prefix is forwarded to the route's upstream with
 //! the client's own headers (its `Authorization` included: fencegate does not authenticate route

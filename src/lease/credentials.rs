@@ -1,5 +1,5 @@
 //! Lease credentials: temporary S3 credentials bound to one lease, so that an unmodified S3
-//! tool is fenced by its endpoint and credentials alone (SPEC section 9).
+//! tool is fenced by its endpoint and credentials alone (docs/leases.md, "Lease credentials: unmodified tools").
 //!
 //! Nothing of a credential is stored. Its session token names the grant: the resource, the
 //! token, a tag of the lease id, and the issuer that asked for it. Its access key id is made

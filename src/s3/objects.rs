@@ -154,8 +154,11 @@ impl EtagCache {
 
 /// Reads an object's head at the upstream.
 pub async fn head(upstream: &dyn Upstream, raw_path: &str) -> Result<ObjectState, FrontError> {
-    let req =
-        http::Request::builder().method(Method::HEAD).uri(raw_path).body(Body::empty()).expect("a path is a valid URI");
+    let req = http::Request::builder()
+        .method(Method::HEAD)
+        .uri(raw_path)
+        .body(Body::empty())
+        .map_err(|_| FrontError::UnsafeKey)?;
     let resp = upstream.send(req).await.map_err(FrontError::Upstream)?;
     match resp.status() {
         StatusCode::NOT_FOUND => Ok(ObjectState::Absent),

@@ -1,5 +1,5 @@
 //! The fencing wire contract on S3 requests: which token a write presents, and which resource
-//! it writes to (SPEC section 2).
+//! it writes to (README.md, "Attaching the token").
 
 use http::{HeaderMap, HeaderName};
 

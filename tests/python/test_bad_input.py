@@ -1,4 +1,4 @@
-"""Proves SPEC section 7: bad input gets a clear error, writes nothing upstream, and never crashes or hangs fencegate.
+"""Proves that bad input gets a clear error, writes nothing upstream, and never crashes or hangs fencegate.
 
 Note on ` 12` (leading space): HTTP strips optional whitespace around every header value
 (RFC 9110 5.5), and so does SigV4's canonical form, so ` 12` arrives as `12` in any server.

@@ -1,4 +1,4 @@
-"""Proves G3's "in flight until the outcome is known" (SPEC §3, docs/design.md §3 and §8) with an
+"""Proves G3's "in flight until the outcome is known" (docs/design.md §3 and §8) with an
 upstream that holds one chosen request: a write whose body reached the upstream stays in flight
 whatever its client or its deadline does, so a newer token never commits before it; and the
 holes next to it are closed (a DELETE of an absent object is never forwarded, a method S3 does

@@ -1,4 +1,4 @@
-"""Lease credentials (SPEC section 9, README "Lease credentials"): a grant with
+"""Lease credentials (docs/leases.md, "Lease credentials: unmodified tools"): a grant with
 `"credentials": true` answers with temporary S3 credentials bound to the lease's resource and
 token. Requests signed with them need no fencing header. Each test is one promise and the fault
 that would break it:

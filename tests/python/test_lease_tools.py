@@ -1,4 +1,4 @@
-"""Unmodified S3 tools under `fencegate-lease run` (SPEC section 9, "Lease credentials").
+"""Unmodified S3 tools under `fencegate-lease run` (docs/leases.md, "Lease credentials: unmodified tools").
 
 `fencegate-lease run NAME -- COMMAND` takes lease NAME with credentials and runs COMMAND with
 them in its environment. Here COMMAND is a real tool that knows nothing of fencegate: the aws

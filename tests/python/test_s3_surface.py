@@ -1,4 +1,4 @@
-"""Proves issue 3 with real clients against a real S3-compatible upstream (moto_server): every
+"""Proves the S3 surface (docs/clients.md) with real clients against a real S3-compatible upstream (moto_server): every
 fenced S3 write through fencegate, with a fresh token, a stale token and no token, over HTTP and
 over HTTPS; the 2025 SDK checksum defaults (aws-chunked with trailing checksums, verified before
 the upstream commit); virtual-hosted addressing; presigned URLs (SigV4 and SigV2); HTTP/2.

@@ -10,7 +10,7 @@ Timing (defaults; every wait below is bounded):
 - but it commits a write within 0.8 x `fencing.inflight_deadline_ms` (3 s) of its body's
   arrival, or never (held too long: answered 503 and dropped). fencegate assumes an upstream
   commits within the in-flight deadline or never (README, "Guarantees and limits"; the stated
-  limit of SPEC §3 across replicas is the same bound). With every commit inside it, a violation
+  limit of docs/design.md (section 3) across replicas is the same bound). With every commit inside it, a violation
   is never an upstream breaking fencegate's stated assumption.
 - a long stop lasts longer than the in-flight deadline.
 """
