@@ -730,8 +730,8 @@ async fn an_ambiguous_outcome_is_never_executed_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_upstreams_are_verified() {
     let certs = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = make_certificates(certs.path());
-    let api = FakeApi::start(Some(fencegate::server::tls_acceptor(&cert, &key).unwrap())).await;
+    let tls = common::make_test_tls(certs.path());
+    let api = FakeApi::start(Some(fencegate::server::tls_acceptor(&tls.cert, &tls.key).unwrap())).await;
     let dir = tempfile::tempdir().unwrap();
     let routes = format!(
         "[[routes]]\nprefix = \"/private/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\
@@ -739,7 +739,7 @@ async fn https_upstreams_are_verified() {
          [[routes]]\nprefix = \"/public/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\
          advance = \"write\"\n",
         api.url("https", "/v1/"),
-        ca.display(),
+        tls.ca_path.display(),
         api.url("https", "/v1/"),
     );
     let fg = Fencegate::start_local(dir.path(), &routes).await;
@@ -749,48 +749,6 @@ async fn https_upstreams_are_verified() {
     let untrusted = c.write("POST", "/public/1", 1, None, "over tls").await;
     assert_eq!((untrusted.status, untrusted.code().as_str()), (502, "UpstreamUnavailable"));
     assert_eq!(api.ledger().len(), 1);
-}
-
-/// A CA and a certificate for 127.0.0.1 signed by it, made with the openssl command.
-fn make_certificates(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    let run = |args: &[&str]| {
-        let out =
-            std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl is needed");
-        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    let mut ca_args = vec!["req", "-x509"];
-    ca_args.extend(ec);
-    ca_args.extend(["-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=fencegate test CA", "-days", "2"]);
-    ca_args.extend(["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"]);
-    run(&ca_args);
-    let mut csr_args = vec!["req"];
-    csr_args.extend(ec);
-    csr_args.extend(["-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=127.0.0.1"]);
-    run(&csr_args);
-    std::fs::write(
-        dir.join("leaf.ext"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "leaf.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "leaf.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "leaf.ext",
-    ]);
-    (dir.join("ca.pem"), dir.join("leaf.pem"), dir.join("leaf.key"))
 }
 
 /// Every mode serves a bounded concurrent load with every write answered 2xx, against the real

@@ -374,8 +374,8 @@ pub fn redis_store_toml(url: &str, replica: &str) -> String {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 3 (tests/s3_surface.rs): extra `[server]` keys (HTTPS, domain), a throwaway test CA,
-// and aws-sdk-s3 clients that trust it or resolve test names to loopback.
+// Extra `[server]` keys (HTTPS, domain), the one throwaway test CA of the Rust tests, and
+// aws-sdk-s3 clients that trust it or resolve test names to loopback.
 // ---------------------------------------------------------------------------------------------
 
 impl Fencegate {
@@ -423,6 +423,8 @@ pub const TEST_DOMAIN: &str = "s3.fencegate.test";
 /// temporary directory (never committed). Clients trust `ca_pem`.
 pub struct TestTls {
     pub ca_pem: Vec<u8>,
+    /// The CA's certificate file, for a configuration that names it (`ca_cert_path`).
+    pub ca_path: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
 }
@@ -482,6 +484,7 @@ pub fn make_test_tls(dir: &Path) -> TestTls {
     }
     TestTls {
         ca_pem: std::fs::read(dir.join("ca.pem")).unwrap(),
+        ca_path: dir.join("ca.pem"),
         cert: dir.join("server.pem"),
         key: dir.join("server.key"),
     }
