@@ -13,7 +13,7 @@ use crate::admin::Admin;
 use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{Gate, GateLimits, Store};
 use crate::gateway::Gateway;
-use crate::lease::{LeaseService, RandomLeaseIds, SystemClock};
+use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
@@ -35,6 +35,8 @@ pub struct App {
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// What the start-up probe found the upstream enforces, once it ran.
     enforcement: Option<Enforcement>,
+    /// Wall-clock time of leases and idempotency records.
+    clock: Arc<dyn Clock>,
 }
 
 /// The listeners' bound addresses.
@@ -47,6 +49,12 @@ pub struct Bound {
 impl App {
     /// Opens the fence store and the upstream. Fails with a message naming what is wrong.
     pub async fn build(config: Config) -> anyhow::Result<Self> {
+        Self::build_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    /// [`App::build`], with the wall clock that leases and idempotency records expire by (a
+    /// test's manual clock, so expiry is tested without sleeping).
+    pub async fn build_with_clock(config: Config, clock: Arc<dyn Clock>) -> anyhow::Result<Self> {
         if config.store.kind != StoreKind::Embedded
             && config.store.timeout_ms * 4 >= config.fencing.inflight_deadline_ms
         {
@@ -108,12 +116,12 @@ impl App {
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
-        let gateway = Arc::new(Gateway::new(&config, gate.clone(), Arc::new(SystemClock))?);
+        let gateway = Arc::new(Gateway::new(&config, gate.clone(), clock.clone())?);
         let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None })
+        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None, clock })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -232,7 +240,7 @@ impl App {
         let issuers = Arc::new(crate::lease::credentials::Issuers::from_config(&self.config));
         let leases = Arc::new(LeaseService::new(
             self.gate.clone(),
-            Arc::new(SystemClock),
+            self.clock.clone(),
             Arc::new(RandomLeaseIds),
             self.config.leases.ttl_ms_max,
             issuers.clone(),

@@ -75,8 +75,9 @@ async fn grants_and_fences_survive_killing_the_etcd_leader() {
     let mut replicas = Vec::new();
     for name in ["a", "b"] {
         let store = etcd.store_toml(name);
-        replicas
-            .push(Fencegate::start_configured(&dir.path().join(name), &store, &moto.upstream_toml(BUCKET), "").await);
+        replicas.push(
+            Fencegate::setup(&dir.path().join(name)).store(&store).upstream(&moto.upstream_toml(BUCKET)).start().await,
+        );
     }
     let clients: Vec<Client> = replicas.iter().map(client).collect();
     let leases: Vec<LeaseClient> = replicas
@@ -165,13 +166,11 @@ async fn grants_and_fences_survive_killing_the_etcd_leader() {
 
     // A replica started now has no mark of its own: only etcd can refuse the previous
     // holder's token on an object nobody wrote, and grant above every earlier grant.
-    let late = Fencegate::start_configured(
-        &dir.path().join("late"),
-        &etcd.store_toml("late"),
-        &moto.upstream_toml(BUCKET),
-        "",
-    )
-    .await;
+    let late = Fencegate::setup(&dir.path().join("late"))
+        .store(&etcd.store_toml("late"))
+        .upstream(&moto.upstream_toml(BUCKET))
+        .start()
+        .await;
     let (code, status, current) = put(&client(&late), "never-written.bin", tokens[tokens.len() - 2]).await.unwrap_err();
     assert_eq!((code.as_deref(), status), (Some("FencingTokenStale"), 409));
     assert_eq!(current, Some(tokens.last().unwrap().to_string()));
@@ -194,9 +193,15 @@ async fn a_grant_on_one_replica_fences_the_other_and_a_lost_quorum_fails_closed(
     let moto = Moto::start().await;
     s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let a = Fencegate::start_configured(&dir.path().join("a"), &etcd.store_toml("a"), &moto.upstream_toml(BUCKET), "")
+    let a = Fencegate::setup(&dir.path().join("a"))
+        .store(&etcd.store_toml("a"))
+        .upstream(&moto.upstream_toml(BUCKET))
+        .start()
         .await;
-    let b = Fencegate::start_configured(&dir.path().join("b"), &etcd.store_toml("b"), &moto.upstream_toml(BUCKET), "")
+    let b = Fencegate::setup(&dir.path().join("b"))
+        .store(&etcd.store_toml("b"))
+        .upstream(&moto.upstream_toml(BUCKET))
+        .start()
         .await;
     let (ca, cb) = (client(&a), client(&b));
     put(&ca, "doc", 7).await.unwrap();

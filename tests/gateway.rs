@@ -123,6 +123,16 @@ impl FakeApi {
         self.state.lock().unwrap().current.get(path).map(|(_, b)| b.clone())
     }
 
+    /// Waits until every scripted answer was taken: the requests they were for have reached
+    /// the API (and a `StallThenExecute` one is being held there).
+    async fn wait_until_scripts_taken(&self) {
+        let deadline = Instant::now() + WAIT_MAX;
+        while self.scripts_left() > 0 {
+            assert!(Instant::now() < deadline, "{} scripted requests never reached the API", self.scripts_left());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Waits until `path` received `n` complete writes.
     async fn wait_for(&self, path: &str, n: usize) {
         let deadline = Instant::now() + WAIT_MAX;
@@ -347,14 +357,22 @@ async fn a_retried_request_executes_once_on_the_redis_store() {
     let redis = RedisServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let upstream = format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.path().join("objects").display());
-    let fg =
-        Fencegate::start_configured(dir.path(), &redis_store_toml(&redis.url(), "r1"), &upstream, &routes(&api)).await;
+    let fg = Fencegate::setup(dir.path())
+        .store(&redis_store_toml(&redis.url(), "r1"))
+        .upstream(&upstream)
+        .extra(&routes(&api))
+        .start()
+        .await;
     retried_requests_execute_once(&api, &Caller::new(&fg)).await;
 
     // A second replica on the same Redis answers the retry from the same record.
     let dir2 = tempfile::tempdir().unwrap();
-    let fg2 =
-        Fencegate::start_configured(dir2.path(), &redis_store_toml(&redis.url(), "r2"), &upstream, &routes(&api)).await;
+    let fg2 = Fencegate::setup(dir2.path())
+        .store(&redis_store_toml(&redis.url(), "r2"))
+        .upstream(&upstream)
+        .extra(&routes(&api))
+        .start()
+        .await;
     let replica = Caller::new(&fg2);
     let before = api.ledger().len();
     let again = replica.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;
@@ -488,7 +506,7 @@ async fn a_duplicate_of_a_request_in_flight_gets_409_then_the_replay() {
         let c = c.clone();
         async move { c.write("POST", "/pay/7/charges", 1, Some("dup"), "{\"n\":1}").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    api.wait_until_scripts_taken().await;
     let duplicate = c.write("POST", "/pay/7/charges", 1, Some("dup"), "{\"n\":1}").await;
     assert_eq!((duplicate.status, duplicate.code().as_str()), (409, "IdempotentRequestInFlight"));
     assert_eq!(duplicate.header("retry-after"), Some("1"));
@@ -559,12 +577,12 @@ async fn a_stalled_older_write_is_awaited_before_a_newer_one_is_forwarded() {
         let c = c.clone();
         async move { c.write("POST", "/hook/5", 1, None, "old").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    api.wait_until_scripts_taken().await;
     let new = tokio::spawn({
         let c = c.clone();
         async move { c.write("POST", "/hook/5", 2, None, "new").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    fg.wait_for_fence("hook:5", 2).await;
     let refused = c.write("POST", "/hook/5", 1, None, "old-again").await;
     assert_eq!((refused.status, refused.header("fencing-token-current")), (409, Some("2")));
     let (old, new) = (old.await.unwrap(), new.await.unwrap());
@@ -590,19 +608,7 @@ async fn an_older_body_still_streaming_is_cut_off_by_a_newer_token() {
     slow.write_all(&[b'a'; 400]).await.unwrap();
     // The older write is admitted (its token is the fence) and streaming before the newer one
     // comes: its 409 below can then only be a cut-off, not a refusal at admission.
-    let admin: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let mut admitted = false;
-    for _ in 0..250 {
-        let uri: http::Uri = format!("http://{}/v1/fences/hook:6", fg.admin).parse().unwrap();
-        let resp = admin.get(uri).await.unwrap();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        if body.as_ref() == br#"{"resource":"hook:6","token":1}"# {
-            admitted = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(admitted, "the older write was admitted");
+    fg.wait_for_fence("hook:6", 1).await;
 
     let new = c.write("POST", "/hook/6", 2, None, "new").await;
     assert_eq!(new.status, 201);

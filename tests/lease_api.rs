@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_s3::primitives::ByteStream;
-use common::{ACCESS_KEY, Fencegate, SECRET_KEY, error_of};
+use common::{ACCESS_KEY, Fencegate, ManualClock, SECRET_KEY, error_of};
 use fencegate_client::{FencingInterceptor, LeaseClient, LeaseError, LeaseOptions, LeaseStatus, LostReason};
 
 const BUCKET: &str = "leases";
@@ -73,12 +73,18 @@ async fn a_held_lease_refuses_a_second_acquire_and_a_stale_release() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renew_after_expiry_is_gone() {
     let dir = tempfile::tempdir().unwrap();
-    let fg = Fencegate::start_local(dir.path(), "").await;
+    let clock = ManualClock::new();
+    let fg = Fencegate::setup(dir.path()).clock(clock.clone()).start().await;
     let c = lease_client(&fg);
 
     let a = c.try_acquire("job:expiry", "a", Duration::from_millis(300)).await.unwrap();
-    // fencegate's expiry counts from its grant, which happened before this sleep started.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    clock.advance(Duration::from_millis(299));
+    let renewed = c.renew("job:expiry", &a.lease_id).await.expect("live until its TTL has passed");
+    assert_eq!(renewed.token, a.token);
+    // The renewal counts from now: 299 ms later it still stands, 300 ms later it is gone.
+    clock.advance(Duration::from_millis(299));
+    assert!(matches!(c.try_acquire("job:expiry", "b", TTL_LONG).await, Err(LeaseError::Held { .. })));
+    clock.advance(Duration::from_millis(1));
     assert!(matches!(c.renew("job:expiry", &a.lease_id).await, Err(LeaseError::Gone)));
     assert!(matches!(c.release("job:expiry", &a.lease_id).await, Err(LeaseError::Gone)));
     let b = c.try_acquire("job:expiry", "b", TTL_LONG).await.expect("an expired lease does not block");

@@ -53,13 +53,11 @@ async fn racing_writers_through_three_replicas_never_commit_a_stale_write() {
     let mut dirs = Vec::new();
     for i in 0..3 {
         let dir = tempfile::tempdir().unwrap();
-        let fg = Fencegate::start_configured(
-            dir.path(),
-            &redis_store_toml(&redis.url(), &format!("replica-{i}")),
-            &moto.upstream_toml(BUCKET),
-            "",
-        )
-        .await;
+        let fg = Fencegate::setup(dir.path())
+            .store(&redis_store_toml(&redis.url(), &format!("replica-{i}")))
+            .upstream(&moto.upstream_toml(BUCKET))
+            .start()
+            .await;
         replicas.push(fg);
         dirs.push(dir);
     }
@@ -126,7 +124,7 @@ async fn redis_failures_fail_closed_and_heal() {
         "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
         dir.path().join("objects").display()
     );
-    let fg = Fencegate::start_configured(dir.path(), &redis_store_toml(&redis.url(), "solo"), &local, "").await;
+    let fg = Fencegate::setup(dir.path()).store(&redis_store_toml(&redis.url(), "solo")).upstream(&local).start().await;
     let c = client(&fg);
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
     put(&c, "doc", 12, b"twelve".to_vec()).await.unwrap();
@@ -184,8 +182,16 @@ async fn repeated_writes_with_one_token_only_read_redis_and_a_newer_token_clears
         "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
         dir.path().join("objects").display()
     );
-    let a = Fencegate::start_configured(&dir.path().join("a"), &redis_store_toml(&redis.url(), "a"), &local, "").await;
-    let b = Fencegate::start_configured(&dir.path().join("b"), &redis_store_toml(&redis.url(), "b"), &local, "").await;
+    let a = Fencegate::setup(&dir.path().join("a"))
+        .store(&redis_store_toml(&redis.url(), "a"))
+        .upstream(&local)
+        .start()
+        .await;
+    let b = Fencegate::setup(&dir.path().join("b"))
+        .store(&redis_store_toml(&redis.url(), "b"))
+        .upstream(&local)
+        .start()
+        .await;
     let (ca, cb) = (client(&a), client(&b));
     ca.create_bucket().bucket(BUCKET).send().await.unwrap();
     let mut r = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
@@ -248,7 +254,7 @@ async fn a_redis_cluster_of_three_masters_is_a_fence_store() {
         "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
         dir.path().join("objects").display()
     );
-    let fg = Fencegate::start_configured(dir.path(), &store, &local, "").await;
+    let fg = Fencegate::setup(dir.path()).store(&store).upstream(&local).start().await;
     let c = client(&fg);
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
     for i in 0..12 {
@@ -291,13 +297,11 @@ async fn a_replica_mark_outlives_a_redis_that_lost_its_data() {
     let moto = Moto::start().await;
     s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
     let dir_a = tempfile::tempdir().unwrap();
-    let a = Fencegate::start_configured(
-        dir_a.path(),
-        &redis_store_toml(&redis.url(), "a"),
-        &moto.upstream_toml(BUCKET),
-        "",
-    )
-    .await;
+    let a = Fencegate::setup(dir_a.path())
+        .store(&redis_store_toml(&redis.url(), "a"))
+        .upstream(&moto.upstream_toml(BUCKET))
+        .start()
+        .await;
     let credentials = Credentials::new(common::ACCESS_KEY, common::SECRET_KEY, None, None, "test");
     let leases = LeaseClient::new(&a.endpoint(), credentials, "us-east-1").unwrap();
     let resource = "job:failover";
@@ -311,13 +315,11 @@ async fn a_replica_mark_outlives_a_redis_that_lost_its_data() {
 
     redis.restart_empty().await; // again: Redis has nothing, replica a's mark is `second`
     let dir_b = tempfile::tempdir().unwrap();
-    let b = Fencegate::start_configured(
-        dir_b.path(),
-        &redis_store_toml(&redis.url(), "b"),
-        &moto.upstream_toml(BUCKET),
-        "",
-    )
-    .await;
+    let b = Fencegate::setup(dir_b.path())
+        .store(&redis_store_toml(&redis.url(), "b"))
+        .upstream(&moto.upstream_toml(BUCKET))
+        .start()
+        .await;
     // The stale holder writes through a: refused from a's mark, which raises Redis back (a
     // refusal asks at most once a second, again at once if asking failed: Redis just restarted).
     let fence_key = format!("fg:{{{resource}}}:fence");

@@ -92,7 +92,7 @@ async fn classic_scenario_against_a_real_s3_server() {
     direct.create_bucket().bucket(BUCKET).send().await.unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    let fg = Fencegate::start_with(dir.path(), &moto.upstream_toml(BUCKET), "").await;
+    let fg = Fencegate::setup(dir.path()).upstream(&moto.upstream_toml(BUCKET)).start().await;
     classic_scenario(&client(&fg)).await;
     // The upstream itself holds B's bytes and B's stamp.
     assert_eq!(get(&direct, "report.csv").await, (b"B's report".to_vec(), Some("12".into())));
@@ -139,7 +139,7 @@ async fn race(
     // the fence) so that 12 meets it in flight, not at admission.
     tx.send(Ok(http_body::Frame::data(Bytes::from(vec![b'o'; OLD_LEN / 2])))).await.unwrap();
     let fenced = resource.map_or_else(|| format!("{BUCKET}/{key_old}"), str::to_owned);
-    wait_for_fence(fg, &fenced, 11).await;
+    fg.wait_for_fence(&fenced, 11).await;
 
     put(c, key_new, 12, resource, ByteStream::from_static(b"new holder")).await.expect("12 is admitted");
     // The rest of the old body arrives too late.
@@ -155,29 +155,6 @@ async fn race(
         let head = c.head_object().bucket(BUCKET).key(key_old).send().await;
         assert!(head.is_err(), "the cancelled upload left no object");
     }
-}
-
-/// Waits (bounded) until the fence of `resource` is `token`, read on the admin API.
-async fn wait_for_fence(fg: &Fencegate, resource: &str, token: u64) {
-    let path: String = resource
-        .bytes()
-        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect();
-    let url = format!("http://{}/v1/fences/{path}", fg.admin);
-    let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<Bytes>> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
-    for _ in 0..200 {
-        if let Ok(resp) = client.get(url.parse().unwrap()).await
-            && resp.status() == 200
-        {
-            let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
-            if serde_json::from_slice::<serde_json::Value>(&body).unwrap()["token"] == token {
-                return;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the fence of {resource} never became {token}");
 }
 
 fn tokio_stream_from<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {

@@ -127,7 +127,7 @@ impl Surface {
         up.create_bucket().bucket("probe").send().await.expect("moto creates the probe bucket");
         let tls = https.then(|| make_test_tls(&dir.path().join("tls")));
         let server = format!("{}{server_extra}", tls.as_ref().map(tls_server_toml).unwrap_or_default());
-        let fg = Fencegate::start_with_server(dir.path(), &server, &moto.upstream_toml("probe"), "").await;
+        let fg = Fencegate::setup(dir.path()).server(&server).upstream(&moto.upstream_toml("probe")).start().await;
         let token = FencingToken::default();
         let (endpoint, http) = match &tls {
             Some(tls) => (fg.https_endpoint(), tls_http_client(&tls.ca_pem, false)),

@@ -171,6 +171,11 @@ impl LeaseService {
         Self { gate, clock, ids, ttl_ms_max, issuers }
     }
 
+    /// The clock leases expire by.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
     pub fn handles(path: &str) -> bool {
         path.starts_with(OWN_PREFIX)
     }

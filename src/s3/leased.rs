@@ -30,7 +30,7 @@ impl Front {
         let resource = ResourceKey::new(&claims.resource).map_err(Refusal::InvalidResource)?;
         let write = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
         let stored = self.gate.lease_record(&resource).await.map_err(Refusal::StoreUnavailable)?;
-        let now_ms = crate::lease::Clock::now_ms(&crate::lease::SystemClock);
+        let now_ms = self.clock.now_ms();
         let stands = stored.as_ref().is_some_and(|l| claims.names(l) && l.is_live(now_ms));
         let token = FenceToken(claims.token);
         if !stands {

@@ -89,6 +89,9 @@ pub struct Front {
     upload_ids_tied_to_keys: bool,
     /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
     scopes: std::collections::HashMap<String, Scopes>,
+    /// The clock leases expire by (the lease service's), for requests signed with a lease
+    /// credential.
+    clock: Arc<dyn crate::lease::Clock>,
 }
 
 /// What the handler knows of a request after classification.
@@ -148,6 +151,7 @@ impl Front {
                 .filter(|c| !c.buckets.is_empty())
                 .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
                 .collect(),
+            clock: Arc::new(crate::lease::SystemClock),
         })
     }
 

@@ -30,6 +30,7 @@ pub fn service(
     let fixed: std::collections::HashMap<String, String> =
         config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect();
     let mut front = Front::new(config, gate, upstream)?;
+    front.clock = leases.clock();
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
     front.copy_by_read_and_put = front.gate.is_shared() && enforcement.is_some_and(|e| !e.copy_object);

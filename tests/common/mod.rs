@@ -4,11 +4,13 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
 use fencegate::App;
 use fencegate::config::Config;
+use fencegate::lease::{Clock, SystemClock};
 use tokio::sync::oneshot;
 
 pub const ACCESS_KEY: &str = "fencegate-dev";
@@ -25,24 +27,47 @@ pub struct Fencegate {
 
 impl Fencegate {
     /// Starts fencegate on the embedded store and local upstream in `dir`, with `extra` TOML
-    /// appended (e.g. an `[upstream]` override is not possible this way; use `start_with`).
+    /// appended: `Fencegate::setup(dir).extra(extra).start()`.
     pub async fn start_local(dir: &Path, extra: &str) -> Self {
-        let upstream = format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.join("objects").display());
-        Self::start_with(dir, &upstream, extra).await
+        Self::setup(dir).extra(extra).start().await
     }
 
-    pub async fn start_with(dir: &Path, upstream_toml: &str, extra: &str) -> Self {
-        let store = format!("[store]\nkind = \"embedded\"\npath = \"{}\"\n", dir.join("fences").display());
-        Self::start_configured(dir, &store, upstream_toml, extra).await
+    /// The one way the Rust tests start fencegate: on loopback ports, the embedded store in
+    /// `dir/fences` and the local upstream in `dir/objects` unless told otherwise, the dev
+    /// credentials as an issuer, and the system clock unless given one.
+    pub fn setup(dir: &Path) -> Setup {
+        Setup {
+            dir: dir.into(),
+            store: format!("[store]\nkind = \"embedded\"\npath = \"{}\"\n", dir.join("fences").display()),
+            upstream: format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.join("objects").display()),
+            server: String::new(),
+            extra: String::new(),
+            clock: None,
+        }
     }
 
-    /// Starts fencegate with the given `[store]` and `[upstream]` sections, and `extra` TOML.
-    pub async fn start_configured(dir: &Path, store_toml: &str, upstream_toml: &str, extra: &str) -> Self {
-        let toml = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{store_toml}\n{upstream_toml}\n\
-             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n{extra}"
-        );
-        Self::start_from_toml(dir, &toml).await
+    /// Waits (bounded) until the fence of `resource` is `token`, read on the admin API: a race test's proof that
+    /// a write was admitted.
+    pub async fn wait_for_fence(&self, resource: &str, token: u64) {
+        let path: String = resource
+            .bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect();
+        let url = format!("http://{}/v1/fences/{path}", self.admin);
+        let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+        for _ in 0..200 {
+            if let Ok(resp) = client.get(url.parse().unwrap()).await
+                && resp.status() == 200
+            {
+                let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+                if serde_json::from_slice::<serde_json::Value>(&body).unwrap()["token"] == token {
+                    return;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the fence of {resource} never became {token}");
     }
 
     pub fn endpoint(&self) -> String {
@@ -308,7 +333,7 @@ impl EtcdCluster {
         self.members.iter().map(|m| format!("http://127.0.0.1:{}", m.client_port)).collect()
     }
 
-    /// `[store]` for this cluster, to use with `Fencegate::start_configured`.
+    /// `[store]` for this cluster, to use with `Setup::store`.
     pub fn store_toml(&self, replica: &str) -> String {
         let endpoints = self.endpoints().iter().map(|e| format!("\"{e}\"")).collect::<Vec<_>>().join(", ");
         format!("[store]\nkind = \"etcd\"\nendpoints = [{endpoints}]\nreplica_id = \"{replica}\"\ntimeout_ms = 1000\n")
@@ -368,7 +393,7 @@ impl Drop for EtcdCluster {
     }
 }
 
-/// `[store]` for Redis, to use with `Fencegate::start_configured`.
+/// `[store]` for Redis, to use with `Setup::store`.
 pub fn redis_store_toml(url: &str, replica: &str) -> String {
     format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\n")
 }
@@ -378,13 +403,61 @@ pub fn redis_store_toml(url: &str, replica: &str) -> String {
 // aws-sdk-s3 clients that trust it or resolve test names to loopback.
 // ---------------------------------------------------------------------------------------------
 
-impl Fencegate {
-    /// Starts fencegate from a complete TOML document (the caller writes every section).
-    pub async fn start_from_toml(dir: &Path, toml: &str) -> Self {
-        let mut config = Config::from_toml(toml).expect("test config is valid");
+/// What a test fencegate runs on; `start` serves it.
+pub struct Setup {
+    dir: PathBuf,
+    store: String,
+    upstream: String,
+    server: String,
+    extra: String,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl Setup {
+    /// The `[store]` section.
+    pub fn store(mut self, toml: &str) -> Self {
+        self.store = toml.into();
+        self
+    }
+
+    /// The `[upstream]` section.
+    pub fn upstream(mut self, toml: &str) -> Self {
+        self.upstream = toml.into();
+        self
+    }
+
+    /// Extra lines in `[server]` (e.g. `tls_cert_path = "..."`, `domain = "..."`).
+    pub fn server(mut self, lines: &str) -> Self {
+        self.server = lines.into();
+        self
+    }
+
+    /// TOML appended after every section (`[fencing]`, `[[routes]]`, more `[[credentials]]`).
+    pub fn extra(mut self, toml: &str) -> Self {
+        self.extra = toml.into();
+        self
+    }
+
+    /// The wall clock leases and idempotency records expire by.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    pub async fn start(self) -> Fencegate {
+        let Self { dir, store, upstream, server, extra, clock } = self;
+        let toml = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{store}\n{upstream}\n\
+             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n{extra}"
+        );
+        let mut config = Config::from_toml(&toml).expect("test config is valid");
         // The tests read the token that wrote an object through fencegate.
         config.fencing.show_stamp = true;
-        let app = App::build(config).await.expect("fencegate builds");
+        let app = match clock {
+            Some(clock) => App::build_with_clock(config, clock).await,
+            None => App::build(config).await,
+        }
+        .expect("fencegate builds");
         let (s3, admin) = app.bind().await.expect("binds loopback");
         let (s3_addr, admin_addr) = (s3.local_addr().unwrap(), admin.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
@@ -395,21 +468,31 @@ impl Fencegate {
             .await
             .expect("fencegate serves");
         });
-        Self { s3: s3_addr, admin: admin_addr, dir: dir.into(), stop: Some(stop), task: Some(task) }
+        Fencegate { s3: s3_addr, admin: admin_addr, dir, stop: Some(stop), task: Some(task) }
+    }
+}
+
+/// A wall clock that moves only when the test moves it: lease expiry without sleeping.
+pub struct ManualClock(std::sync::atomic::AtomicU64);
+
+impl ManualClock {
+    /// Starts at the system's now, so what fencegate writes (RFC 3339 expirations) is sane.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self(std::sync::atomic::AtomicU64::new(SystemClock.now_ms())))
     }
 
-    /// Like `start_with` (embedded store in `dir`), plus `server_extra` lines in `[server]`
-    /// (e.g. `tls_cert_path = "..."`, `domain = "..."`).
-    pub async fn start_with_server(dir: &Path, server_extra: &str, upstream_toml: &str, extra: &str) -> Self {
-        let toml = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server_extra}\n\
-             [store]\nkind = \"embedded\"\npath = \"{}\"\n{upstream_toml}\n\
-             [[credentials]]\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nrole = \"issuer\"\n{extra}",
-            dir.join("fences").display()
-        );
-        Self::start_from_toml(dir, &toml).await
+    pub fn advance(&self, by: std::time::Duration) {
+        self.0.fetch_add(u64::try_from(by.as_millis()).unwrap(), std::sync::atomic::Ordering::SeqCst);
     }
+}
 
+impl Clock for ManualClock {
+    fn now_ms(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Fencegate {
     /// `https://127.0.0.1:<port>` (for an instance started with TLS).
     pub fn https_endpoint(&self) -> String {
         format!("https://{}", self.s3)
