@@ -258,7 +258,10 @@ impl App {
             let svc = s3_service.clone();
             let gateway = gateway.clone();
             async move {
-                // `[[routes]]` prefixes first (none can be under /_fencegate/), then S3.
+                // The main listener's precedence, all of it: (1) `[[routes]]` prefixes (config
+                // refuses one under /_fencegate/); (2) fencegate's own endpoints under
+                // /_fencegate/v1/ (leases, fence registrations), which s3s authenticates like
+                // any S3 request and `FencegateRoute` (s3/service.rs) takes before S3; (3) S3.
                 if gateway.takes(req.uri().path()) {
                     return Ok::<_, s3s::HttpError>(gateway.handle(req).await);
                 }

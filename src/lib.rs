@@ -18,12 +18,15 @@
 //! - [`metrics`]: every exported metric.
 //! - [`percent`]: percent-decoding of paths.
 //! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
+//! - [`body`]: the forwarded write's body, for both fronts: streamed, cut off when a newer
+//!   token cancels the write, kept for one retry when small.
 //! - [`refusal`]: the fencing protocol's refusals, one type for both fronts, and the token
 //!   header read once.
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
 pub mod admin;
+pub mod body;
 pub mod config;
 pub mod fence;
 pub mod gateway;

@@ -39,6 +39,7 @@ use self::client::{ApiClient, SendError};
 use self::etags::EtagCache;
 use self::replay::Collected;
 use self::route::Route;
+use crate::body::{BodyFailure, ForwardBody};
 use crate::config::{Config, RouteMode, millis, ms};
 use crate::fence::CutOff;
 use crate::fence::outcome::{Bounded, bounded_call, detached};
@@ -49,7 +50,6 @@ use crate::fence::{
 use crate::lease::Clock;
 use crate::metrics;
 use crate::refusal::{Refusal, single_token};
-use crate::s3::body::{BodyFailure, ForwardBody};
 
 /// The header carrying the client's request id, and fencegate's key to the API.
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";

@@ -6,11 +6,11 @@
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use s3s::{Body, S3Response};
 
-use super::body::ForwardBody;
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;
 use super::forward::{WriteBody, client_response, upstream_headers};
 use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
+use crate::body::ForwardBody;
 
 impl Front {
     pub(super) async fn copy_object(

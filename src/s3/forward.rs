@@ -11,9 +11,9 @@ use http::{HeaderMap, HeaderValue, Method};
 use http_body_util::BodyExt;
 use s3s::{Body, S3Response};
 
-use super::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use super::error::FrontError;
 use super::{Admitted, Front, Request, WireContract};
+use crate::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use crate::config::millis;
 use crate::fence::CutOff;
 use crate::fence::Permit;

@@ -11,7 +11,6 @@
 //! reads the token and resource; `error.rs` is every refusal, rendered as S3 XML.
 
 mod auth;
-pub(crate) mod body;
 mod checks;
 mod classify;
 mod conditional;

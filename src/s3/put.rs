@@ -6,11 +6,11 @@
 use http::Method;
 use s3s::{Body, S3Response};
 
-use super::body::ForwardBody;
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;
 use super::forward::{WriteBody, client_response, trailer_check, upstream_headers};
 use super::{Admitted, Front, Request, stamp};
+use crate::body::ForwardBody;
 
 impl Front {
     pub(super) async fn put_object(
