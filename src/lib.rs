@@ -16,6 +16,7 @@
 //! - [`sigv4`]: SigV4 signing of forwarded requests and the lean check of received ones.
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
+//! - [`outbound`]: the one HTTP client builder (the S3 upstream, the gateway's APIs).
 //! - [`percent`]: percent-decoding of paths.
 //! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
 //! - [`body`]: the forwarded write's body, for both fronts: streamed, cut off when a newer
@@ -32,6 +33,7 @@ pub mod fence;
 pub mod gateway;
 pub mod lease;
 pub mod metrics;
+pub mod outbound;
 pub mod percent;
 pub mod problem;
 pub mod refusal;

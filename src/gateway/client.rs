@@ -1,18 +1,14 @@
-//! The HTTP client to third-party APIs: hyper's pooled client over rustls (certificates verified
-//! against the web PKI roots, or a route's own CA), with the outcome of a failed call classified
+//! The HTTP client to third-party APIs (`outbound.rs`: certificates verified against the web
+//! PKI roots, or a route's own CA), with the outcome of a failed call classified
 //! as "never sent" or "unknown".
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use s3s::Body;
+
+use crate::outbound::{Outbound, PooledClient};
 
 /// Why a call got no response head.
 #[derive(Debug, thiserror::Error)]
@@ -32,7 +28,7 @@ pub enum SendError {
 }
 
 pub struct ApiClient {
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: PooledClient,
 }
 
 impl ApiClient {
@@ -43,18 +39,8 @@ impl ApiClient {
         connect_timeout: Duration,
         idle_connections_max: usize,
     ) -> anyhow::Result<Self> {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
-        let builder = hyper_rustls::HttpsConnectorBuilder::new();
-        let builder = match ca_cert_path {
-            None => builder.with_webpki_roots(),
-            Some(path) => builder.with_tls_config(tls_config(path)?),
-        };
-        let connector = builder.https_or_http().enable_all_versions().wrap_connector(http);
-        let client =
-            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle_connections_max).build(connector);
+        let ca_cert = ca_cert_path.map(|path| ("routes.ca_cert_path", path));
+        let client = Outbound { ca_cert, connect_timeout, idle_connections_max, http2: true }.build()?;
         Ok(Self { client })
     }
 
@@ -90,23 +76,4 @@ impl crate::fence::outcome::Delivery for SendError {
     fn maybe_delivered(&self) -> bool {
         !matches!(self, Self::NotSent(_) | Self::CutOff)
     }
-}
-
-/// rustls with only the CA certificates of `path` as roots.
-fn tls_config(path: &Path) -> anyhow::Result<rustls::ClientConfig> {
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .with_context(|| format!("routes.ca_cert_path: cannot read certificates from {}", path.display()))?;
-    let (added, _ignored) = roots.add_parsable_certificates(certs);
-    if added == 0 {
-        anyhow::bail!("routes.ca_cert_path: no usable CA certificate in {}", path.display());
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
 }

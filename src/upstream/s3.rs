@@ -1,24 +1,18 @@
-//! The S3-compatible upstream: hyper's pooled client, each request re-signed with SigV4 for
+//! The S3-compatible upstream: the pooled client of `outbound.rs`, each request re-signed with SigV4 for
 //! the upstream's credentials. The body is streamed (`UNSIGNED-PAYLOAD`), never buffered.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use async_trait::async_trait;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use s3s::Body;
 
 use super::{Upstream, UpstreamError};
 use crate::config::{UpstreamConfig, ms};
+use crate::outbound::{Outbound, PooledClient};
 use crate::sigv4::Signer;
 
-/// Idle time before TCP keepalive probes on upstream connections.
-const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
-
 pub struct S3Upstream {
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: PooledClient,
     /// `scheme://authority` of the endpoint, without a trailing slash.
     base: String,
     host: http::HeaderValue,
@@ -32,20 +26,13 @@ impl S3Upstream {
         let scheme = endpoint.scheme_str().expect("validated: endpoint has a scheme");
         let base = format!("{scheme}://{authority}");
 
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        // A write waits for the upstream's answer as long as its connection lives (its outcome
-        // is unknown until then); keepalive probes find a dead peer.
-        http.set_keepalive(Some(TCP_KEEPALIVE));
-        http.set_connect_timeout(Some(ms(config.connect_timeout_ms)));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let client =
-            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(config.idle_connections_max).build(connector);
+        let client = Outbound {
+            ca_cert: None,
+            connect_timeout: ms(config.connect_timeout_ms),
+            idle_connections_max: config.idle_connections_max,
+            http2: false,
+        }
+        .build()?;
 
         let signer = Signer::new(
             config.access_key_id.clone().expect("validated: upstream.access_key_id"),
