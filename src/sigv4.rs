@@ -11,7 +11,6 @@
 //! tests sign requests with aws-sigv4 and check that this module signs and verifies them alike.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -40,7 +39,7 @@ const QUERY_KEEP_UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b
 pub enum SignError {
     #[error("header {name} is not visible ASCII and cannot be signed")]
     HeaderValue { name: String },
-    #[error("the clock is before 1970")]
+    #[error("the clock is before 1970 or after 9999")]
     Clock,
 }
 
@@ -70,12 +69,14 @@ impl Signer {
     /// carry its `host` header already.
     pub fn sign<B>(&self, req: &mut http::Request<B>, now: SystemTime) -> Result<(), SignError> {
         let secs = now.duration_since(UNIX_EPOCH).map_err(|_| SignError::Clock)?.as_secs();
-        let day = self.day_key(secs, now);
-        let amz_date = amz_date(secs);
+        let amz_date = amz_date(secs)?;
+        let day = self.day_key(secs, now, &amz_date[..8]);
 
         let headers = req.headers_mut();
         headers.remove(AUTHORIZATION);
-        headers.insert(X_AMZ_DATE, HeaderValue::from_str(&amz_date).expect("digits and letters"));
+        let date = HeaderValue::from_str(&amz_date)
+            .map_err(|_| SignError::HeaderValue { name: X_AMZ_DATE.as_str().into() })?;
+        headers.insert(X_AMZ_DATE, date);
         headers.insert(X_AMZ_CONTENT_SHA256, HeaderValue::from_static(UNSIGNED_PAYLOAD));
 
         let mut names: Vec<&HeaderName> = req.headers().keys().filter(|name| !is_unsigned(name)).collect();
@@ -96,21 +97,19 @@ impl Signer {
             v4::calculate_signature(&day.key, string_to_sign(&amz_date, &[&day.scope], &canonical).as_bytes());
 
         let signed_headers = &canonical[signed];
-        let mut authorization = String::with_capacity(256);
-        write!(
-            authorization,
+        let authorization = format!(
             "{ALGORITHM} Credential={}/{}, SignedHeaders={signed_headers}, Signature={signature}",
             self.access_key_id, day.scope
-        )
-        .expect("writing to a String");
-        let mut authorization = HeaderValue::try_from(authorization).expect("visible ASCII");
+        );
+        let mut authorization = HeaderValue::try_from(authorization)
+            .map_err(|_| SignError::HeaderValue { name: AUTHORIZATION.as_str().into() })?;
         authorization.set_sensitive(true);
         req.headers_mut().insert(AUTHORIZATION, authorization);
         Ok(())
     }
 
     /// The signing key of the UTC day of `secs`, derived once per day.
-    fn day_key(&self, secs: u64, now: SystemTime) -> Arc<DayKey> {
+    fn day_key(&self, secs: u64, now: SystemTime, yyyymmdd: &str) -> Arc<DayKey> {
         let day = secs / 86_400;
         let mut today = self.today.lock().expect("signing key cache poisoned");
         match today.as_ref() {
@@ -119,7 +118,7 @@ impl Signer {
                 let key = v4::generate_signing_key(&self.secret_access_key, now, &self.region, SERVICE);
                 let fresh = Arc::new(DayKey {
                     day,
-                    scope: format!("{}/{}/{SERVICE}/aws4_request", &amz_date(secs)[..8], self.region),
+                    scope: format!("{yyyymmdd}/{}/{SERVICE}/aws4_request", self.region),
                     key: key.as_ref().to_vec(),
                 });
                 *today = Some(fresh.clone());
@@ -401,11 +400,12 @@ fn is_unsigned(name: &HeaderName) -> bool {
 }
 
 /// `YYYYMMDDTHHMMSSZ` of a Unix time, in UTC.
-fn amz_date(secs: u64) -> String {
-    let t = time::OffsetDateTime::from_unix_timestamp(secs as i64).expect("a time after 1970 and before 9999");
-    let mut out = String::with_capacity(16);
-    write!(
-        out,
+fn amz_date(secs: u64) -> Result<String, SignError> {
+    let t = i64::try_from(secs)
+        .ok()
+        .and_then(|secs| time::OffsetDateTime::from_unix_timestamp(secs).ok())
+        .ok_or(SignError::Clock)?;
+    Ok(format!(
         "{:04}{:02}{:02}T{:02}{:02}{:02}Z",
         t.year(),
         u8::from(t.month()),
@@ -413,9 +413,7 @@ fn amz_date(secs: u64) -> String {
         t.hour(),
         t.minute(),
         t.second()
-    )
-    .expect("writing to a String");
-    out
+    ))
 }
 
 /// The query as SigV4 signs it: each pair decoded (`+` is a space), re-encoded with only
@@ -594,7 +592,7 @@ mod tests {
         let authorization = reference_authorization(&req, now);
         let mut signed = req;
         let secs = now.duration_since(UNIX_EPOCH).unwrap().as_secs();
-        signed.headers_mut().insert(X_AMZ_DATE, HeaderValue::from_str(&amz_date(secs)).unwrap());
+        signed.headers_mut().insert(X_AMZ_DATE, HeaderValue::from_str(&amz_date(secs).unwrap()).unwrap());
         signed.headers_mut().insert(X_AMZ_CONTENT_SHA256, HeaderValue::from_static(UNSIGNED_PAYLOAD));
         signed.headers_mut().insert(AUTHORIZATION, HeaderValue::from_str(&authorization).unwrap());
         signed

@@ -333,9 +333,13 @@ impl Gateway {
         };
         self.accepted();
         let mut req = self.upstream_request(&parts, uri, Body::empty());
+        // Hex, so always a header value; were it not, nothing was sent.
+        let Ok(upstream_key) = HeaderValue::from_str(&claim.upstream_key) else {
+            self.finish(&key, &claim, None).await;
+            return Err(GatewayError::Internal);
+        };
         let headers = req.headers_mut();
-        headers
-            .insert(IDEMPOTENCY_KEY_HEADER, HeaderValue::from_str(&claim.upstream_key).expect("hex is a header value"));
+        headers.insert(IDEMPOTENCY_KEY_HEADER, upstream_key);
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         let deadline = tokio::time::Instant::now() + route.request_timeout;
         let (forwarded, report) = ForwardBody::new(Body::from(body), Some(permit.clone()), None, 0);
