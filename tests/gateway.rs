@@ -356,23 +356,15 @@ async fn a_retried_request_executes_once_on_the_redis_store() {
     let api = FakeApi::start(None).await;
     let redis = RedisServer::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let upstream = format!("[upstream]\nkind = \"local\"\npath = \"{}\"\n", dir.path().join("objects").display());
-    let fg = Fencegate::setup(dir.path())
-        .store(&redis_store_toml(&redis.url(), "r1"))
-        .upstream(&upstream)
-        .extra(&routes(&api))
-        .start()
-        .await;
+    let fg =
+        Fencegate::setup(dir.path()).store(&redis_store_toml(&redis.url(), "r1")).extra(&routes(&api)).start().await;
     retried_requests_execute_once(&api, &Caller::new(&fg)).await;
 
-    // A second replica on the same Redis answers the retry from the same record.
+    // A second replica on the same Redis answers the retry from the same record (the S3
+    // upstream plays no part: each replica has its own local one).
     let dir2 = tempfile::tempdir().unwrap();
-    let fg2 = Fencegate::setup(dir2.path())
-        .store(&redis_store_toml(&redis.url(), "r2"))
-        .upstream(&upstream)
-        .extra(&routes(&api))
-        .start()
-        .await;
+    let fg2 =
+        Fencegate::setup(dir2.path()).store(&redis_store_toml(&redis.url(), "r2")).extra(&routes(&api)).start().await;
     let replica = Caller::new(&fg2);
     let before = api.ledger().len();
     let again = replica.write("POST", "/pay/42/charges", 5, Some("k1"), "{\"amount\":100}").await;

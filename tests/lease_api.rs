@@ -19,10 +19,11 @@ fn lease_client(fg: &Fencegate) -> LeaseClient {
 }
 
 /// A data dir whose local upstream has the bucket `BUCKET` (a bucket there is a directory).
-fn bucket_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("objects").join(BUCKET)).unwrap();
-    dir
+/// fencegate on the local upstream, with bucket [`BUCKET`] in it.
+async fn with_bucket(dir: &std::path::Path) -> Fencegate {
+    let fg = Fencegate::start_local(dir, "").await;
+    common::client(&fg).create_bucket().bucket(BUCKET).send().await.unwrap();
+    fg
 }
 
 /// An aws-sdk-s3 client whose requests carry the token of `fencing`'s lease.
@@ -132,8 +133,8 @@ async fn names_with_slashes_spaces_and_unicode_round_trip() {
 /// loss from its next renewal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_fences_the_resource_at_once_and_the_old_holder_learns_it() {
-    let dir = bucket_dir();
-    let fg = Fencegate::start_local(dir.path(), "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = with_bucket(dir.path()).await;
     let c = lease_client(&fg);
     let options = LeaseOptions::default().renew_every(Duration::from_millis(200));
 
@@ -166,8 +167,8 @@ async fn a_grant_fences_the_resource_at_once_and_the_old_holder_learns_it() {
 /// writes from another issuer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_is_above_tokens_seen_on_writes() {
-    let dir = bucket_dir();
-    let fg = Fencegate::start_local(dir.path(), "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = with_bucket(dir.path()).await;
     let s3 = common::client(&fg);
     s3.put_object()
         .bucket(BUCKET)

@@ -136,9 +136,8 @@ fn position(lines: &[String], prefix: &str) -> usize {
 async fn a_stalled_worker_is_fenced_off_after_its_lease_passed_to_another() {
     tokio::task::spawn_blocking(worker_binary).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    // The bucket is a directory of the local upstream.
-    std::fs::create_dir_all(dir.path().join("objects").join(BUCKET)).unwrap();
     let fg = Fencegate::start_local(dir.path(), "").await;
+    common::client(&fg).create_bucket().bucket(BUCKET).send().await.unwrap();
 
     // A takes the lease (TTL 1 s), then waits for our word before writing.
     let mut a = Worker::spawn(&fg, "a", 1000, &["--ignore-lost", "wait", "write:2026/11.csv=written by A"]);
@@ -182,9 +181,8 @@ async fn a_stalled_worker_is_fenced_off_after_its_lease_passed_to_another() {
 async fn a_careful_worker_stops_when_its_lease_is_lost() {
     tokio::task::spawn_blocking(worker_binary).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    // The bucket is a directory of the local upstream.
-    std::fs::create_dir_all(dir.path().join("objects").join(BUCKET)).unwrap();
     let fg = Fencegate::start_local(dir.path(), "").await;
+    common::client(&fg).create_bucket().bucket(BUCKET).send().await.unwrap();
 
     let mut a = Worker::spawn(&fg, "a", 500, &["write:first.csv=ok", "wait", "write:second.csv=late"]);
     a.expect_line("wrote key=first.csv status=ok").await;

@@ -97,17 +97,20 @@ fn lease_client(endpoint: &str) -> LeaseClient {
         .with_request_timeout(Duration::from_secs(2))
 }
 
-fn s3(endpoint: &str, fencing: FencingInterceptor) -> aws_sdk_s3::Client {
+/// An S3 client, its requests fenced by `fencing` when given.
+fn s3(endpoint: &str, fencing: Option<FencingInterceptor>) -> aws_sdk_s3::Client {
     let config = aws_sdk_s3::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
         .endpoint_url(endpoint)
         .force_path_style(true)
         .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
-        .http_client(aws_smithy_http_client::Builder::new().build_http())
-        .interceptor(fencing)
-        .build();
-    aws_sdk_s3::Client::from_conf(config)
+        .http_client(aws_smithy_http_client::Builder::new().build_http());
+    let config = match fencing {
+        Some(fencing) => config.interceptor(fencing),
+        None => config,
+    };
+    aws_sdk_s3::Client::from_conf(config.build())
 }
 
 /// Acquires `name`, waiting (bounded) while an older lease has not expired yet.
@@ -127,26 +130,28 @@ async fn acquire_when_free(c: &LeaseClient, name: &str, holder: &str, ttl: Durat
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_keep_growing_across_kill_9_between_grants() {
     let dir = tempfile::tempdir().unwrap();
-    // The bucket is a directory of the local upstream.
-    std::fs::create_dir_all(dir.path().join("objects").join("out")).unwrap();
     let ttl = Duration::from_millis(500);
     let mut tokens = Vec::new();
     let mut previous: Option<fencegate_client::Lease> = None;
     for round in 0..3 {
         let fg = Process::start(dir.path(), "127.0.0.1:0");
+        if round == 0 {
+            // The bucket, in the local upstream: it outlives the restarts.
+            s3(&fg.endpoint(), None).create_bucket().bucket("out").send().await.unwrap();
+        }
         let c = lease_client(&fg.endpoint());
         // The lease of the round before may still be live in the store: wait it out.
         let lease = acquire_when_free(&c, "job:crash", &format!("holder-{round}"), ttl).await;
         if let Some(before) = previous.take() {
             assert!(lease.token() > before.token(), "round {round}: {} after {}", lease.token(), before.token());
             // The previous holder's token is fenced off on the restarted fencegate.
-            let stale = s3(&fg.endpoint(), FencingInterceptor::for_lease(&before));
+            let stale = s3(&fg.endpoint(), Some(FencingInterceptor::for_lease(&before)));
             let err = stale.put_object().bucket("out").key("k").body(ByteStream::from_static(b"old")).send().await;
             let status =
                 err.expect_err("a token from before the crash is stale").raw_response().map(|r| r.status().as_u16());
             assert_eq!(status, Some(409));
         }
-        let fresh = s3(&fg.endpoint(), FencingInterceptor::for_lease(&lease));
+        let fresh = s3(&fg.endpoint(), Some(FencingInterceptor::for_lease(&lease)));
         fresh.put_object().bucket("out").key("k").body(ByteStream::from_static(b"new")).send().await.unwrap();
         tokens.push(lease.token().0);
         fg.kill_9();

@@ -177,23 +177,21 @@ async fn redis_failures_fail_closed_and_heal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_writes_with_one_token_only_read_redis_and_a_newer_token_clears_them() {
     let redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]).await;
+    // Two replicas share one upstream (the local one is a single process's).
+    let moto = Moto::start().await;
+    s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let local = format!(
-        "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
-        dir.path().join("objects").display()
-    );
     let a = Fencegate::setup(&dir.path().join("a"))
         .store(&redis_store_toml(&redis.url(), "a"))
-        .upstream(&local)
+        .upstream(&moto.upstream_toml(BUCKET))
         .start()
         .await;
     let b = Fencegate::setup(&dir.path().join("b"))
         .store(&redis_store_toml(&redis.url(), "b"))
-        .upstream(&local)
+        .upstream(&moto.upstream_toml(BUCKET))
         .start()
         .await;
     let (ca, cb) = (client(&a), client(&b));
-    ca.create_bucket().bucket(BUCKET).send().await.unwrap();
     let mut r = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let inflight = "fg:{shared/doc}:inflight";
 

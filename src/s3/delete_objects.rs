@@ -167,7 +167,7 @@ impl Front {
         let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<ObjectId>> = Default::default();
         let mut refused = Vec::new();
         for object in parsed.objects {
-            if let Err(error) = self.check_key(&bucket, &object.key) {
+            if let Err(error) = super::checks::check_key(&object.key) {
                 refused.push(error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }

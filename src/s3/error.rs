@@ -51,16 +51,8 @@ pub enum FrontError {
     LeaseTokenMismatch { presented: FenceToken, lease: FenceToken },
     #[error("a request signed with a lease credential names resource {presented:?}, not its lease's {lease:?}")]
     LeaseResourceMismatch { presented: String, lease: String },
-    #[error(
-        "the local upstream stores objects as files: a key with an empty path segment (`a//b`, `/a`) would be the \
-         same file as another key, so it is refused"
-    )]
-    EmptySegmentOnLocal,
-    #[error(
-        "the local upstream holds keys of at most {max} bytes in this bucket (it names a file after the key, and a \
-         file name is at most 255 bytes); use an S3 upstream for longer keys"
-    )]
-    KeyTooLongOnLocal { max: usize },
+    #[error("the key is longer than S3 allows ({max} bytes)", max = super::checks::KEY_BYTES_MAX)]
+    KeyTooLong,
     #[error("{0} is not supported through fencegate yet")]
     NotSupported(&'static str),
     #[error("malformed XML body: {0}")]
@@ -122,10 +114,8 @@ impl FrontError {
             Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),
             Self::PreconditionRace => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
-            Self::UnsafeKey | Self::EmptySegmentOnLocal | Self::NonAsciiMetadata(_) => {
-                (S::BAD_REQUEST, "InvalidArgument")
-            }
-            Self::KeyTooLongOnLocal { .. } => (S::BAD_REQUEST, "KeyTooLongError"),
+            Self::UnsafeKey | Self::NonAsciiMetadata(_) => (S::BAD_REQUEST, "InvalidArgument"),
+            Self::KeyTooLong => (S::BAD_REQUEST, "KeyTooLongError"),
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::OutOfScope(_) | Self::OutsideLease { .. } => (S::FORBIDDEN, "AccessDenied"),
             Self::LeaseExpired => (S::FORBIDDEN, "ExpiredToken"),

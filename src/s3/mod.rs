@@ -220,7 +220,7 @@ impl Front {
         self.wire.check_presigned(req.uri.query(), &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         if let Some(key) = target.key.as_deref() {
-            self.check_key(target.bucket.as_deref().unwrap_or(""), key)?;
+            checks::check_key(key)?;
         }
         check_headers(&req.headers)?;
         // A lease credential may do what its issuer may, within its lease.

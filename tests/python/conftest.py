@@ -17,6 +17,7 @@ from fencegate_testlib import (  # noqa: E402
     RedisServer,
     base_config,
     merge,
+    seed_local_buckets,
     unique,
 )
 from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HeldS3, HoldingUpstream  # noqa: E402
@@ -59,7 +60,7 @@ def fencegate(tmp_path):
       config   -- dict merged over the default config (e.g. {"fencing": {"require_token": False}})
       upstream -- replaces the [upstream] table
       env      -- extra environment variables for the process
-      local_buckets -- buckets to create as directories of the local upstream before start
+      local_buckets -- buckets to create in the local upstream before start
     Every instance is stopped at teardown; its log tail is printed (pytest shows it on failure).
     """
     started: list[FenceGate] = []
@@ -73,8 +74,7 @@ def fencegate(tmp_path):
         workdir = tmp_path / f"fg{len(started)}"
         workdir.mkdir()
         cfg = base_config(workdir)
-        for name in local_buckets:
-            (workdir / "objects" / name).mkdir(parents=True)
+        seed_local_buckets(workdir / "objects", local_buckets)
         if upstream is not None:
             cfg["upstream"] = upstream
         if config:

@@ -331,6 +331,26 @@ def base_config(workdir: Path) -> dict:
     }
 
 
+def seed_local_buckets(objects_dir: Path, names) -> None:
+    """Creates buckets in a local upstream's directory before the fencegate under test starts
+    (its start-up probe may need one). The local store keeps buckets in its database, not as
+    directories, so one short fencegate run on that directory creates them through S3."""
+    names = tuple(names)
+    if not names:
+        return
+    seed = objects_dir.parent / f".seed-{objects_dir.name}"
+    seed.mkdir(parents=True, exist_ok=True)
+    config = base_config(seed)
+    config["upstream"]["path"] = str(objects_dir)
+    fg = FenceGate(workdir=seed, config=config)
+    fg.start()
+    try:
+        for name in names:
+            fg.client().create_bucket(Bucket=name)
+    finally:
+        fg.stop()
+
+
 def merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():

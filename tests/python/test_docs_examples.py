@@ -167,10 +167,15 @@ def fence(fg: FenceGate, resource: str):
     return r.json()["token"] if r.status_code == 200 else None
 
 
-def at_upstream(fg: FileFenceGate, bucket: str, key: str):
-    """The object's bytes in the local upstream's directory, or None."""
-    path = fg.objects_dir / bucket / key
-    return path.read_bytes() if path.is_file() else None
+def at_upstream(fg: FileFenceGate, bucket: str, key: str, verify=None):
+    """The object's bytes in the local upstream, or None (read through fencegate: reads pass
+    unfenced, and the local upstream runs inside it)."""
+    try:
+        return s3_client_ex(fg.s3_url, verify=verify).get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as e:
+        if e.response["Error"]["Code"] == "NoSuchKey":
+            return None
+        raise
 
 
 def stamp(fg: FenceGate, bucket: str, key: str):
@@ -451,7 +456,7 @@ def test_clients_curl_https(start, tmp_path, tls_files):
     shutil.copy(tls_files.ca, tmp_path / "ca.pem")
     (tmp_path / "11.csv").write_bytes(b"over HTTP/2\n")
     ok(run_sh(localize(block("docs/clients.md", "curl-https").code, fg.s3_addr, fg.admin_addr), tmp_path))
-    assert at_upstream(fg, "reports", "2026/11.csv") == b"over HTTP/2\n"
+    assert at_upstream(fg, "reports", "2026/11.csv", verify=tls_files.ca) == b"over HTTP/2\n"
     assert fence(fg, "reports/2026/11.csv") == 12
 
 

@@ -3,9 +3,9 @@ fence store returned) before any byte of a write carrying the new token reaches 
 
 `kill -9` cannot show this: the kernel's page cache survives a killed process, so a store that
 forwarded before syncing would still pass a crash test. Here fencegate runs under `strace`, and
-the order of its system calls is the proof: every advancing write's object file (the local
+the order of its system calls is the proof: every advancing write's data file (the local
 upstream writes it in-process) is created only after a completed `fdatasync` of `fences.redb`
-that began after the previous write's object; writes that do not advance need none.
+that began after the previous write's commit; writes that do not advance need none.
 """
 
 from __future__ import annotations
@@ -71,47 +71,51 @@ def _stop(proc):
 
 
 def _events(trace, objects_dir):
-    """The trace as ("sync", start, end) of the fence store's fd (line numbers), ("tmp", line,
-    path) for a temporary file the local upstream opens to receive a write, and ("commit", line,
-    (temporary path, key)) for the rename that puts an object in place, in trace order."""
+    """The trace, in order, as ("sync", start, end) for a completed sync of the fence store's
+    fd (line numbers), ("data", line, path) for a data file the local upstream creates to
+    receive a write's body, and ("commit", start, end) for a completed sync of the local
+    upstream's database (a write's commit)."""
     lines = trace.read_text().splitlines()
-    store_fd = None
-    pending = {}  # pid -> start line of an unfinished fdatasync on the store
+    fds = {}  # "fence" / "local" -> fd
+    pending = {}  # pid -> (which, start line) of an unfinished sync
     events = []
+    data_dir = str(objects_dir / "data") + "/"
+
+    def which(fd):
+        return next((name for name, known in fds.items() if known == fd), None)
+
     for n, line in enumerate(lines):
-        if store_fd is None:
-            m = re.search(r'openat\(.*"[^"]*fences\.redb".*= (\d+)$', line)
-            if m:
-                store_fd = m.group(1)
-            continue
         pid = line.split()[0]
-        if re.search(rf"\b(fdatasync|fsync)\({store_fd}\)\s+= 0", line):
-            events.append(("sync", n, n))
-        elif re.search(rf"\b(fdatasync|fsync)\({store_fd} <unfinished", line):
-            pending[pid] = n
+        opened = re.search(r'openat\(.*"([^"]*)".*= (\d+)$', line)
+        if opened and opened.group(1).endswith("/fences.redb"):
+            fds["fence"] = opened.group(2)
+        elif opened and opened.group(1).endswith("/local.redb"):
+            fds["local"] = opened.group(2)
+        elif opened and opened.group(1).startswith(data_dir) and "O_CREAT" in line:
+            events.append(("data", n, opened.group(1)))
+        done = re.search(r"\b(?:fdatasync|fsync)\((\d+)\)\s+= 0", line)
+        began = re.search(r"\b(?:fdatasync|fsync)\((\d+) <unfinished", line)
+        if done and which(done.group(1)):
+            events.append(("sync" if which(done.group(1)) == "fence" else "commit", n, n))
+        elif began and which(began.group(1)):
+            pending[pid] = (which(began.group(1)), n)
         elif re.search(r"<\.\.\. (fdatasync|fsync) resumed>.*= 0", line) and pid in pending:
-            events.append(("sync", pending.pop(pid), n))
-        elif "openat(" in line and str(objects_dir) in line and "/.tmp." in line:
-            events.append(("tmp", n, re.findall(r'"([^"]*)"', line)[0]))
-        elif "rename" in line and str(objects_dir / "durable") in line:
-            source, target = re.findall(r'"([^"]*)"', line)[-2:]
-            events.append(("commit", n, (source, target.rsplit("/", 1)[-1])))
-    assert store_fd is not None, "the trace shows the fence store being opened"
+            name, start = pending.pop(pid)
+            events.append(("sync" if name == "fence" else "commit", start, n))
+    assert "fence" in fds and "local" in fds, f"the trace shows both stores being opened: {fds}"
     return events
 
 
 def _puts(events):
-    """Each committed object: its key, the line of the previous object's commit, the line its
-    own temporary file was opened (its upload reaching the upstream), and its commit line."""
-    opened = {}
-    puts, previous = [], -1
-    for kind, n, detail in events:
-        if kind == "tmp":
-            opened[detail] = n
-        elif kind == "commit":
-            source, key = detail
-            puts.append((key, previous, opened.get(source, n), n))
-            previous = n
+    """Each committed object write, in order: the line of the previous write's commit, the line
+    its own data file was created (its body reaching the upstream), and its commit's end."""
+    puts, previous, began = [], -1, None
+    for kind, start, end in events:
+        if kind == "data" and began is None:
+            began = start
+        elif kind == "commit" and began is not None and start > began:
+            puts.append((previous, began, end))
+            previous, began = end, None
     return puts
 
 
@@ -132,13 +136,11 @@ def test_an_advance_is_synced_before_its_write_reaches_the_upstream(tmp_path):
     events = _events(trace, objects_dir)
     puts = _puts(events)
     syncs = [(start, end) for kind, start, end in events if kind == "sync"]
-    advancing = [p for p in puts if p[0].startswith("advance-")]
-    same = [p for p in puts if p[0].startswith("same-")]
-    assert [p[0] for p in advancing] == [f"advance-{t}" for t in range(1, 9)], puts
-    assert len(same) == 4, puts
-    for key, previous, began, _ in advancing:
+    assert len(puts) == 12, puts  # the PUTs run one after another: 8 advancing, then 4 not
+    advancing, same = puts[:8], puts[8:]
+    for token, (previous, began, _) in enumerate(advancing, start=1):
         synced = [s for s in syncs if s[0] > previous and s[1] < began]
-        assert synced, f"{key} reached the upstream before its advance was synced (previous commit at line " \
-                       f"{previous}, upload began at line {began})"
-    first, last = same[0][2], same[-1][3]
+        assert synced, f"advance-{token} reached the upstream before its advance was synced (previous commit " \
+                       f"at line {previous}, upload began at line {began})"
+    first, last = same[0][1], same[-1][2]
     assert not [s for s in syncs if first < s[0] < last], "writes that do not advance cost no sync"

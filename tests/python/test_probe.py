@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from fencegate_testlib import base_config, bin_path, free_port, merge, to_toml
+from fencegate_testlib import base_config, bin_path, free_port, merge, seed_local_buckets, to_toml
 
 PRECONDITIONS = ("if-match", "if-none-match")
 
@@ -90,7 +90,7 @@ def stripping_upstream(moto_server):
 
 def test_the_local_upstream_enforces_every_conditional_write(tmp_path):
     config = base_config(tmp_path)
-    (tmp_path / "objects" / "probe-local").mkdir()
+    seed_local_buckets(tmp_path / "objects", ["probe-local"])
     config["upstream"]["probe_bucket"] = "probe-local"
     out = probe(tmp_path, config)
     assert out.returncode == 0, out.stderr
