@@ -24,26 +24,41 @@ impl Front {
         let write = ObjectWrite::of(&request, &admitted)?;
         // The destination first: a stale or refused copy costs no read of its source.
         let state = self.starting_state(&write, Cached::Any).await?;
+        let keeps_metadata = !replaces_metadata(&request.headers);
         let mut headers = request.headers.clone();
-        if !replaces_metadata(&headers) {
-            self.copy_source_metadata(&mut headers).await?;
-        }
         stamp(&mut headers, admitted.token);
         let headers = upstream_headers(&headers, &self.wire);
         let path = request.path_and_query();
-        let (headers, path, object, admitted) = (&headers, &path, &write.object, &admitted);
+        let (base, path, object, admitted) = (&headers, &path, &write.object, &admitted);
         self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
-                let mut headers = headers.clone();
-                set_precondition(&mut headers, &state);
-                let body = WriteBody::InMemory(Body::empty());
-                let resp = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await?;
-                let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
-                if !committed {
-                    return Ok(Attempt::NotCommitted(resp));
+                let mut reads = 0;
+                loop {
+                    let mut headers = base.clone();
+                    let pinned = if keeps_metadata { self.copy_source_metadata(&mut headers).await? } else { None };
+                    set_precondition(&mut headers, &state);
+                    let body = WriteBody::InMemory(Body::empty());
+                    let resp = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await?;
+                    let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
+                    if committed {
+                        self.remember_write(object.clone(), resp.headers(), admitted.token);
+                        return Ok(Attempt::Committed(client_response(resp)));
+                    }
+                    // The source changed between its read and the copy: read it again, so that
+                    // the copy's bytes and metadata are one version's.
+                    reads += 1;
+                    let moved = match &pinned {
+                        Some(pinned)
+                            if resp.status() == StatusCode::PRECONDITION_FAILED && reads < SOURCE_READS_MAX =>
+                        {
+                            self.copy_source_etag(headers_source(base)).await?.as_ref() != Some(pinned)
+                        }
+                        _ => false,
+                    };
+                    if !moved {
+                        return Ok(Attempt::NotCommitted(resp));
+                    }
                 }
-                self.remember_write(object.clone(), resp.headers(), admitted.token);
-                Ok(Attempt::Committed(client_response(resp)))
             })
         })
         .await
@@ -125,19 +140,52 @@ impl Front {
 
     /// Replaces a COPY directive by REPLACE with the source's own metadata.
     /// (A copy made by [`Self::copy_by_read_and_put`] takes it from its read instead.)
-    async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<(), FrontError> {
-        let Some(source) = headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok()) else {
-            return Ok(());
-        };
+    /// For a copy that keeps its source's metadata (`COPY`): reads the source and puts its
+    /// metadata on the request with `REPLACE` (so that the stamp can be added), pinned to the
+    /// version read (`x-amz-copy-source-if-match`), so that bytes and metadata are one version's.
+    /// Returns the pinned ETag, `None` when there is no source to read (the copy then fails
+    /// with the upstream's own error). A client's own `x-amz-copy-source-if-match` that the
+    /// version read does not meet is the client's 412, as from S3.
+    async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<Option<HeaderValue>, FrontError> {
+        let Some(source) = headers_source(headers) else { return Ok(None) };
         let source_path = format!("/{}", source.trim_start_matches('/'));
         let resp = self.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
-        if !resp.status().is_success() {
-            return Ok(()); // the copy itself will fail with the upstream's own error
+        let Some(etag) = resp.status().is_success().then(|| resp.headers().get(http::header::ETAG).cloned()).flatten()
+        else {
+            return Ok(None);
+        };
+        if let Some(wanted) = headers.get("x-amz-copy-source-if-match")
+            && !etag_listed(wanted, &etag)
+        {
+            return Err(FrontError::ClientPrecondition);
         }
         copy_metadata(resp.headers(), headers);
         headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
-        Ok(())
+        headers.insert("x-amz-copy-source-if-match", etag.clone());
+        Ok(Some(etag))
     }
+
+    /// The copy source's ETag now, `None` if it cannot be read.
+    async fn copy_source_etag(&self, source: Option<&str>) -> Result<Option<HeaderValue>, FrontError> {
+        let Some(source) = source else { return Ok(None) };
+        let source_path = format!("/{}", source.trim_start_matches('/'));
+        let resp = self.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
+        Ok(resp.status().is_success().then(|| resp.headers().get(http::header::ETAG).cloned()).flatten())
+    }
+}
+
+/// Reads of a copy's source when it keeps changing under the copy (each a HEAD and a copy).
+const SOURCE_READS_MAX: u32 = 3;
+
+fn headers_source(headers: &HeaderMap) -> Option<&str> {
+    headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok())
+}
+
+/// Whether an `If-Match`-style list (`"a", "b"`, `*`) names `etag`.
+fn etag_listed(wanted: &HeaderValue, etag: &HeaderValue) -> bool {
+    let Ok(wanted) = wanted.to_str() else { return false };
+    let etag = etag.to_str().unwrap_or("").trim_start_matches("W/");
+    wanted.split(',').map(|w| w.trim().trim_start_matches("W/")).any(|w| w == "*" || w == etag)
 }
 
 /// `x-amz-metadata-directive: REPLACE`: the copy takes the request's metadata, not the source's.
