@@ -153,10 +153,12 @@ fn init_tracing(config: &Config) {
     // cap it follows the level asked for (a cap set at `warn` would turn its info spans on).
     let verbose = filter.max_level_hint().is_none_or(|max| max > tracing_subscriber::filter::LevelFilter::INFO);
     let filter = if verbose { filter.add_directive("s3s=info".parse().expect("a static directive")) } else { filter };
-    // It also logs every 5xx it returns at ERROR with the whole response: fencegate logs its
-    // own refusals with their cause (and counts the library's own in
-    // `fencegate_s3_protocol_refusals_total`).
+    // It also logs every 5xx it returns at ERROR with the whole response, and every error an
+    // operation answers (a 404, a 412: the local upstream's ordinary answers, and the clients'
+    // own mistakes) at ERROR too: fencegate logs its own refusals and failures with their
+    // cause (and counts the library's refusals in `fencegate_s3_protocol_refusals_total`).
     let filter = filter.add_directive("s3s::service=off".parse().expect("a static directive"));
+    let filter = filter.add_directive("s3s::ops=off".parse().expect("a static directive"));
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
