@@ -111,7 +111,7 @@ def test_a_copy_keeping_its_source_metadata_is_pinned_to_the_version_read(held_s
     `REPLACE` (to add its stamp). A source rewritten between that read and the copy made an
     object of the new bytes under the old metadata (an adversarial review: 97 of 1096 racing
     copies). The copy is now pinned to the version read (`x-amz-copy-source-if-match`), which
-    S3 and the local upstream enforce (moto ignores it: docs/clients.md); the next test shows
+    S3 and the local upstream enforce (moto ignores it: docs/design.md, section 4); the next test shows
     the outcome on the local upstream."""
     env = held_s3()
     fg, bucket = env.fg, env.bucket

@@ -193,7 +193,9 @@ class Transcript:
 
 # Steps whose outcome differs on the fenced path by design (NOT_PASSED_THROUGH): not compared in
 # token mode; what fencegate answers instead is checked by the scenario's test.
-TOKEN_MODE_DIFFERS: set = set()
+# A fenced copy whose x-amz-copy-source-if-match the source does not meet is fencegate's 412, as
+# from S3, where moto ignores the condition and copies (so the listing after it differs too).
+TOKEN_MODE_DIFFERS: set = {"copy if-match mismatch", "list after delete"}
 # A fenced DELETE of an absent object is answered 204 by fencegate itself, never forwarded
 # (sent without a precondition it could land after a newer write), and a fenced copy of an object
 # onto itself unchanged is refused by fencegate itself (its stamp would make it a change): same
@@ -530,6 +532,10 @@ def test_copy_tagging_acl_delete_objects(moto_server, transparent_gate, mode):
     self_copy = dict(direct.steps)["copy onto itself (no change)"], dict(via.steps)["copy onto itself (no change)"]
     # S3 refuses it; so does fencegate on the fenced path, where its stamp would make it a change.
     assert self_copy[0]["error"]["Code"] == self_copy[1]["error"]["Code"] == "InvalidRequest", self_copy
+    if mode == "token":
+        refused = dict(via.steps)["copy if-match mismatch"]
+        assert (refused["status"], refused["error"]["Code"]) == (412, "PreconditionFailed"), refused
+        assert dict(via.steps)["list after delete"]["parsed"]["KeyCount"] == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

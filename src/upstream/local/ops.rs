@@ -302,6 +302,32 @@ struct ReadConditions<'a> {
     if_modified_since: Option<&'a Timestamp>,
 }
 
+/// A read's conditions from an input's four fields (GetObject and HeadObject name them alike,
+/// CopyObject and UploadPartCopy with `copy_source_`).
+macro_rules! read_conditions {
+    ($input:ident, $if_match:ident, $if_unmodified_since:ident, $if_none_match:ident, $if_modified_since:ident) => {
+        ReadConditions {
+            if_match: $input.$if_match.as_ref(),
+            if_unmodified_since: $input.$if_unmodified_since.as_ref(),
+            if_none_match: $input.$if_none_match.as_ref(),
+            if_modified_since: $input.$if_modified_since.as_ref(),
+        }
+    };
+}
+
+/// A copy's conditions on its source (CopyObject and UploadPartCopy).
+macro_rules! copy_source_conditions {
+    ($input:ident) => {
+        read_conditions!(
+            $input,
+            copy_source_if_match,
+            copy_source_if_unmodified_since,
+            copy_source_if_none_match,
+            copy_source_if_modified_since
+        )
+    };
+}
+
 impl ReadConditions<'_> {
     fn check(&self, record: &ObjectRecord, not_modified: bool) -> S3Result<()> {
         let modified = i64::try_from(record.modified_ms / 1000).unwrap_or(i64::MAX);
@@ -430,6 +456,76 @@ impl ByteStream for ObjectBody {
     fn remaining_length(&self) -> RemainingLength {
         RemainingLength::new_exact(usize::try_from(self.remaining).unwrap_or(usize::MAX))
     }
+}
+
+/// What a GET or HEAD serves of an object: its bytes `range`, and whether that is part of it
+/// (206) and the checksums are served (asked for, of the whole object: as S3).
+struct Read {
+    range: std::ops::Range<u64>,
+    partial: bool,
+    part_asked: bool,
+    checksums: bool,
+}
+
+impl Read {
+    fn of(
+        record: &ObjectRecord,
+        range: Option<&Range>,
+        part_number: Option<i32>,
+        mode: Option<&ChecksumMode>,
+    ) -> S3Result<Self> {
+        let partial = range.is_some() || part_number.is_some();
+        Ok(Self {
+            range: byte_range(record, range, part_number)?,
+            partial,
+            part_asked: part_number.is_some(),
+            checksums: !partial && checksums_asked(mode),
+        })
+    }
+
+    fn content_range(&self, size: u64) -> Option<String> {
+        self.partial.then(|| format!("bytes {}-{}/{size}", self.range.start, self.range.end.max(1) - 1))
+    }
+
+    fn response<T>(&self, output: T) -> S3Response<T> {
+        let mut response = S3Response::new(output);
+        if self.partial {
+            response.status = Some(http::StatusCode::PARTIAL_CONTENT);
+        }
+        response
+    }
+}
+
+/// A GET's or HEAD's output (the two name their fields alike) for `record` as `read` serves it.
+macro_rules! object_output {
+    ($output:ident, $record:ident, $read:ident) => {{
+        let a = &$record.attributes;
+        let c = &$record.checksums;
+        let sum = |value: &Option<String>| value.clone().filter(|_| $read.checksums);
+        $output {
+            content_length: Some(i64::try_from($read.range.end - $read.range.start).unwrap_or(i64::MAX)),
+            content_range: $read.content_range($record.size),
+            accept_ranges: Some("bytes".to_owned()),
+            last_modified: Some(timestamp($record.modified_ms)),
+            e_tag: Some(etag_of(&$record)),
+            metadata: Some(a.metadata.clone().into_iter().collect()),
+            content_type: Some(content_type_of(a)),
+            content_encoding: a.content_encoding.clone(),
+            content_disposition: a.content_disposition.clone(),
+            content_language: a.content_language.clone(),
+            cache_control: a.cache_control.clone(),
+            expires: expires_of(a),
+            website_redirect_location: a.website_redirect_location.clone(),
+            parts_count: ($read.part_asked && $record.segments.len() > 1)
+                .then(|| i32::try_from($record.segments.len()).unwrap_or(i32::MAX)),
+            checksum_crc32: sum(&c.crc32),
+            checksum_crc32c: sum(&c.crc32c),
+            checksum_crc64nvme: sum(&c.crc64nvme),
+            checksum_sha1: sum(&c.sha1),
+            checksum_sha256: sum(&c.sha256),
+            ..Default::default()
+        }
+    }};
 }
 
 /// The Content-Type S3 serves an object stored without one.
@@ -665,9 +761,15 @@ fn copy_range(range: Option<&str>, size: u64) -> S3Result<std::ops::Range<u64>> 
 #[async_trait::async_trait]
 impl S3 for LocalStore {
     async fn create_bucket(&self, req: S3Request<CreateBucketInput>) -> S3Result<S3Response<CreateBucketOutput>> {
+        // Creating one's own bucket again succeeds, as in S3's default region (us-east-1).
         let bucket = req.input.bucket;
-        self.run(move |r| r.create_bucket(&bucket)).await?;
-        Ok(S3Response::new(CreateBucketOutput::default()))
+        match self.run(move |r| r.create_bucket(&bucket)).await {
+            Ok(()) => Ok(S3Response::new(CreateBucketOutput::default())),
+            Err(e) if *e.code() == S3ErrorCode::BucketAlreadyOwnedByYou => {
+                Ok(S3Response::new(CreateBucketOutput::default()))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     async fn delete_bucket(&self, req: S3Request<DeleteBucketInput>) -> S3Result<S3Response<DeleteBucketOutput>> {
@@ -751,53 +853,22 @@ impl S3 for LocalStore {
         let input = req.input;
         check_version(input.version_id.as_deref())?;
         let (record, files) = self.open(&input.bucket, &input.key).await?;
-        ReadConditions {
-            if_match: input.if_match.as_ref(),
-            if_unmodified_since: input.if_unmodified_since.as_ref(),
-            if_none_match: input.if_none_match.as_ref(),
-            if_modified_since: input.if_modified_since.as_ref(),
-        }
-        .check(&record, true)?;
-        let range = byte_range(&record, input.range.as_ref(), input.part_number)?;
-        let partial = input.range.is_some() || input.part_number.is_some();
-        let length = range.end - range.start;
-        let content_range = partial.then(|| format!("bytes {}-{}/{}", range.start, range.end.max(1) - 1, record.size));
-        let reader = SegmentReader::open(&record, files, range).await?;
-        let body =
-            ObjectBody { inner: tokio_util::io::ReaderStream::with_capacity(reader, READ_CHUNK), remaining: length };
-        let a = &record.attributes;
-        // Checksums only when asked for, and of the whole object only (as S3).
-        let whole = !partial && checksums_asked(input.checksum_mode.as_ref());
-        let c = &record.checksums;
-        let output = GetObjectOutput {
-            body: Some(StreamingBlob::new(body)),
-            content_length: Some(i64::try_from(length).unwrap_or(i64::MAX)),
-            content_range,
-            accept_ranges: Some("bytes".to_owned()),
-            last_modified: Some(timestamp(record.modified_ms)),
-            e_tag: Some(etag_of(&record)),
-            metadata: Some(a.metadata.clone().into_iter().collect()),
-            content_type: input.response_content_type.or_else(|| Some(content_type_of(a))),
-            content_encoding: input.response_content_encoding.or_else(|| a.content_encoding.clone()),
-            content_disposition: input.response_content_disposition.or_else(|| a.content_disposition.clone()),
-            content_language: input.response_content_language.or_else(|| a.content_language.clone()),
-            cache_control: input.response_cache_control.or_else(|| a.cache_control.clone()),
-            expires: input.response_expires.or_else(|| expires_of(a)),
-            website_redirect_location: a.website_redirect_location.clone(),
-            parts_count: (input.part_number.is_some() && record.segments.len() > 1)
-                .then(|| i32::try_from(record.segments.len()).unwrap_or(i32::MAX)),
-            checksum_crc32: c.crc32.clone().filter(|_| whole),
-            checksum_crc32c: c.crc32c.clone().filter(|_| whole),
-            checksum_crc64nvme: c.crc64nvme.clone().filter(|_| whole),
-            checksum_sha1: c.sha1.clone().filter(|_| whole),
-            checksum_sha256: c.sha256.clone().filter(|_| whole),
-            ..Default::default()
-        };
-        let mut response = S3Response::new(output);
-        if partial {
-            response.status = Some(http::StatusCode::PARTIAL_CONTENT);
-        }
-        Ok(response)
+        read_conditions!(input, if_match, if_unmodified_since, if_none_match, if_modified_since)
+            .check(&record, true)?;
+        let read = Read::of(&record, input.range.as_ref(), input.part_number, input.checksum_mode.as_ref())?;
+        let reader = SegmentReader::open(&record, files, read.range.clone()).await?;
+        let remaining = read.range.end - read.range.start;
+        let body = ObjectBody { inner: tokio_util::io::ReaderStream::with_capacity(reader, READ_CHUNK), remaining };
+        let mut output = object_output!(GetObjectOutput, record, read);
+        output.body = Some(StreamingBlob::new(body));
+        // The client's response-* overrides (a presigned download's file name, for one).
+        output.content_type = input.response_content_type.or(output.content_type);
+        output.content_encoding = input.response_content_encoding.or(output.content_encoding);
+        output.content_disposition = input.response_content_disposition.or(output.content_disposition);
+        output.content_language = input.response_content_language.or(output.content_language);
+        output.cache_control = input.response_cache_control.or(output.cache_control);
+        output.expires = input.response_expires.or(output.expires);
+        Ok(read.response(output))
     }
 
     async fn head_object(&self, req: S3Request<HeadObjectInput>) -> S3Result<S3Response<HeadObjectOutput>> {
@@ -805,46 +876,11 @@ impl S3 for LocalStore {
         check_version(input.version_id.as_deref())?;
         let (b, k) = (input.bucket.clone(), input.key.clone());
         let record = self.run(move |r| r.object(&b, &k)).await?;
-        ReadConditions {
-            if_match: input.if_match.as_ref(),
-            if_unmodified_since: input.if_unmodified_since.as_ref(),
-            if_none_match: input.if_none_match.as_ref(),
-            if_modified_since: input.if_modified_since.as_ref(),
-        }
-        .check(&record, true)?;
-        let range = byte_range(&record, input.range.as_ref(), input.part_number)?;
-        let partial = input.range.is_some() || input.part_number.is_some();
-        let asked = checksums_asked(input.checksum_mode.as_ref());
-        let a = &record.attributes;
-        let c = &record.checksums;
-        let output = HeadObjectOutput {
-            content_length: Some(i64::try_from(range.end - range.start).unwrap_or(i64::MAX)),
-            content_range: partial.then(|| format!("bytes {}-{}/{}", range.start, range.end.max(1) - 1, record.size)),
-            accept_ranges: Some("bytes".to_owned()),
-            last_modified: Some(timestamp(record.modified_ms)),
-            e_tag: Some(etag_of(&record)),
-            metadata: Some(a.metadata.clone().into_iter().collect()),
-            content_type: Some(content_type_of(a)),
-            content_encoding: a.content_encoding.clone(),
-            content_disposition: a.content_disposition.clone(),
-            content_language: a.content_language.clone(),
-            cache_control: a.cache_control.clone(),
-            expires: expires_of(a),
-            website_redirect_location: a.website_redirect_location.clone(),
-            parts_count: (input.part_number.is_some() && record.segments.len() > 1)
-                .then(|| i32::try_from(record.segments.len()).unwrap_or(i32::MAX)),
-            checksum_crc32: c.crc32.clone().filter(|_| asked),
-            checksum_crc32c: c.crc32c.clone().filter(|_| asked),
-            checksum_crc64nvme: c.crc64nvme.clone().filter(|_| asked),
-            checksum_sha1: c.sha1.clone().filter(|_| asked),
-            checksum_sha256: c.sha256.clone().filter(|_| asked),
-            ..Default::default()
-        };
-        let mut response = S3Response::new(output);
-        if partial {
-            response.status = Some(http::StatusCode::PARTIAL_CONTENT);
-        }
-        Ok(response)
+        read_conditions!(input, if_match, if_unmodified_since, if_none_match, if_modified_since)
+            .check(&record, true)?;
+        let read = Read::of(&record, input.range.as_ref(), input.part_number, input.checksum_mode.as_ref())?;
+        let output = object_output!(HeadObjectOutput, record, read);
+        Ok(read.response(output))
     }
 
     async fn delete_object(&self, req: S3Request<DeleteObjectInput>) -> S3Result<S3Response<DeleteObjectOutput>> {
@@ -911,13 +947,7 @@ impl S3 for LocalStore {
         let (src_bucket, src_key) = copy_source(&input.copy_source)?;
         self.bucket(&input.bucket).await?;
         let (source, files) = self.open(&src_bucket, &src_key).await?;
-        ReadConditions {
-            if_match: input.copy_source_if_match.as_ref(),
-            if_unmodified_since: input.copy_source_if_unmodified_since.as_ref(),
-            if_none_match: input.copy_source_if_none_match.as_ref(),
-            if_modified_since: input.copy_source_if_modified_since.as_ref(),
-        }
-        .check(&source, false)?;
+        copy_source_conditions!(input).check(&source, false)?;
         let replace = input.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
         if src_bucket == input.bucket
             && src_key == input.key
@@ -969,13 +999,15 @@ impl S3 for LocalStore {
         let (contents, prefixes) = split(listed.entries, &encode, true);
         Ok(S3Response::new(ListObjectsOutput {
             name: Some(input.bucket),
-            prefix: Some(encode(input.prefix.unwrap_or_default())),
+            // ListObjects (v1) encodes keys, markers and the delimiter, not its prefix (as S3).
+            prefix: Some(input.prefix.unwrap_or_default()),
             marker: Some(encode(input.marker.unwrap_or_default())),
             max_keys: Some(input.max_keys.unwrap_or(LIST_KEYS_DEFAULT)),
             is_truncated: Some(listed.truncated),
             contents,
             common_prefixes: prefixes,
-            delimiter: input.delimiter.map(&encode),
+            // An empty delimiter is no delimiter, and not echoed.
+            delimiter: input.delimiter.filter(|d| !d.is_empty()).map(&encode),
             next_marker: next_marker.map(&encode),
             encoding_type: input.encoding_type,
             ..Default::default()
@@ -1020,7 +1052,8 @@ impl S3 for LocalStore {
             next_continuation_token: next,
             contents,
             common_prefixes: prefixes,
-            delimiter: input.delimiter.map(&encode),
+            // An empty delimiter is no delimiter, and not echoed.
+            delimiter: input.delimiter.filter(|d| !d.is_empty()).map(&encode),
             encoding_type: input.encoding_type,
             start_after: input.start_after.map(&encode),
             ..Default::default()
@@ -1071,7 +1104,8 @@ impl S3 for LocalStore {
             next_key_marker: next_key.map(&encode),
             versions: Some(versions),
             common_prefixes: (!prefixes.is_empty()).then_some(prefixes),
-            delimiter: input.delimiter.map(&encode),
+            // An empty delimiter is no delimiter, and not echoed.
+            delimiter: input.delimiter.filter(|d| !d.is_empty()).map(&encode),
             encoding_type: input.encoding_type,
             ..Default::default()
         }))
@@ -1163,13 +1197,7 @@ impl S3 for LocalStore {
         self.run(move |r| r.upload(&b, &k, &u)).await?;
         let (src_bucket, src_key) = copy_source(&input.copy_source)?;
         let (source, files) = self.open(&src_bucket, &src_key).await?;
-        ReadConditions {
-            if_match: input.copy_source_if_match.as_ref(),
-            if_unmodified_since: input.copy_source_if_unmodified_since.as_ref(),
-            if_none_match: input.copy_source_if_none_match.as_ref(),
-            if_modified_since: input.copy_source_if_modified_since.as_ref(),
-        }
-        .check(&source, false)?;
+        copy_source_conditions!(input).check(&source, false)?;
         let range = copy_range(input.copy_source_range.as_deref(), source.size)?;
         let written = self.copy_file(&source, files, range).await?;
         let part = PartRecord {

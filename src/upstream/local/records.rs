@@ -428,13 +428,7 @@ impl Records {
     ) -> Result<Vec<String>, StoreError> {
         let txn = self.db.begin_write()?;
         let replaced = {
-            if txn.open_table(BUCKETS)?.get(bucket)?.is_none() {
-                return Err(StoreError::NoSuchBucket);
-            }
-            let mut objects = txn.open_table(OBJECTS)?;
-            let name = object_key(bucket, key);
-            let current: Option<ObjectRecord> =
-                objects.get(name.as_str())?.map(|v| serde_json::from_slice(v.value())).transpose()?;
+            let (mut objects, name, current) = object_in(&txn, bucket, key)?;
             condition.check(current.as_ref())?;
             objects.insert(name.as_str(), serde_json::to_vec(record)?.as_slice())?;
             current
@@ -448,13 +442,7 @@ impl Records {
     pub fn delete_object(&self, bucket: &str, key: &str, condition: &Precondition) -> Result<Vec<String>, StoreError> {
         let txn = self.db.begin_write()?;
         let removed = {
-            if txn.open_table(BUCKETS)?.get(bucket)?.is_none() {
-                return Err(StoreError::NoSuchBucket);
-            }
-            let mut objects = txn.open_table(OBJECTS)?;
-            let name = object_key(bucket, key);
-            let current: Option<ObjectRecord> =
-                objects.get(name.as_str())?.map(|v| serde_json::from_slice(v.value())).transpose()?;
+            let (mut objects, name, current) = object_in(&txn, bucket, key)?;
             condition.check(current.as_ref())?;
             if current.is_some() {
                 objects.remove(name.as_str())?;
@@ -719,6 +707,25 @@ impl Records {
         txn.commit()?;
         Ok(files)
     }
+}
+
+/// The objects table, opened in a write transaction.
+type ObjectsTable<'t> = redb::Table<'t, &'static str, &'static [u8]>;
+
+/// In a write transaction: the objects table, the object's name in it and the object there
+/// now, or `NoSuchBucket`.
+fn object_in<'t>(
+    txn: &'t redb::WriteTransaction,
+    bucket: &str,
+    key: &str,
+) -> Result<(ObjectsTable<'t>, String, Option<ObjectRecord>), StoreError> {
+    if txn.open_table(BUCKETS)?.get(bucket)?.is_none() {
+        return Err(StoreError::NoSuchBucket);
+    }
+    let objects = txn.open_table(OBJECTS)?;
+    let name = object_key(bucket, key);
+    let current = objects.get(name.as_str())?.map(|v| serde_json::from_slice(v.value())).transpose()?;
+    Ok((objects, name, current))
 }
 
 /// The files of `replaced` that `record` does not reuse.
