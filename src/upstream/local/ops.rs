@@ -635,6 +635,46 @@ fn verify(written: &Written, content_md5: Option<&str>, sent: &Checksums) -> S3R
     Ok(())
 }
 
+/// Streams a write's body (PutObject, UploadPart: they name their fields alike) to a new data
+/// file and checks it against every checksum the client sent, in headers or trailers, and
+/// `Content-MD5`; a body that fails them is removed and the error returned.
+macro_rules! receive_body {
+    ($store:ident, $req:ident, $input:ident) => {{
+        let sent = Checksums {
+            crc32: $input.checksum_crc32,
+            crc32c: $input.checksum_crc32c,
+            crc64nvme: $input.checksum_crc64nvme,
+            sha1: $input.checksum_sha1,
+            sha256: $input.checksum_sha256,
+        };
+        let hashers = hashers($input.checksum_algorithm.as_ref(), &sent)?;
+        let body = $input.body.ok_or_else(|| s3_error!(IncompleteBody, "the request has no body"))?;
+        let written = $store.write_file(body, hashers).await?;
+        let checked = sent_checksums(sent, $req.trailing_headers.as_ref())
+            .and_then(|sent| verify(&written, $input.content_md5.as_deref(), &sent));
+        if let Err(e) = checked {
+            $store.forget(vec![written.file]);
+            return Err(e);
+        }
+        written
+    }};
+}
+
+/// A write's answer: the ETag and checksums of what was stored (PutObject, UploadPart).
+macro_rules! written_output {
+    ($output:ident, $stored:ident) => {
+        $output {
+            e_tag: Some(ETag::Strong($stored.etag)),
+            checksum_crc32: $stored.checksums.crc32,
+            checksum_crc32c: $stored.checksums.crc32c,
+            checksum_crc64nvme: $stored.checksums.crc64nvme,
+            checksum_sha1: $stored.checksums.sha1,
+            checksum_sha256: $stored.checksums.sha256,
+            ..Default::default()
+        }
+    };
+}
+
 /// What a listing asks for.
 #[derive(Clone)]
 struct Listing {
@@ -818,35 +858,11 @@ impl S3 for LocalStore {
         let input = req.input;
         check_key(&input.key)?;
         self.bucket(&input.bucket).await?;
-        let headers = Checksums {
-            crc32: input.checksum_crc32,
-            crc32c: input.checksum_crc32c,
-            crc64nvme: input.checksum_crc64nvme,
-            sha1: input.checksum_sha1,
-            sha256: input.checksum_sha256,
-        };
-        let hashers = hashers(input.checksum_algorithm.as_ref(), &headers)?;
-        let body = input.body.ok_or_else(|| s3_error!(IncompleteBody, "the request has no body"))?;
-        let written = self.write_file(body, hashers).await?;
-        let checked = sent_checksums(headers, req.trailing_headers.as_ref())
-            .and_then(|sent| verify(&written, input.content_md5.as_deref(), &sent));
-        if let Err(e) = checked {
-            self.forget(vec![written.file]);
-            return Err(e);
-        }
+        let written = receive_body!(self, req, input);
         let attributes = attributes_of!(input);
         let condition = write_condition(input.if_match.as_ref(), input.if_none_match.as_ref());
         let record = self.commit(input.bucket, input.key, condition, written.record(None, attributes, None)).await?;
-        let c = record.checksums;
-        Ok(S3Response::new(PutObjectOutput {
-            e_tag: Some(ETag::Strong(record.etag)),
-            checksum_crc32: c.crc32,
-            checksum_crc32c: c.crc32c,
-            checksum_crc64nvme: c.crc64nvme,
-            checksum_sha1: c.sha1,
-            checksum_sha256: c.sha256,
-            ..Default::default()
-        }))
+        Ok(S3Response::new(written_output!(PutObjectOutput, record)))
     }
 
     async fn get_object(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
@@ -1141,22 +1157,7 @@ impl S3 for LocalStore {
         }
         let (b, k, u) = (input.bucket.clone(), input.key.clone(), input.upload_id.clone());
         self.run(move |r| r.upload(&b, &k, &u)).await?;
-        let headers = Checksums {
-            crc32: input.checksum_crc32,
-            crc32c: input.checksum_crc32c,
-            crc64nvme: input.checksum_crc64nvme,
-            sha1: input.checksum_sha1,
-            sha256: input.checksum_sha256,
-        };
-        let hashers = hashers(input.checksum_algorithm.as_ref(), &headers)?;
-        let body = input.body.ok_or_else(|| s3_error!(IncompleteBody, "the request has no body"))?;
-        let written = self.write_file(body, hashers).await?;
-        let checked = sent_checksums(headers, req.trailing_headers.as_ref())
-            .and_then(|sent| verify(&written, input.content_md5.as_deref(), &sent));
-        if let Err(e) = checked {
-            self.forget(vec![written.file]);
-            return Err(e);
-        }
+        let written = receive_body!(self, req, input);
         let part = PartRecord {
             etag: written.md5.clone(),
             size: written.size,
@@ -1173,16 +1174,7 @@ impl S3 for LocalStore {
                 return Err(e);
             }
         }
-        let c = part.checksums;
-        Ok(S3Response::new(UploadPartOutput {
-            e_tag: Some(ETag::Strong(part.etag)),
-            checksum_crc32: c.crc32,
-            checksum_crc32c: c.crc32c,
-            checksum_crc64nvme: c.crc64nvme,
-            checksum_sha1: c.sha1,
-            checksum_sha256: c.sha256,
-            ..Default::default()
-        }))
+        Ok(S3Response::new(written_output!(UploadPartOutput, part)))
     }
 
     async fn upload_part_copy(
