@@ -1,9 +1,13 @@
 //! Prometheus metrics. Every metric fencegate exports is named here, once.
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
+use std::thread::LocalKey;
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{
+    Counter, Gauge, Histogram, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -77,6 +81,41 @@ fn describe_and_register() {
     gauge!("fencegate_inflight_writes").set(0.0);
 }
 
+/// The handles of the metrics recorded on every request, per thread and per (name, label
+/// value). The `metrics` macros look their metric up in the recorder on every call (a key
+/// built, its labels allocated, a sharded map searched): a fifth of the allocations of an
+/// accepted write. A handle is the metric itself, so a cached one records the same.
+type Handles<H> = RefCell<Vec<(&'static str, &'static str, H)>>;
+
+thread_local! {
+    static COUNTERS: Handles<Counter> = const { RefCell::new(Vec::new()) };
+    static GAUGES: Handles<Gauge> = const { RefCell::new(Vec::new()) };
+    static HISTOGRAMS: Handles<Histogram> = const { RefCell::new(Vec::new()) };
+}
+
+/// The handle of metric `name` with label value `value` (`""` for none), made by `make` the
+/// first time on this thread. Only once the recorder is installed: a handle made before is
+/// a no-op one, and would stay one.
+fn cached<H: Clone>(
+    handles: &'static LocalKey<Handles<H>>,
+    name: &'static str,
+    value: &'static str,
+    make: impl FnOnce() -> H,
+) -> H {
+    if HANDLE.get().is_none() {
+        return make();
+    }
+    handles.with(|cell| {
+        let mut handles = cell.borrow_mut();
+        if let Some((_, _, handle)) = handles.iter().find(|(n, v, _)| *n == name && *v == value) {
+            return handle.clone();
+        }
+        let handle = make();
+        handles.push((name, value, handle.clone()));
+        handle
+    })
+}
+
 /// An S3 request the S3 library refused before fencegate's handler saw it (a bad signature,
 /// an unknown access key, a request it cannot parse), by HTTP status.
 pub fn s3_protocol_refusal(status: u16) {
@@ -86,15 +125,18 @@ pub fn s3_protocol_refusal(status: u16) {
 /// A decision on a write: `accepted`, `advanced`, `stale`, `missing_token`, `invalid_token`,
 /// `unchecked` (no token, `require_token = false`), `store_unavailable`, `drain_timeout`.
 pub fn decision(outcome: &'static str) {
-    counter!("fencegate_decisions_total", "outcome" => outcome).increment(1);
+    const NAME: &str = "fencegate_decisions_total";
+    cached(&COUNTERS, NAME, outcome, || counter!(NAME, "outcome" => outcome)).increment(1);
 }
 
 pub fn advanced() {
-    counter!("fencegate_advances_total").increment(1);
+    const NAME: &str = "fencegate_advances_total";
+    cached(&COUNTERS, NAME, "", || counter!(NAME)).increment(1);
 }
 
 pub fn inflight_changed(delta: i32) {
-    gauge!("fencegate_inflight_writes").increment(f64::from(delta));
+    const NAME: &str = "fencegate_inflight_writes";
+    cached(&GAUGES, NAME, "", || gauge!(NAME)).increment(f64::from(delta));
 }
 
 pub fn inflight_cancelled() {
@@ -107,14 +149,16 @@ pub fn drain_wait(waited: Duration) {
 }
 
 pub fn store_call(store: &'static str, took: Duration, ok: bool) {
-    histogram!("fencegate_store_latency_seconds", "store" => store).record(took.as_secs_f64());
+    const NAME: &str = "fencegate_store_latency_seconds";
+    cached(&HISTOGRAMS, NAME, store, || histogram!(NAME, "store" => store)).record(took.as_secs_f64());
     if !ok {
         counter!("fencegate_store_errors_total", "store" => store).increment(1);
     }
 }
 
 pub fn upstream_call(op: &'static str, took: Duration, status: Option<u16>) {
-    histogram!("fencegate_upstream_latency_seconds", "op" => op).record(took.as_secs_f64());
+    const NAME: &str = "fencegate_upstream_latency_seconds";
+    cached(&HISTOGRAMS, NAME, op, || histogram!(NAME, "op" => op)).record(took.as_secs_f64());
     match status {
         Some(s) if s < 500 => {}
         _ => counter!("fencegate_upstream_errors_total", "op" => op).increment(1),

@@ -41,6 +41,17 @@ pub const REQUEST_HOP_HEADERS: &[&str] = &[
 pub const RESPONSE_HOP_HEADERS: &[&str] =
     &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"];
 
+/// Removes [`RESPONSE_HOP_HEADERS`] from an upstream's answer. Most answers carry none: one
+/// pass over the names finds that, where a removal per name would look each one up.
+pub fn remove_response_hop_headers(headers: &mut http::HeaderMap) {
+    if !headers.keys().any(|name| RESPONSE_HOP_HEADERS.contains(&name.as_str())) {
+        return;
+    }
+    for name in RESPONSE_HOP_HEADERS {
+        headers.remove(*name);
+    }
+}
+
 /// The limits of one listener.
 #[derive(Debug, Clone)]
 pub struct ConnectionLimits {

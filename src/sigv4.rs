@@ -7,7 +7,7 @@
 //! costs as much again, for the same reasons. Here the canonical request (the S3 flavour: path
 //! signed as sent, query decoded and re-encoded in order) is built into one buffer by one
 //! function for both directions, keys are derived once per access key, day and region, and
-//! the cryptography is aws-sigv4's own (`generate_signing_key`, `calculate_signature`). The
+//! the key derivation is aws-sigv4's own (`generate_signing_key`), the signature its HMAC. The
 //! tests sign requests with aws-sigv4 and check that this module signs and verifies them alike.
 
 use std::collections::HashMap;
@@ -41,6 +41,8 @@ pub enum SignError {
     HeaderValue { name: String },
     #[error("the clock is before 1970 or after 9999")]
     Clock,
+    #[error("HMAC refused the signing key")]
+    Key,
 }
 
 /// The key of one UTC day and the credential scope it signs for.
@@ -94,13 +96,23 @@ impl Signer {
             &mut canonical,
         )?;
         let signature =
-            v4::calculate_signature(&day.key, string_to_sign(&amz_date, &[&day.scope], &canonical).as_bytes());
+            hmac_hex(&day.key, &string_to_sign(&amz_date, &[&day.scope], &canonical)).ok_or(SignError::Key)?;
 
         let signed_headers = &canonical[signed];
-        let authorization = format!(
-            "{ALGORITHM} Credential={}/{}, SignedHeaders={signed_headers}, Signature={signature}",
-            self.access_key_id, day.scope
-        );
+        let mut authorization = String::with_capacity(160 + signed_headers.len());
+        for part in [
+            ALGORITHM,
+            " Credential=",
+            &self.access_key_id,
+            "/",
+            &day.scope,
+            ", SignedHeaders=",
+            signed_headers,
+            ", Signature=",
+            &signature,
+        ] {
+            authorization.push_str(part);
+        }
         let mut authorization = HeaderValue::try_from(authorization)
             .map_err(|_| SignError::HeaderValue { name: AUTHORIZATION.as_str().into() })?;
         authorization.set_sensitive(true);
@@ -189,6 +201,18 @@ fn string_to_sign(amz_date: &str, scope: &[&str], canonical: &str) -> String {
     out.push('\n');
     push_hex(&Sha256::digest(canonical.as_bytes()), &mut out);
     out
+}
+
+/// The signature of `string_to_sign` under a signing key: its HMAC-SHA256 in lower-case hex
+/// (aws-sigv4's `calculate_signature`, written into one buffer).
+/// `None` only if HMAC refused the key, which it does for no length.
+fn hmac_hex(key: &[u8], string_to_sign: &str) -> Option<String> {
+    use hmac::{KeyInit, Mac};
+    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(key).ok()?;
+    mac.update(string_to_sign.as_bytes());
+    let mut out = String::with_capacity(64);
+    push_hex(&mac.finalize().into_bytes(), &mut out);
+    Some(out)
 }
 
 /// How far a request's `x-amz-date` may be from fencegate's clock (the S3 library's default,
@@ -318,7 +342,7 @@ impl Verifier {
         canonical_request(method, uri.path(), query, headers, signature.names(), payload, &mut canonical).ok()?;
         let (key, cached) = self.key(signature.access_key, signature.date, signature.region, secret)?;
         let scope = [signature.date, signature.region, SERVICE, "aws4_request"];
-        let expected = v4::calculate_signature(key.as_slice(), string_to_sign(amz_date, &scope, &canonical).as_bytes());
+        let expected = hmac_hex(key.as_slice(), &string_to_sign(amz_date, &scope, &canonical))?;
         if !bool::from(expected.as_bytes().ct_eq(signature.signature.as_bytes())) {
             return None;
         }
@@ -405,15 +429,24 @@ fn amz_date(secs: u64) -> Result<String, SignError> {
         .ok()
         .and_then(|secs| time::OffsetDateTime::from_unix_timestamp(secs).ok())
         .ok_or(SignError::Clock)?;
-    Ok(format!(
-        "{:04}{:02}{:02}T{:02}{:02}{:02}Z",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second()
-    ))
+    let year = u32::try_from(t.year()).ok().filter(|y| *y <= 9999).ok_or(SignError::Clock)?;
+    let mut out = String::with_capacity(16);
+    push_digits(year, 4, &mut out);
+    for (i, part) in [u8::from(t.month()), t.day(), t.hour(), t.minute(), t.second()].into_iter().enumerate() {
+        if i == 2 {
+            out.push('T');
+        }
+        push_digits(u32::from(part), 2, &mut out);
+    }
+    out.push('Z');
+    Ok(out)
+}
+
+/// `value`'s last `width` decimal digits, zero-padded.
+fn push_digits(value: u32, width: u32, out: &mut String) {
+    for place in (0..width).rev() {
+        out.push(char::from(b'0' + (value / 10u32.pow(place) % 10) as u8));
+    }
 }
 
 /// The query as SigV4 signs it: each pair decoded (`+` is a space), re-encoded with only
@@ -445,8 +478,13 @@ fn canonical_query(query: &str, out: &mut String) {
 /// A header value as SigV4 signs it: leading and trailing spaces removed, runs of spaces
 /// collapsed to one (spaces only, as S3 does).
 fn push_trimmed(value: &str, out: &mut String) {
+    let value = value.trim_matches(' ');
+    if !value.contains("  ") {
+        out.push_str(value);
+        return;
+    }
     let mut previous_space = false;
-    for c in value.trim_matches(' ').chars() {
+    for c in value.chars() {
         if c == ' ' {
             if previous_space {
                 continue;
@@ -461,9 +499,10 @@ fn push_trimmed(value: &str, out: &mut String) {
 
 fn push_hex(bytes: &[u8], out: &mut String) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
     for b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 0xf) as usize] as char);
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
     }
 }
 
@@ -561,6 +600,14 @@ mod tests {
         for req in cases {
             check(req.unwrap(), now);
         }
+    }
+
+    #[test]
+    fn dates_are_written_as_sigv4_wants_them() {
+        assert_eq!(amz_date(0).unwrap(), "19700101T000000Z");
+        assert_eq!(amz_date(1_700_000_000).unwrap(), "20231114T221320Z");
+        assert_eq!(amz_date(253_402_300_799).unwrap(), "99991231T235959Z");
+        assert!(amz_date(253_402_300_800).is_err(), "year 10000");
     }
 
     #[test]

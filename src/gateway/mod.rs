@@ -59,7 +59,7 @@ const CLIENT_KEY_BYTES_MAX: usize = 255;
 /// record counts as abandoned.
 const CLAIM_SLACK: Duration = Duration::from_secs(1);
 
-use crate::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADERS};
+use crate::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADERS, remove_response_hop_headers};
 
 pub struct Gateway {
     /// Longest prefix first, so the most specific route takes a path.
@@ -621,8 +621,6 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// The upstream's response without its hop headers.
 fn client_response<B: Into<Body>>(resp: http::Response<B>) -> http::Response<Body> {
     let (mut parts, body) = resp.into_parts();
-    for name in RESPONSE_HOP_HEADERS {
-        parts.headers.remove(*name);
-    }
+    remove_response_hop_headers(&mut parts.headers);
     http::Response::from_parts(parts, body.into())
 }

@@ -19,7 +19,7 @@ use crate::fence::CutOff;
 use crate::fence::Permit;
 use crate::fence::outcome::{Bounded, bounded_call, hold_for};
 use crate::metrics;
-use crate::server::{REQUEST_HOP_HEADERS, RESPONSE_HOP_HEADERS};
+use crate::server::{REQUEST_HOP_HEADERS, remove_response_hop_headers};
 use crate::upstream::UpstreamError;
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
@@ -271,9 +271,7 @@ pub(super) fn forwarded_query(query: Option<&str>) -> String {
 pub(super) fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
     let (parts, body) = resp.into_parts();
     let mut headers = parts.headers;
-    for name in RESPONSE_HOP_HEADERS {
-        headers.remove(*name);
-    }
+    remove_response_hop_headers(&mut headers);
     let mut out = S3Response::with_headers(body, headers);
     out.status = Some(parts.status);
     out

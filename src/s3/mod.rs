@@ -195,7 +195,7 @@ impl Front {
                 }
                 span.in_scope(|| tracing::info!(%error, "refused"));
                 // Rendered here rather than returned as an error, which s3s would log again.
-                Ok(client_response(error.into_response(&request_id)))
+                Ok(client_response(error.into_response(&request_id.to_string())))
             }
         }
     }
@@ -399,7 +399,21 @@ impl RequestIds {
         Self { prefix: nanos ^ std::process::id(), counter: AtomicU64::new(1) }
     }
 
-    fn next(&self) -> String {
-        format!("{:08X}{:012X}", self.prefix, self.counter.fetch_add(1, Ordering::Relaxed))
+    /// Written out only when shown (a refusal, a log line): most requests never need it.
+    fn next(&self) -> RequestId {
+        RequestId { prefix: self.prefix, n: self.counter.fetch_add(1, Ordering::Relaxed) }
+    }
+}
+
+/// A request's id, printed as 20 hex digits.
+#[derive(Clone, Copy)]
+struct RequestId {
+    prefix: u32,
+    n: u64,
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:08X}{:012X}", self.prefix, self.n)
     }
 }

@@ -13,8 +13,9 @@ use crate::sigv4::Signer;
 
 pub struct S3Upstream {
     client: PooledClient,
-    /// `scheme://authority` of the endpoint, without a trailing slash.
-    base: String,
+    /// The endpoint's scheme and authority, which every request's URI takes.
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
     host: http::HeaderValue,
     signer: Signer,
 }
@@ -23,8 +24,7 @@ impl S3Upstream {
     pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
         let endpoint: http::Uri = config.endpoint.as_deref().expect("validated: upstream.endpoint").parse()?;
         let authority = endpoint.authority().expect("validated: endpoint has an authority").clone();
-        let scheme = endpoint.scheme_str().expect("validated: endpoint has a scheme");
-        let base = format!("{scheme}://{authority}");
+        let scheme = endpoint.scheme().expect("validated: endpoint has a scheme").clone();
 
         let client = Outbound {
             ca_cert: None,
@@ -40,16 +40,23 @@ impl S3Upstream {
             config.region.clone(),
         );
 
-        Ok(Self { client, base, host: http::HeaderValue::from_str(authority.as_str())?, signer })
+        let host = http::HeaderValue::from_str(authority.as_str())?;
+        Ok(Self { client, scheme, authority, host, signer })
     }
 }
 
 #[async_trait]
 impl Upstream for S3Upstream {
     async fn send(&self, mut req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
-        let path_and_query = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-        *req.uri_mut() =
-            format!("{}{}", self.base, path_and_query).parse().map_err(|e| UpstreamError::Sign(Box::new(e)))?;
+        // The request's own path and query under the endpoint's scheme and authority: the
+        // parsed path moves over, nothing is formatted or parsed again.
+        let mut parts = std::mem::take(req.uri_mut()).into_parts();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        if parts.path_and_query.is_none() {
+            parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+        }
+        *req.uri_mut() = http::Uri::from_parts(parts).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         req.headers_mut().insert(http::header::HOST, self.host.clone());
         self.signer.sign(&mut req, SystemTime::now()).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         let response = self.client.request(req).await.map_err(|e| {
