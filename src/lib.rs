@@ -18,6 +18,7 @@
 //! - [`metrics`]: every exported metric.
 //! - [`outbound`]: the one HTTP client builder (the S3 upstream, the gateway's APIs).
 //! - [`percent`]: percent-decoding of paths.
+//! - [`amz`]: the S3 header names looked up on the request path, as constants.
 //! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
 //! - [`body`]: the forwarded write's body, for both fronts: streamed, cut off when a newer
 //!   token cancels the write, kept for one retry when small.
@@ -27,6 +28,7 @@
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
 pub mod admin;
+pub mod amz;
 pub mod body;
 pub mod config;
 pub mod fence;

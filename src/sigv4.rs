@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sigv4::sign::v4;
+
+use crate::amz::{X_AMZ_CONTENT_SHA256, X_AMZ_DATE};
 use http::HeaderMap;
-use http::header::AsHeaderName;
 use http::header::{AUTHORIZATION, HeaderName, HeaderValue, TRANSFER_ENCODING, USER_AGENT};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use sha2::{Digest, Sha256};
@@ -28,8 +29,6 @@ pub const UNSIGNED_PAYLOAD: &str = "UNSIGNED-PAYLOAD";
 /// `x-amz-content-sha256` of an empty body.
 pub const EMPTY_PAYLOAD_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 const SERVICE: &str = "s3";
-const X_AMZ_DATE: HeaderName = HeaderName::from_static("x-amz-date");
-const X_AMZ_CONTENT_SHA256: HeaderName = HeaderName::from_static("x-amz-content-sha256");
 const X_AMZN_TRACE_ID: &str = "x-amzn-trace-id";
 
 /// What a query name or value keeps unencoded in the canonical query: RFC 3986 unreserved.
@@ -91,7 +90,7 @@ impl Signer {
             uri.path(),
             uri.query().unwrap_or_default(),
             req.headers(),
-            names.iter().copied(),
+            names.iter().map(|name| name.as_str()),
             UNSIGNED_PAYLOAD,
             &mut canonical,
         )?;
@@ -144,12 +143,12 @@ impl Signer {
 /// `method`, the path as sent, the query in canonical form, each header of `names` (lower
 /// case, sorted, each present) with its values trimmed and joined by commas, the names, and
 /// `payload` (the `x-amz-content-sha256` value).
-fn canonical_request<N: AsHeaderName + AsRef<str> + Copy>(
+fn canonical_request<'n>(
     method: &str,
     path: &str,
     query: &str,
     headers: &HeaderMap,
-    names: impl Iterator<Item = N> + Clone,
+    names: impl Iterator<Item = &'n str> + Clone,
     payload: &str,
     out: &mut String,
 ) -> Result<Range<usize>, SignError> {
@@ -160,10 +159,10 @@ fn canonical_request<N: AsHeaderName + AsRef<str> + Copy>(
     canonical_query(query, out);
     out.push('\n');
     for name in names.clone() {
-        out.push_str(name.as_ref());
+        out.push_str(name);
         out.push(':');
-        for (i, value) in headers.get_all(name).iter().enumerate() {
-            let value = value.to_str().map_err(|_| SignError::HeaderValue { name: name.as_ref().to_owned() })?;
+        for (i, value) in values(headers, name).enumerate() {
+            let value = value.to_str().map_err(|_| SignError::HeaderValue { name: name.to_owned() })?;
             if i > 0 {
                 out.push(',');
             }
@@ -177,12 +176,19 @@ fn canonical_request<N: AsHeaderName + AsRef<str> + Copy>(
         if i > 0 {
             out.push(';');
         }
-        out.push_str(name.as_ref());
+        out.push_str(name);
     }
     let signed = signed_from..out.len();
     out.push('\n');
     out.push_str(payload);
     Ok(signed)
+}
+
+/// The values of header `name` (lower case), in order. A scan of the map by name: a lookup
+/// by a `&str` would parse and hash the name first, which costs more on a request's dozen
+/// headers.
+fn values<'h>(headers: &'h HeaderMap, name: &str) -> impl Iterator<Item = &'h HeaderValue> {
+    headers.iter().filter(move |(n, _)| n.as_str() == name).map(|(_, value)| value)
 }
 
 /// `scope`: its parts, joined by `/` here.
@@ -331,7 +337,7 @@ impl Verifier {
         // library's to judge. One lookup per name.
         let plain = |v: &HeaderValue| !v.as_bytes().iter().any(|b| matches!(b, b'\t' | b'\r' | b'\n'));
         let signed_ok = signature.names().all(|name| {
-            let mut values = headers.get_all(name).iter().peekable();
+            let mut values = values(headers, name).peekable();
             values.peek().is_some() && values.all(plain)
         });
         if !signed_ok {

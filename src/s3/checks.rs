@@ -31,7 +31,7 @@ pub(super) fn check_headers(headers: &HeaderMap) -> Result<(), FrontError> {
             return Err(FrontError::NonAsciiMetadata(name.as_str().to_owned()));
         }
     }
-    if let Some(source) = headers.get("x-amz-copy-source") {
+    if let Some(source) = headers.get(crate::amz::X_AMZ_COPY_SOURCE) {
         let source = source.to_str().map_err(|_| FrontError::UnsafeKey)?;
         let path = source.split('?').next().unwrap_or("");
         let decoded = crate::percent::decode(path).ok_or(FrontError::UnsafeKey)?;

@@ -103,7 +103,7 @@ const OBJECT_SUBRESOURCES: &[&str] = &["tagging", "acl", "retention", "legal-hol
 
 pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: &HeaderMap) -> Op {
     let has = |name: &str| query_has(query, name);
-    let copy = headers.contains_key("x-amz-copy-source");
+    let copy = headers.contains_key(crate::amz::X_AMZ_COPY_SOURCE);
     if target.key.is_none() {
         return match *method {
             Method::POST if has("delete") => Op::DeleteObjects,

@@ -13,6 +13,7 @@ use s3s::{Body, S3Response};
 
 use super::error::FrontError;
 use super::{Admitted, Front, Request, WireContract};
+use crate::amz::{X_AMZ_DECODED_CONTENT_LENGTH, X_AMZ_SDK_CHECKSUM_ALGORITHM, X_AMZ_TRAILER};
 use crate::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use crate::config::millis;
 use crate::fence::CutOff;
@@ -211,7 +212,7 @@ pub(super) fn upstream_request(
 }
 
 pub(super) fn trailer_check(request: &Request) -> Option<TrailerCheck> {
-    let announced = request.headers.get("x-amz-trailer")?.to_str().ok()?;
+    let announced = request.headers.get(X_AMZ_TRAILER)?.to_str().ok()?;
     TrailerCheck::new(announced, request.trailers.clone()?)
 }
 
@@ -242,13 +243,13 @@ pub(super) fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> Head
         }
         out.append(name.clone(), value.clone());
     }
-    if let Some(decoded) = headers.get("x-amz-decoded-content-length") {
+    if let Some(decoded) = headers.get(X_AMZ_DECODED_CONTENT_LENGTH) {
         out.insert(http::header::CONTENT_LENGTH, decoded.clone());
     }
     // The algorithm header goes with a checksum header; a trailing checksum is verified here
     // and not forwarded (the body goes upstream unframed), so its algorithm header goes too.
-    if headers.contains_key("x-amz-trailer") {
-        out.remove("x-amz-sdk-checksum-algorithm");
+    if headers.contains_key(X_AMZ_TRAILER) {
+        out.remove(X_AMZ_SDK_CHECKSUM_ALGORITHM);
     }
     out
 }

@@ -102,6 +102,9 @@ fn common_shape(req: &http::Request<Body>) -> bool {
 /// library orders repeated names as sent, SigV4 by value), without presign parameters
 /// (`X-Amz-*`, SigV2's `Signature`, `AWSAccessKeyId`, `Expires`).
 fn plain_query(query: &str) -> bool {
+    if query.is_empty() {
+        return true;
+    }
     let plain =
         query.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'=' | b'&'));
     plain
@@ -155,7 +158,7 @@ fn unreserved(byte: u8) -> bool {
 /// hash with no body; never aws-chunked, a signed body, or a chunked transfer.
 fn plain_payload(method: &Method, headers: &HeaderMap) -> bool {
     if headers.contains_key(http::header::TRANSFER_ENCODING)
-        || headers.contains_key("x-amz-decoded-content-length")
+        || headers.contains_key(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH)
         || headers
             .get_all(http::header::CONTENT_ENCODING)
             .iter()
@@ -169,7 +172,7 @@ fn plain_payload(method: &Method, headers: &HeaderMap) -> bool {
         return false;
     }
     let length = length.flatten();
-    match headers.get("x-amz-content-sha256").map(http::HeaderValue::as_bytes) {
+    match headers.get(crate::amz::X_AMZ_CONTENT_SHA256).map(http::HeaderValue::as_bytes) {
         Some(v) if v == UNSIGNED_PAYLOAD.as_bytes() => length.is_some() || *method != Method::PUT,
         Some(v) if v == EMPTY_PAYLOAD_SHA256.as_bytes() => length.is_none_or(|n| n == 0),
         _ => false,

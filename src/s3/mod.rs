@@ -370,21 +370,21 @@ impl Front {
         let reads_object = matches!(request.method, Method::GET | Method::HEAD);
         let mut resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
         if reads_object && !self.show_stamp {
-            resp.headers_mut().remove(METADATA_TOKEN_HEADER);
+            resp.headers_mut().remove(wire::METADATA_TOKEN);
         }
         Ok(client_response(resp))
     }
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
-    let decoded = headers.get("x-amz-decoded-content-length");
+    let decoded = headers.get(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH);
     let raw = decoded.or_else(|| headers.get(http::header::CONTENT_LENGTH))?;
     raw.to_str().ok()?.parse().ok()
 }
 
 /// The stamp every object write carries (G4).
 fn stamp(headers: &mut HeaderMap, token: FenceToken) {
-    headers.insert(METADATA_TOKEN_HEADER, HeaderValue::from(token.0));
+    headers.insert(wire::METADATA_TOKEN, HeaderValue::from(token.0));
 }
 
 /// Request ids: unique per process (a random boot prefix and a counter), cheap to make.

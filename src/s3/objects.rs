@@ -8,7 +8,7 @@ use http::{HeaderValue, Method, StatusCode};
 use s3s::Body;
 
 use super::error::FrontError;
-use super::wire::METADATA_TOKEN_HEADER;
+use super::wire::METADATA_TOKEN;
 use crate::fence::FenceToken;
 use crate::upstream::Upstream;
 
@@ -172,7 +172,7 @@ pub async fn head(upstream: &dyn Upstream, raw_path: &str) -> Result<ObjectState
 /// The object state a successful write response or head describes, if it names an ETag.
 pub fn state_from_headers(headers: &http::HeaderMap) -> Option<ObjectState> {
     let etag = headers.get(http::header::ETAG)?.clone();
-    let stamp = headers.get(METADATA_TOKEN_HEADER).and_then(|v| FenceToken::parse(v.as_bytes()).ok());
+    let stamp = headers.get(METADATA_TOKEN).and_then(|v| FenceToken::parse(v.as_bytes()).ok());
     Some(ObjectState::Present { etag, stamp })
 }
 

@@ -21,7 +21,8 @@ impl Front {
         let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
-        let headers = upstream_headers(&request.headers, &self.wire);
+        // The first attempt takes these; a retry makes them again from the request.
+        let mut prepared = Some(upstream_headers(&request.headers, &self.wire));
         let check = trailer_check(&request);
         let retain = if retainable { self.retry_body_bytes_max } else { 0 };
         let body = std::mem::take(&mut request.body);
@@ -31,12 +32,14 @@ impl Front {
         // A body that cannot be sent twice starts from a fresh read: a stale cache would cost
         // the write itself.
         let cached = if retainable { Cached::Any } else { Cached::Never };
-        let (headers, path, report, object, admitted) = (&headers, &path, &report, &write.object, &admitted);
+        let (client_headers, path, report, object, admitted) =
+            (&request.headers, &path, &report, &write.object, &admitted);
         let state = self.starting_state(&write, cached).await?;
         self.conditional_write(&write, state, move |state| {
             let streamed = first.take();
+            let headers = prepared.take();
             Box::pin(async move {
-                let mut headers = headers.clone();
+                let mut headers = headers.unwrap_or_else(|| upstream_headers(client_headers, &self.wire));
                 set_precondition(&mut headers, &state);
                 let resp = match streamed {
                     Some(body) => {

@@ -120,7 +120,7 @@ impl S3Route for FencegateRoute {
             // body against), or whoever sees the request could resend it with another body.
             let body_signed = req
                 .headers
-                .get("x-amz-content-sha256")
+                .get(crate::amz::X_AMZ_CONTENT_SHA256)
                 .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
             let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
             let scope = self
