@@ -95,25 +95,27 @@ thread_local! {
 
 /// The handle of metric `name` with label value `value` (`""` for none), made by `make` the
 /// first time on this thread. Only once the recorder is installed: a handle made before is
-/// a no-op one, and would stay one.
+/// a no-op one, and would stay one. On a thread whose locals are being destroyed (a permit
+/// dropped by another thread-local's destructor) the handle is made without the cache.
 fn cached<H: Clone>(
     handles: &'static LocalKey<Handles<H>>,
     name: &'static str,
     value: &'static str,
-    make: impl FnOnce() -> H,
+    make: impl Fn() -> H,
 ) -> H {
     if HANDLE.get().is_none() {
         return make();
     }
-    handles.with(|cell| {
-        let mut handles = cell.borrow_mut();
+    let cached = handles.try_with(|cell| {
+        let mut handles = cell.try_borrow_mut().ok()?;
         if let Some((_, _, handle)) = handles.iter().find(|(n, v, _)| *n == name && *v == value) {
-            return handle.clone();
+            return Some(handle.clone());
         }
         let handle = make();
         handles.push((name, value, handle.clone()));
-        handle
-    })
+        Some(handle)
+    });
+    cached.ok().flatten().unwrap_or_else(make)
 }
 
 /// An S3 request the S3 library refused before fencegate's handler saw it (a bad signature,
@@ -218,4 +220,34 @@ pub fn gateway_request(mode: &'static str, outcome: &'static str) {
 /// retry gets 409, then the outcome is reported as unknown.
 pub fn idempotency_record_failed() {
     counter!("fencegate_idempotency_record_errors_total").increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A permit dropped by another thread-local's destructor records a metric after this
+    /// thread's handle cache is gone: the handle is made without it (using the cache there
+    /// panics, and a panic in a thread-local destructor aborts the process).
+    #[test]
+    fn a_metric_recorded_while_thread_locals_are_destroyed_is_recorded() {
+        struct RecordsOnDrop;
+        impl Drop for RecordsOnDrop {
+            fn drop(&mut self) {
+                advanced();
+            }
+        }
+        thread_local! {
+            static LATE: RefCell<Option<RecordsOnDrop>> = const { RefCell::new(None) };
+        }
+        install();
+        std::thread::spawn(|| {
+            // Registered before the cache, so destroyed after it.
+            LATE.with(|late| *late.borrow_mut() = Some(RecordsOnDrop));
+            advanced();
+            assert!(COUNTERS.with(|c| !c.borrow().is_empty()), "the handle is cached");
+        })
+        .join()
+        .expect("the thread ends normally");
+    }
 }
