@@ -315,18 +315,39 @@ impl Verifier {
         Self { secrets, keys: Mutex::new(Vec::new()) }
     }
 
+    /// The secret of a `[[credentials]]` access key given to [`Verifier::new`].
+    pub fn secret(&self, access_key: &str) -> Option<&str> {
+        self.secrets.get(access_key).map(String::as_str)
+    }
+
     /// `Some` only when the request is signed in its `Authorization` header by one of the
     /// credentials, for service `s3`, within [`CLOCK_SKEW_MAX`] of `now`, every signed header
     /// present, and the signature matches. `None` says nothing about the request: the S3
     /// library checks it and gives the answer (an error, or another way of signing).
     pub fn verify(&self, method: &str, uri: &http::Uri, headers: &HeaderMap, now: SystemTime) -> Option<Verified> {
+        self.verify_with(method, uri, headers, now, |signature| self.secrets.get(signature.access_key).cloned())
+    }
+
+    /// [`Verifier::verify`], with the secret of the signature's access key given by
+    /// `secret_of` (`None`: not one this caller knows), for credentials whose secret is
+    /// derived from the request itself (lease credentials, from their session token). A
+    /// signing key is cached with the secret it was derived from, and used only for that
+    /// secret: two requests under one access key with different secrets never share a key.
+    pub fn verify_with(
+        &self,
+        method: &str,
+        uri: &http::Uri,
+        headers: &HeaderMap,
+        now: SystemTime,
+        secret_of: impl FnOnce(&HeaderSignature<'_>) -> Option<String>,
+    ) -> Option<Verified> {
         let mut authorization = headers.get_all(AUTHORIZATION).iter();
         let value = authorization.next()?.to_str().ok()?;
         if authorization.next().is_some() {
             return None;
         }
         let signature = HeaderSignature::parse(value)?;
-        let secret = self.secrets.get(signature.access_key)?;
+        let secret = secret_of(&signature)?;
         let amz_date = single(headers, &X_AMZ_DATE)?;
         if amz_date.get(..8)? != signature.date || !within_skew(amz_date, now)? {
             return None;
@@ -346,7 +367,7 @@ impl Verifier {
         let mut canonical = String::with_capacity(512);
         let query = uri.query().unwrap_or_default();
         canonical_request(method, uri.path(), query, headers, signature.names(), payload, &mut canonical).ok()?;
-        let (key, cached) = self.key(signature.access_key, signature.date, signature.region, secret)?;
+        let (key, cached) = self.key(signature.access_key, signature.date, signature.region, &secret)?;
         let scope = [signature.date, signature.region, SERVICE, "aws4_request"];
         let expected = hmac_hex(key.as_slice(), &string_to_sign(amz_date, &scope, &canonical))?;
         if !bool::from(expected.as_bytes().ct_eq(signature.signature.as_bytes())) {
@@ -355,18 +376,19 @@ impl Verifier {
         if !cached {
             // Kept only once a signature made with it verified: nobody without the secret can
             // fill the cache or push the keys in use out of it.
-            self.keep(&signature, key);
+            self.keep(&signature, &secret, key);
         }
-        Some(Verified {
-            access_key: signature.access_key.to_owned(),
-            secret: secret.clone(),
-            region: signature.region.to_owned(),
-        })
+        Some(Verified { access_key: signature.access_key.to_owned(), secret, region: signature.region.to_owned() })
     }
 
     /// The signing key, and whether it came from the cache.
     fn key(&self, access_key: &str, date: &str, region: &str, secret: &str) -> Option<(Arc<Vec<u8>>, bool)> {
-        let same = |k: &CachedKey| k.access_key == access_key && k.date == date && k.region == region;
+        let same = |k: &CachedKey| {
+            k.access_key == access_key
+                && k.date == date
+                && k.region == region
+                && bool::from(k.secret.as_bytes().ct_eq(secret.as_bytes()))
+        };
         if let Some(cached) = self.keys.lock().expect("verification keys poisoned").iter().find(|k| same(k)) {
             return Some((cached.key.clone(), true));
         }
@@ -375,7 +397,7 @@ impl Verifier {
         Some((Arc::new(v4::generate_signing_key(secret, at, region, SERVICE).as_ref().to_vec()), false))
     }
 
-    fn keep(&self, signature: &HeaderSignature<'_>, key: Arc<Vec<u8>>) {
+    fn keep(&self, signature: &HeaderSignature<'_>, secret: &str, key: Arc<Vec<u8>>) {
         let mut keys = self.keys.lock().expect("verification keys poisoned");
         if keys.len() >= VERIFY_KEYS_MAX {
             keys.clear();
@@ -384,16 +406,18 @@ impl Verifier {
             access_key: signature.access_key.to_owned(),
             date: signature.date.to_owned(),
             region: signature.region.to_owned(),
+            secret: secret.to_owned(),
             key,
         });
     }
 }
 
-/// A signing key of one access key, day and region.
+/// A signing key of one access key, day and region, and the secret it was derived from.
 struct CachedKey {
     access_key: String,
     date: String,
     region: String,
+    secret: String,
     key: Arc<Vec<u8>>,
 }
 
@@ -786,6 +810,27 @@ mod tests {
         forged.headers_mut().insert(AUTHORIZATION, HeaderValue::from_str(&authorization).unwrap());
         assert!(verifier.verify("PUT", forged.uri(), forged.headers(), now).is_none());
         assert!(verifier.keys.lock().unwrap().is_empty(), "a key kept for a signature that did not verify");
+    }
+
+    /// A lease credential's secret derives from its session token, and its access key from the
+    /// grant only: whoever holds one could present edited claims (another derived secret)
+    /// under the same access key. A key cached for the real secret must not verify them.
+    #[test]
+    fn a_cached_key_serves_only_the_secret_it_was_derived_from() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_764_498_123);
+        let verifier = Verifier::new(HashMap::new());
+        let req = origin_form(signed_by_reference(put("http://127.0.0.1:9000/b/k").body(()).unwrap(), now));
+        let with = |secret: &'static str| {
+            verifier.verify_with("PUT", req.uri(), req.headers(), now, |s| {
+                assert_eq!(s.access_key, KEY_ID);
+                Some(secret.to_owned())
+            })
+        };
+        assert!(with(SECRET).is_some(), "signed with SECRET");
+        assert_eq!(verifier.keys.lock().unwrap().len(), 1, "its key is kept");
+        assert!(with("another secret under the same access key").is_none());
+        assert!(with(SECRET).is_some(), "the kept key still serves its own secret");
+        assert!(verifier.verify_with("PUT", req.uri(), req.headers(), now, |_| None).is_none(), "an unknown key");
     }
 
     #[test]

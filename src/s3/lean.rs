@@ -5,16 +5,19 @@
 //! headers, derives the signing key (four HMACs) and builds the canonical request through
 //! several allocations: about a sixth of fencegate's CPU per accepted write, and more of a
 //! rejected one's (docs/benchmarks.md, "Issue 16: the bare hyper proxy on the ladder, and the lean path"). Most requests have one shape: HTTP/1,
-//! path-style, signed in the `Authorization` header by a `[[credentials]]` entry, with an
-//! unsigned or empty payload and no presign parameters. For those, [`LeanPath::take`] checks
-//! what the library would check (the path and bucket name, the credential scope, the clock
-//! skew, the signature, with keys cached per day) and builds the route's request itself.
+//! path-style, signed in the `Authorization` header by a `[[credentials]]` entry or by a lease
+//! credential (its session token in a signed `x-amz-security-token` header), with an unsigned
+//! or empty payload and no presign parameters. For those, [`LeanPath::take`] checks what the
+//! library would check (the path and bucket name, the credential scope, the clock skew, the
+//! signature, with keys cached per day and per secret) and builds the route's request itself;
+//! a lease credential's claims go to the route in the request's extensions.
 //!
 //! Anything else, and any request whose signature does not verify here, goes through the
 //! library unchanged: it alone answers errors and the other ways of signing (presigned URLs,
-//! SigV2, aws-chunked bodies, signed payloads, lease credentials, virtual hosts, HTTP/2). So
-//! the lean path can only take a request the library would have taken.
+//! SigV2, aws-chunked bodies, signed payloads, virtual hosts, HTTP/2). So the lean path can
+//! only take a request the library would have taken.
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use http::{HeaderMap, Method, Version};
@@ -22,14 +25,23 @@ use s3s::route::S3Route;
 use s3s::{Body, S3Request};
 
 use super::service::{BucketNames, FencegateRoute};
+use crate::amz::X_AMZ_SECURITY_TOKEN;
 use crate::lease::LeaseService;
-use crate::sigv4::{EMPTY_PAYLOAD_SHA256, UNSIGNED_PAYLOAD, Verifier};
+use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, Issuers};
+use crate::sigv4::{EMPTY_PAYLOAD_SHA256, HeaderSignature, UNSIGNED_PAYLOAD, Verifier};
 
-/// The lean path's verifier and the route it hands requests to.
+/// The lean path's verifier, the issuers whose secrets lease credentials derive from, and the
+/// route it hands requests to.
 pub(super) struct LeanPath {
     pub(super) verifier: Verifier,
+    pub(super) issuers: Arc<Issuers>,
     pub(super) route: FencegateRoute,
 }
+
+/// The claims of the lease credential whose signature the lean path verified, handed to the
+/// route in the request's extensions (which only fencegate itself can set).
+#[derive(Clone)]
+pub(super) struct LeaseClaims(pub(super) Claims);
 
 impl LeanPath {
     /// The request, made ready for the route, if it has the common shape and its signature
@@ -39,12 +51,20 @@ impl LeanPath {
         if !common_shape(&req) {
             return Err(req);
         }
-        let Some(verified) = self.verifier.verify(req.method().as_str(), req.uri(), req.headers(), SystemTime::now())
-        else {
-            return Err(req);
-        };
+        let mut claims = None;
+        let verified = self.verifier.verify_with(
+            req.method().as_str(),
+            req.uri(),
+            req.headers(),
+            SystemTime::now(),
+            |signature| self.secret(signature, req.headers(), &mut claims),
+        );
+        let Some(verified) = verified else { return Err(req) };
         let Ok(region) = s3s::region::Region::new(verified.region.into()) else { return Err(req) };
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        if let Some(claims) = claims {
+            parts.extensions.insert(LeaseClaims(claims));
+        }
         Ok(S3Request {
             input: body,
             method: parts.method,
@@ -59,6 +79,34 @@ impl LeanPath {
             service: Some("s3".into()),
             trailing_headers: None,
         })
+    }
+
+    /// The secret `signature` must have been made with: a `[[credentials]]` entry's, or a lease
+    /// credential's, derived from its session token (`claims` are then set: they count only
+    /// once the signature verifies). The session token must be one `x-amz-security-token`
+    /// header, and signed; anything else is the library's to judge.
+    fn secret(
+        &self,
+        signature: &HeaderSignature<'_>,
+        headers: &HeaderMap,
+        claims: &mut Option<Claims>,
+    ) -> Option<String> {
+        if let Some(secret) = self.verifier.secret(signature.access_key) {
+            return Some(secret.to_owned());
+        }
+        if !signature.access_key.starts_with(ACCESS_KEY_PREFIX)
+            || !signature.names().any(|name| name == X_AMZ_SECURITY_TOKEN.as_str())
+        {
+            return None;
+        }
+        let mut tokens = headers.get_all(X_AMZ_SECURITY_TOKEN).iter();
+        let token = tokens.next()?.to_str().ok()?;
+        if tokens.next().is_some() {
+            return None;
+        }
+        let (secret, verified) = self.issuers.secret(signature.access_key, Some(token)).ok()?;
+        *claims = Some(verified);
+        Some(secret)
     }
 
     /// Runs the route on a request [`LeanPath::take`] made, and renders its answer as the S3

@@ -40,7 +40,11 @@ pub fn service(
     let route = FencegateRoute { front: Arc::new(front), leases, issuers: issuers.clone() };
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
     let lean = config.server.domain.is_none().then(|| {
-        Arc::new(lean::LeanPath { verifier: crate::sigv4::Verifier::new(fixed.clone()), route: route.clone() })
+        Arc::new(lean::LeanPath {
+            verifier: crate::sigv4::Verifier::new(fixed.clone()),
+            issuers: issuers.clone(),
+            route: route.clone(),
+        })
     });
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth::Credentials { fixed, issuers });
@@ -110,7 +114,7 @@ impl S3Route for FencegateRoute {
         true
     }
 
-    async fn call(&self, req: S3Request<Body>) -> S3Result<S3Response<Body>> {
+    async fn call(&self, mut req: S3Request<Body>) -> S3Result<S3Response<Body>> {
         auth::routed();
         if LeaseService::handles(req.uri.path()) {
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.is_issuer(&c.access_key));
@@ -133,8 +137,10 @@ impl S3Route for FencegateRoute {
         }
         let lease = match req.credentials.as_ref() {
             Some(c) if c.access_key.starts_with(ACCESS_KEY_PREFIX) => {
-                // Verified with the secret derived from these claims: they are the signer's.
-                match auth::lease_claims() {
+                // Verified with the secret derived from these claims: they are the signer's
+                // (the lean path's, or the library's check through `auth::Credentials`).
+                let lean = req.extensions.remove::<lean::LeaseClaims>().map(|verified| verified.0);
+                match lean.or_else(auth::lease_claims) {
                     Some(claims) => Some(claims),
                     None => return Err(s3s::s3_error!(AccessDenied, "a lease credential without its claims")),
                 }
