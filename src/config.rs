@@ -659,10 +659,12 @@ impl Config {
                     .ok_or(("upstream.endpoint", "required when upstream.kind = \"s3\"".to_string()))?;
                 let uri: http::Uri =
                     endpoint.parse().map_err(|e| ("upstream.endpoint", format!("{endpoint:?} is not a URL: {e}")))?;
-                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+                // A path or query would be dropped: requests go to the endpoint's root.
+                let root = matches!(uri.path(), "" | "/") && uri.query().is_none();
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() || !root {
                     return Err((
                         "upstream.endpoint",
-                        format!("{endpoint:?} must be http://host[:port] or https://host[:port]"),
+                        format!("{endpoint:?} must be http://host[:port] or https://host[:port], without a path"),
                     ));
                 }
                 if self.upstream.access_key_id.is_none() {
@@ -859,6 +861,19 @@ mod tests {
     fn errors_name_the_key() {
         let err = Config::from_toml(&MINIMAL.replace("kind = \"local\"", "kind = \"s3\"")).unwrap_err();
         assert!(err.to_string().contains("upstream.endpoint"), "{err}");
+        let s3 = |endpoint: &str| {
+            let upstream = format!(
+                "kind = \"s3\"\nendpoint = \"{endpoint}\"\naccess_key_id = \"k\"\nsecret_access_key = \"s\"\nprobe_bucket = \"b\""
+            );
+            Config::from_toml(&MINIMAL.replace("kind = \"local\"", &upstream))
+        };
+        for root in ["http://127.0.0.1:9000", "http://127.0.0.1:9000/"] {
+            assert!(s3(root).is_ok(), "{root}: {:?}", s3(root).err());
+        }
+        for with_path in ["http://127.0.0.1:9000/prefix", "http://127.0.0.1:9000/?x=1"] {
+            let err = s3(with_path).unwrap_err().to_string();
+            assert!(err.contains("upstream.endpoint") && err.contains("without a path"), "{with_path}: {err}");
+        }
         let err = Config::from_toml(&MINIMAL.replace("listen = \"127.0.0.1:9000\"", "listen = \"nope\"")).unwrap_err();
         assert!(err.to_string().contains("listen"), "{err}");
         let err = Config::from_toml(&format!("{MINIMAL}\n[fencing]\nrequire_tokn = true\n")).unwrap_err();
