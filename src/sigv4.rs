@@ -211,6 +211,7 @@ fn string_to_sign(amz_date: &str, scope: &[&str], canonical: &str) -> String {
 
 /// The signature of `string_to_sign` under a signing key: its HMAC-SHA256 in lower-case hex
 /// (aws-sigv4's `calculate_signature`, written into one buffer).
+///
 /// `None` only if HMAC refused the key, which it does for no length.
 fn hmac_hex(key: &[u8], string_to_sign: &str) -> Option<String> {
     use hmac::{KeyInit, Mac};
@@ -422,7 +423,7 @@ struct CachedKey {
 }
 
 /// The one value of `name`, as text.
-fn single<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h str> {
+pub fn single<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h str> {
     let mut values = headers.get_all(name).iter();
     let value = values.next()?.to_str().ok()?;
     values.next().is_none().then_some(value)

@@ -99,11 +99,7 @@ impl LeanPath {
         {
             return None;
         }
-        let mut tokens = headers.get_all(X_AMZ_SECURITY_TOKEN).iter();
-        let token = tokens.next()?.to_str().ok()?;
-        if tokens.next().is_some() {
-            return None;
-        }
+        let token = crate::sigv4::single(headers, &X_AMZ_SECURITY_TOKEN)?;
         match self.issuers.secret(signature.access_key, Some(token)) {
             Ok((secret, verified)) => {
                 *claims = Some(verified);
