@@ -4,6 +4,9 @@
 /// a plus sign (paths are not form-encoded).
 pub fn decode(raw: &str) -> Option<String> {
     let bytes = raw.as_bytes();
+    if !bytes.contains(&b'%') {
+        return Some(raw.to_owned());
+    }
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {

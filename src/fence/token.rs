@@ -70,7 +70,10 @@ impl ResourceKey {
         if name.is_empty() || name.len() > RESOURCE_BYTES_MAX {
             return Err(ResourceKeyError::BadLength { len: name.len() });
         }
-        if name.chars().any(char::is_control) {
+        // Control characters are U+0000 to U+001F and U+007F to U+009F: the bytes are enough
+        // for ASCII names, which a per-char decode costs several times as much to check.
+        let ascii_control = |b: u8| b < 0x20 || b == 0x7f;
+        if name.bytes().any(ascii_control) || (!name.is_ascii() && name.chars().any(char::is_control)) {
             return Err(ResourceKeyError::ControlCharacter);
         }
         Ok(Self(name.into()))
@@ -114,5 +117,15 @@ mod tests {
         assert!(ResourceKey::new("").is_err());
         assert!(ResourceKey::new(&"r".repeat(RESOURCE_BYTES_MAX + 1)).is_err());
         assert!(ResourceKey::new("a\nb").is_err());
+    }
+
+    #[test]
+    fn every_control_character_is_refused() {
+        for c in ('\u{0}'..='\u{1f}').chain('\u{7f}'..='\u{9f}') {
+            assert_eq!(ResourceKey::new(&format!("a{c}b")), Err(ResourceKeyError::ControlCharacter), "{c:?}");
+        }
+        for name in ["café/ü", "\u{a0}x", "日本/キー", "a\u{2028}b"] {
+            assert!(ResourceKey::new(name).is_ok(), "{name:?}");
+        }
     }
 }

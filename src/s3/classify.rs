@@ -40,11 +40,27 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
         None => (Some(rest.to_owned()), None),
     };
     if let Some(key) = &key
-        && key.split('/').any(|segment| segment == "." || segment == "..")
+        && has_dot_segment(key)
     {
         return Err(FrontError::UnsafeKey);
     }
     Ok(Target { bucket, key, raw_path })
+}
+
+/// Whether a segment of `key` between slashes is `.` or `..`.
+fn has_dot_segment(key: &str) -> bool {
+    let b = key.as_bytes();
+    let dots = |segment: &[u8]| matches!(segment, b"." | b"..");
+    let mut start = 0;
+    for (i, &byte) in b.iter().enumerate() {
+        if byte == b'/' {
+            if dots(&b[start..i]) {
+                return true;
+            }
+            start = i + 1;
+        }
+    }
+    dots(&b[start..])
 }
 
 fn virtual_host_bucket(headers: &HeaderMap, domain: &str) -> Option<String> {
@@ -185,8 +201,11 @@ mod tests {
         let t = target(&"/b/a%20b/c".parse().unwrap(), &HeaderMap::new(), None).unwrap();
         assert_eq!(t.object_name().as_deref(), Some("b/a b/c"));
         assert_eq!(t.raw_path, "/b/a%20b/c");
-        for bad in ["/b/../x", "/b/a/./x", "/b/%2e%2e/x", "/b/%ff"] {
+        for bad in ["/b/../x", "/b/a/./x", "/b/%2e%2e/x", "/b/%ff", "/b/.", "/b/..", "/b/x/..", "/b/x/.", "/b/./"] {
             assert!(target(&bad.parse().unwrap(), &HeaderMap::new(), None).is_err(), "{bad}");
+        }
+        for good in ["/b/...", "/b/.x/..y", "/b/x./y..", "/b/a//b", "/b/x/"] {
+            assert!(target(&good.parse().unwrap(), &HeaderMap::new(), None).is_ok(), "{good}");
         }
     }
 

@@ -53,7 +53,13 @@ impl WireContract {
             }
             (Some(rule), _) => rule.resource.clone(),
             (None, Some(p)) => p.to_owned(),
-            (None, None) => format!("{bucket}/{key}"),
+            (None, None) => {
+                let mut name = String::with_capacity(bucket.len() + 1 + key.len());
+                name.push_str(bucket);
+                name.push('/');
+                name.push_str(key);
+                name
+            }
         };
         Ok(ResourceKey::new(&name).map_err(Refusal::InvalidResource)?)
     }
