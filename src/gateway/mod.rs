@@ -143,7 +143,7 @@ impl Gateway {
         let started = Instant::now();
         // Detached: a client that disconnects does not end a write the API may still execute,
         // nor a claimed idempotency record (`fence::outcome`).
-        let result = detached(self.clone().dispatch(ix, req).instrument(span.clone())).await;
+        let result = detached(Box::pin(self.clone().dispatch(ix, req).instrument(span.clone()))).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {

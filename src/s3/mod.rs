@@ -173,7 +173,9 @@ impl Front {
         // A field recorded twice shows twice: the decision is recorded once, at admission or
         // at the refusal, and what failed after admission goes to `error`.
         let mut decided = false;
-        let result = self.route(req, lease, &mut decided).instrument(span.clone()).await;
+        // Boxed: the route's state machine is kilobytes, and this future, the library's and
+        // hyper's around it would each hold it inline and copy it at every move.
+        let result = Box::pin(self.route(req, lease, &mut decided)).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -272,7 +274,7 @@ impl Front {
             let front = Arc::clone(&self);
             let resource = lease.map(|l| l.resource);
             let deletes = async move { front.delete_objects(request, token, resource).await };
-            return detached(deletes.instrument(tracing::Span::current())).await;
+            return detached(Box::pin(deletes.instrument(tracing::Span::current()))).await;
         }
         // A fenced multipart step: its upload must be the key's (an unchecked one, without a
         // token, is fenced on nothing and passes as it is).
@@ -320,7 +322,7 @@ impl Front {
             let result = front.admit_and_write(op, request, resource, token, &mut admitted_now).await;
             (result, admitted_now)
         };
-        let (result, admitted_now) = detached(write.instrument(span)).await;
+        let (result, admitted_now) = detached(Box::pin(write.instrument(span))).await;
         *decided |= admitted_now;
         result
     }
