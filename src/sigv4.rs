@@ -270,8 +270,10 @@ impl<'a> HeaderSignature<'a> {
         // In the order every SDK writes them, each once.
         let (credential, rest) = cut(rest, b',')?;
         let (signed, signature) = cut(rest, b',')?;
-        let credential = credential.trim_matches(' ').strip_prefix("Credential=")?;
-        let signed = signed.trim_matches(' ').strip_prefix("SignedHeaders=")?;
+        // Spaces may follow a comma, not precede it (the library reads a space before one as
+        // part of the value: a signed name `x-amz-date `).
+        let credential = credential.trim_start_matches(' ').strip_prefix("Credential=")?;
+        let signed = signed.trim_start_matches(' ').strip_prefix("SignedHeaders=")?;
         let signature = signature.trim_matches(' ').strip_prefix("Signature=")?;
         let (access_key, scope) = cut(credential, b'/')?;
         let (date, scope) = cut(scope, b'/')?;
@@ -943,8 +945,19 @@ mod tests {
             good.replace("/s3/aws4_request", "/s3"),
             format!("{good},"),
             good.split(", Signature").next().unwrap().to_owned(),
+            good.replace(", SignedHeaders", " , SignedHeaders"),
+            good.replace(", Signature", " , Signature"),
         ] {
             assert!(HeaderSignature::parse(&bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn signed_names_are_cut_as_split_cuts_them() {
+        for list in ["", ";", "a;", ";a", "a;;b", "host", "host;x-amz-date"] {
+            let signature =
+                HeaderSignature { access_key: "", date: "", region: "", signed_headers: list, signature: "" };
+            assert_eq!(signature.names().collect::<Vec<_>>(), list.split(';').collect::<Vec<_>>(), "{list:?}");
         }
     }
 

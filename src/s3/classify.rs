@@ -210,6 +210,22 @@ mod tests {
     }
 
     #[test]
+    fn dot_segments_are_found_as_split_finds_them() {
+        // Every key of up to five bytes made of `.`, `/` and `a`.
+        let mut keys = vec![String::new()];
+        for _ in 0..5 {
+            let longer: Vec<String> = keys.iter().flat_map(|k| ['.', '/', 'a'].map(|c| format!("{k}{c}"))).collect();
+            keys.extend(longer);
+        }
+        keys.sort();
+        keys.dedup();
+        for key in &keys {
+            let by_split = key.split('/').any(|segment| segment == "." || segment == "..");
+            assert_eq!(has_dot_segment(key), by_split, "{key:?}");
+        }
+    }
+
+    #[test]
     fn virtual_hosted_requests_become_path_style() {
         let mut headers = HeaderMap::new();
         headers.insert(http::header::HOST, "photos.s3.example.test:9000".parse().unwrap());

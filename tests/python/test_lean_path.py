@@ -10,7 +10,9 @@ mutated identically, sent as raw bytes, and the two answers' status and S3 error
 equal; a mutation must also be refused by the lean instance (never 2xx).
 
 The mutations are what an adversarial review of the first lean path found it accepted and the
-library refuses (F1-F5, each marked below), and neighbouring ways of breaking a signature. Two
+library refuses (F1-F5, each marked below; F7, a space before a comma of the Authorization
+header, by a review of its byte-loop parser), neighbouring ways of breaking a signature, and
+keys with dot segments or control characters (both answers must refuse them alike). Two
 cases are answered 200 by the library itself, a signature for service `sts` and one for a
 200-character region (made with the secret: s3s checks neither); for those only the equality
 of the answers is asserted. A last test sends requests with a valid access key, a bogus
@@ -203,6 +205,22 @@ def duplicate_header(name: str) -> Callable[[list], list]:
     return lambda headers: headers + [(n, v) for n, v in headers if n.lower() == name]
 
 
+def remove_header(name: str) -> Callable[[list], list]:
+    return lambda headers: [(n, v) for n, v in headers if n.lower() != name]
+
+
+def auth(fmt: str) -> Callable[[tuple], tuple]:
+    """A GET of the seeded object, its Authorization header written with `fmt`."""
+    return lambda a: signed_request(a, "GET", KEY, auth_format=fmt)
+
+
+def put_key(path_key: str, signed_raw: bool = False) -> Callable[[tuple], tuple]:
+    """A fenced PUT to `/BUCKET/path_key`, the path signed as sent when `signed_raw`."""
+    path = f"/{BUCKET}/{path_key}"
+    return lambda a: signed_request(a, "PUT", path, extra=FT, body=BODY,
+                                    signed_path=path if signed_raw else None)
+
+
 def past_900_seconds() -> float:
     """A time that is 900 s before a moment 0.3-0.6 s into the current second: an x-amz-date
     (whole seconds) made from it is 900.3-900.6 s old when sent at once, so past the 15
@@ -287,6 +305,78 @@ CASES = [
                                   post=replace_header("fencing-token", "8")), REFUSED),
     Case("Authorization header twice",
          lambda a: signed_request(a, "GET", KEY, post=duplicate_header("authorization")), REFUSED),
+    # F7: the library's parser takes `Credential=...` and `SignedHeaders=...` each ended by the
+    # comma itself (whitespace only after it); the lean path trimmed spaces on both sides of
+    # each part. A space before a comma: the library answers 400 (InvalidRequest) after the
+    # credential, 403 after the names (its last name is then `x-amz-date `, a header nobody sent).
+    Case("space before the comma after Credential",
+         auth("AWS4-HMAC-SHA256 Credential={cred} , SignedHeaders={signed}, Signature={sig}"), REFUSED),
+    Case("space before the comma after SignedHeaders",
+         auth("AWS4-HMAC-SHA256 Credential={cred}, SignedHeaders={signed} , Signature={sig}"), REFUSED),
+    # The Authorization header's other spellings (the header is cut by byte loops now): each
+    # answered as the library answers it.
+    Case("Authorization without spaces after the commas",
+         auth("AWS4-HMAC-SHA256 Credential={cred},SignedHeaders={signed},Signature={sig}"), ACCEPTED),
+    Case("Authorization with runs of spaces",
+         auth("AWS4-HMAC-SHA256   Credential={cred},   SignedHeaders={signed},   Signature={sig}"), ACCEPTED),
+    Case("Authorization with tabs after the commas",
+         auth("AWS4-HMAC-SHA256 Credential={cred},\tSignedHeaders={signed},\tSignature={sig}"), SAME),
+    Case("Authorization with an empty part",
+         auth("AWS4-HMAC-SHA256 Credential={cred},, SignedHeaders={signed}, Signature={sig}"), REFUSED),
+    Case("Authorization with a comma after the signature",
+         auth("AWS4-HMAC-SHA256 Credential={cred}, SignedHeaders={signed}, Signature={sig},"), REFUSED),
+    Case("SignedHeaders with a trailing ';'",
+         auth("AWS4-HMAC-SHA256 Credential={cred}, SignedHeaders={signed};, Signature={sig}"), SAME),
+    Case("SignedHeaders with a leading ';'",
+         auth("AWS4-HMAC-SHA256 Credential={cred}, SignedHeaders=;{signed}, Signature={sig}"), SAME),
+    Case("signature in upper-case hex",
+         lambda a: (lambda m, t, h, b: (m, t, [(n, v[:-64] + v[-64:].upper() if n == "Authorization" else v)
+                                              for n, v in h], b))(*signed_request(a, "GET", KEY)), REFUSED),
+    Case("empty region in the scope", lambda a: signed_request(a, "GET", KEY, region=""), SAME),
+    Case("service S3 in upper case", lambda a: signed_request(a, "GET", KEY, service="S3"), REFUSED),
+    # Signed headers: present twice, empty, absent (refused while the canonical request is built).
+    Case("signed header sent twice, signed as one comma-joined value",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-twice",
+                                  extra=FT + (("x-amz-meta-a", "one"), ("x-amz-meta-a", "two")), body=BODY), ACCEPTED),
+    Case("signed header sent once more after signing",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-again", extra=FT + (("x-amz-meta-a", "one"),),
+                                  body=BODY, post=duplicate_header("x-amz-meta-a")), REFUSED),
+    Case("signed header with an empty value",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-empty", extra=FT + (("x-amz-meta-e", ""),),
+                                  body=BODY), ACCEPTED),
+    Case("signed header with an empty value, removed after signing",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-removed", extra=FT + (("x-amz-meta-e", ""),),
+                                  body=BODY, post=remove_header("x-amz-meta-e")), REFUSED),
+    Case("signed header with runs of spaces, signed with them kept",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-spaces", extra=FT + (("x-amz-meta-e", "a  b   c"),),
+                                  body=BODY, trim=lambda v: v.strip(" ")), REFUSED),
+    # U+00A0 (UTF-8 on the wire, obs-text to HTTP): whitespace to the library, not a space to
+    # the lean path; signed as sent, it must not be taken.
+    Case("signed header with a UTF-8 no-break space, signed as sent",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/meta-nbsp", extra=FT + (("x-amz-meta-e", "a\xc2\xa0b"),),
+                                  body=BODY, trim=lambda v: v.encode("latin-1").decode("utf-8").strip(" ")),
+         REFUSED),
+    # Keys with dot segments (found by a byte loop now), raw or escaped: never written.
+    Case("key with a ./ segment", put_key("a/./b", signed_raw=True), REFUSED),
+    Case("key with a ../ segment", put_key("a/../b", signed_raw=True), REFUSED),
+    Case("key ending in /..", put_key("a/..", signed_raw=True), REFUSED),
+    Case("key ending in /.", put_key("a/.", signed_raw=True), REFUSED),
+    Case("key that is ./", put_key("./", signed_raw=True), REFUSED),
+    Case("key with %2E%2E, signed in canonical form", put_key("a/%2E%2E/b"), REFUSED),
+    Case("key with .%2E, signed in canonical form", put_key("a/.%2E/b"), REFUSED),
+    Case("control: key with a ... segment", put_key("a/.../b"), ACCEPTED),
+    # Keys with control characters (checked by byte for ASCII names now): C0, DEL and C1
+    # (U+0080-U+009F, two bytes in UTF-8) are no resource name; U+00A0 and U+2028 are.
+    Case("key with %1F", put_key("c0%1Fkey"), REFUSED),
+    Case("key with %7F", put_key("del%7Fkey"), REFUSED),
+    Case("key with U+0080 (%C2%80)", put_key("c1%C2%80key"), REFUSED),
+    Case("key with U+0085 (%C2%85)", put_key("c1%C2%85key"), REFUSED),
+    Case("key with U+009F (%C2%9F)", put_key("c1%C2%9Fkey"), REFUSED),
+    Case("key with U+0085 as raw UTF-8 in the request target",
+         lambda a: signed_request(a, "PUT", f"/{BUCKET}/c1\xc2\x85raw", extra=FT, body=BODY,
+                                  signed_path=f"/{BUCKET}/c1%C2%85raw"), REFUSED),
+    Case("control: key with U+00A0 (%C2%A0)", put_key("nbsp%C2%A0key"), ACCEPTED),
+    Case("control: key with U+2028 (%E2%80%A8)", put_key("ls%E2%80%A8key"), ACCEPTED),
     # The library takes a signature made with the secret for another service or for a region of
     # any length (it checks neither): the lean path does not take them itself (service `s3`,
     # regions of at most 32 bytes) and must answer them as the library does.
