@@ -168,9 +168,9 @@ fn canonical_request<'n>(
     for name in names.clone() {
         out.push_str(name);
         out.push(':');
+        let refused = || SignError::HeaderValue { name: name.to_owned() };
         let mut count = 0;
         for value in values(headers, name) {
-            let refused = || SignError::HeaderValue { name: name.to_owned() };
             if strict.0 && value.as_bytes().iter().any(|b| matches!(b, b'\t' | b'\r' | b'\n')) {
                 return Err(refused());
             }
@@ -182,7 +182,7 @@ fn canonical_request<'n>(
             count += 1;
         }
         if strict.0 && count == 0 {
-            return Err(SignError::HeaderValue { name: name.to_owned() });
+            return Err(refused());
         }
         out.push('\n');
     }

@@ -47,20 +47,10 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
     Ok(Target { bucket, key, raw_path })
 }
 
-/// Whether a segment of `key` between slashes is `.` or `..`.
+/// Whether a segment of `key` between slashes is `.` or `..` (split by a byte predicate: no
+/// `memchr` set up per segment).
 fn has_dot_segment(key: &str) -> bool {
-    let b = key.as_bytes();
-    let dots = |segment: &[u8]| matches!(segment, b"." | b"..");
-    let mut start = 0;
-    for (i, &byte) in b.iter().enumerate() {
-        if byte == b'/' {
-            if dots(&b[start..i]) {
-                return true;
-            }
-            start = i + 1;
-        }
-    }
-    dots(&b[start..])
+    key.as_bytes().split(|&b| b == b'/').any(|segment| matches!(segment, b"." | b".."))
 }
 
 fn virtual_host_bucket(headers: &HeaderMap, domain: &str) -> Option<String> {
