@@ -11,7 +11,7 @@ use http::{HeaderMap, HeaderName, StatusCode};
 use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
 
 /// The response header that tells a refused writer the current fence.
-pub const CURRENT_TOKEN_HEADER: &str = "fencing-token-current";
+pub const CURRENT_TOKEN_HEADER: HeaderName = HeaderName::from_static("fencing-token-current");
 
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {

@@ -156,16 +156,16 @@ impl FrontError {
     /// id, `Fencing-Token-Current` on stale, `Retry-After` on 503. Rendered here, in the form
     /// the S3 library renders its own: a refusal is the most frequent answer under load.
     pub fn into_response(self, request_id: &str) -> http::Response<s3s::Body> {
+        use std::fmt::Write as _;
         let (status, code) = self.parts();
-        let message = quick_xml::escape::escape(self.to_string()).into_owned();
-        let request_id_xml = quick_xml::escape::escape(request_id);
-        let mut xml = String::with_capacity(128 + message.len());
+        let mut xml = String::with_capacity(256);
         xml.push_str(r#"<?xml version="1.0" encoding="UTF-8"?><Error><Code>"#);
         xml.push_str(code);
         xml.push_str("</Code><Message>");
-        xml.push_str(&message);
+        // Written escaped straight into the body: no message string to make and copy again.
+        let _ = write!(XmlEscaped(&mut xml), "{self}");
         xml.push_str("</Message><RequestId>");
-        xml.push_str(&request_id_xml);
+        let _ = XmlEscaped(&mut xml).write_str(request_id);
         xml.push_str("</RequestId></Error>");
         let mut resp = http::Response::new(s3s::Body::from(xml));
         *resp.status_mut() = status;
@@ -181,6 +181,21 @@ impl FrontError {
         }
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
         resp
+    }
+}
+
+/// Writes text into an XML body with its special characters escaped by `quick_xml` (most
+/// parts of a message have none, and are copied as they are).
+struct XmlEscaped<'a>(&'a mut String);
+
+impl std::fmt::Write for XmlEscaped<'_> {
+    fn write_str(&mut self, text: &str) -> std::fmt::Result {
+        if text.bytes().any(|b| matches!(b, b'<' | b'>' | b'&' | b'\'' | b'"')) {
+            self.0.push_str(&quick_xml::escape::escape(text));
+        } else {
+            self.0.push_str(text);
+        }
+        Ok(())
     }
 }
 
@@ -219,5 +234,25 @@ mod tests {
         let busy = FrontError::PreconditionRace.into_response("r");
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(busy.headers()[http::header::RETRY_AFTER], "1");
+    }
+
+    /// The message is written escaped piece by piece: the same text as the whole message
+    /// escaped at once, whichever piece holds the special characters.
+    #[tokio::test]
+    async fn a_message_written_in_pieces_is_escaped_as_a_whole() {
+        let errors = || {
+            [
+                FrontError::OutsideLease { lease: "a\"<b>'&".into(), what: "key \"x\" & 'y'".into() },
+                FrontError::NonAsciiMetadata("x-amz-meta-<&>".into()),
+                FrontError::from(Refusal::Stale { presented: FenceToken(u64::MAX - 1), current: FenceToken(u64::MAX) }),
+                FrontError::UnsafeKey,
+            ]
+        };
+        for (error, shown) in errors().into_iter().zip(errors()) {
+            let xml = body_text(error.into_response("id<&>\"'")).await;
+            let message = quick_xml::escape::escape(shown.to_string()).into_owned();
+            assert!(xml.contains(&format!("<Message>{message}</Message>")), "{xml}");
+            assert!(xml.ends_with("<RequestId>id&lt;&amp;&gt;&quot;&apos;</RequestId></Error>"), "{xml}");
+        }
     }
 }
