@@ -95,8 +95,8 @@ impl Signer {
             Strict(false),
             &mut canonical,
         )?;
-        let signature =
-            hmac_hex(&day.key, &string_to_sign(&amz_date, &[&day.scope], &canonical)).ok_or(SignError::Key)?;
+        let signature = signature(&day.key, &amz_date, &[&day.scope], &canonical).ok_or(SignError::Key)?;
+        let signature = std::str::from_utf8(&signature).expect("hex digits are ASCII");
 
         let signed_headers = &canonical[signed];
         let mut authorization = String::with_capacity(160 + signed_headers.len());
@@ -109,7 +109,7 @@ impl Signer {
             ", SignedHeaders=",
             signed_headers,
             ", Signature=",
-            &signature,
+            signature,
         ] {
             authorization.push_str(part);
         }
@@ -207,35 +207,27 @@ fn values<'h>(headers: &'h HeaderMap, name: &str) -> impl Iterator<Item = &'h He
     headers.iter().filter(move |(n, _)| n.as_str() == name).map(|(_, value)| value)
 }
 
-/// `scope`: its parts, joined by `/` here.
-fn string_to_sign(amz_date: &str, scope: &[&str], canonical: &str) -> String {
-    let mut out = String::with_capacity(160);
-    out.push_str(ALGORITHM);
-    out.push('\n');
-    out.push_str(amz_date);
-    out.push('\n');
-    for (i, part) in scope.iter().enumerate() {
-        if i > 0 {
-            out.push('/');
-        }
-        out.push_str(part);
-    }
-    out.push('\n');
-    push_hex(&Sha256::digest(canonical.as_bytes()), &mut out);
-    out
-}
-
-/// The signature of `string_to_sign` under a signing key: its HMAC-SHA256 in lower-case hex
-/// (aws-sigv4's `calculate_signature`, written into one buffer).
+/// The signature of a canonical request under a signing key, as 64 lower-case hex digits:
+/// the HMAC-SHA256 of the string to sign (`AWS4-HMAC-SHA256`, the date, the scope joined by
+/// `/`, the hex SHA-256 of `canonical`, one per line), which is fed to the HMAC piece by piece
+/// rather than written out first (aws-sigv4's `calculate_signature`, without its two strings).
 ///
 /// `None` only if HMAC refused the key, which it does for no length.
-fn hmac_hex(key: &[u8], string_to_sign: &str) -> Option<String> {
+fn signature(key: &[u8], amz_date: &str, scope: &[&str], canonical: &str) -> Option<[u8; 64]> {
     use hmac::{KeyInit, Mac};
     let mut mac = hmac::Hmac::<Sha256>::new_from_slice(key).ok()?;
-    mac.update(string_to_sign.as_bytes());
-    let mut out = String::with_capacity(64);
-    push_hex(&mac.finalize().into_bytes(), &mut out);
-    Some(out)
+    for part in [ALGORITHM, "\n", amz_date, "\n"] {
+        mac.update(part.as_bytes());
+    }
+    for (i, part) in scope.iter().enumerate() {
+        if i > 0 {
+            mac.update(b"/");
+        }
+        mac.update(part.as_bytes());
+    }
+    mac.update(b"\n");
+    mac.update(&hex(&Sha256::digest(canonical.as_bytes()).into()));
+    Some(hex(&mac.finalize().into_bytes().into()))
 }
 
 /// How far a request's `x-amz-date` may be from fencegate's clock (the S3 library's default,
@@ -413,8 +405,8 @@ impl Verifier {
         canonical_request(method, uri.path(), query, headers, names, payload, Strict(true), &mut canonical).ok()?;
         let (key, cached) = self.key(signature.access_key, signature.date, signature.region, &secret)?;
         let scope = [signature.date, signature.region, SERVICE, "aws4_request"];
-        let expected = hmac_hex(key.as_slice(), &string_to_sign(amz_date, &scope, &canonical))?;
-        if !bool::from(expected.as_bytes().ct_eq(signature.signature.as_bytes())) {
+        let expected = self::signature(key.as_slice(), amz_date, &scope, &canonical)?;
+        if !bool::from(expected.as_slice().ct_eq(signature.signature.as_bytes())) {
             return None;
         }
         if !cached {
@@ -572,13 +564,15 @@ fn push_trimmed(value: &str, out: &mut String) {
     }
 }
 
-fn push_hex(bytes: &[u8], out: &mut String) {
+/// A SHA-256 digest in lower-case hex.
+fn hex(digest: &[u8; 32]) -> [u8; 64] {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    out.reserve(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    let mut out = [0u8; 64];
+    for (pair, b) in out.chunks_exact_mut(2).zip(digest) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
     }
+    out
 }
 
 #[cfg(test)]
