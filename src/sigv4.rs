@@ -44,12 +44,23 @@ pub enum SignError {
     Key,
 }
 
+/// A signing key, keyed into its HMAC once: each signature clones it, so the key's inner and
+/// outer pads are not hashed again for every request (two SHA-256 blocks a signature).
+type KeyedMac = hmac::Hmac<Sha256>;
+
+/// The signing key of `key`'s bytes, keyed into its HMAC. `None` only if HMAC refused the key,
+/// which it does for no length.
+fn keyed(key: &[u8]) -> Option<KeyedMac> {
+    use hmac::KeyInit;
+    KeyedMac::new_from_slice(key).ok()
+}
+
 /// The key of one UTC day and the credential scope it signs for.
 struct DayKey {
     day: u64,
     /// `YYYYMMDD/region/s3/aws4_request`
     scope: String,
-    key: Vec<u8>,
+    mac: KeyedMac,
 }
 
 pub struct Signer {
@@ -71,7 +82,7 @@ impl Signer {
     pub fn sign<B>(&self, req: &mut http::Request<B>, now: SystemTime) -> Result<(), SignError> {
         let secs = now.duration_since(UNIX_EPOCH).map_err(|_| SignError::Clock)?.as_secs();
         let amz_date = amz_date(secs)?;
-        let day = self.day_key(secs, now, &amz_date[..8]);
+        let day = self.day_key(secs, now, &amz_date[..8])?;
 
         let headers = req.headers_mut();
         headers.remove(AUTHORIZATION);
@@ -95,7 +106,7 @@ impl Signer {
             Strict(false),
             &mut canonical,
         )?;
-        let signature = signature(&day.key, &amz_date, &[&day.scope], &canonical).ok_or(SignError::Key)?;
+        let signature = signature(&day.mac, &amz_date, &[&day.scope], &canonical);
         let signature = std::str::from_utf8(&signature).expect("hex digits are ASCII");
 
         let signed_headers = &canonical[signed];
@@ -121,20 +132,20 @@ impl Signer {
     }
 
     /// The signing key of the UTC day of `secs`, derived once per day.
-    fn day_key(&self, secs: u64, now: SystemTime, yyyymmdd: &str) -> Arc<DayKey> {
+    fn day_key(&self, secs: u64, now: SystemTime, yyyymmdd: &str) -> Result<Arc<DayKey>, SignError> {
         let day = secs / 86_400;
         let mut today = self.today.lock().expect("signing key cache poisoned");
         match today.as_ref() {
-            Some(cached) if cached.day == day => cached.clone(),
+            Some(cached) if cached.day == day => Ok(cached.clone()),
             _ => {
                 let key = v4::generate_signing_key(&self.secret_access_key, now, &self.region, SERVICE);
                 let fresh = Arc::new(DayKey {
                     day,
                     scope: format!("{yyyymmdd}/{}/{SERVICE}/aws4_request", self.region),
-                    key: key.as_ref().to_vec(),
+                    mac: keyed(key.as_ref()).ok_or(SignError::Key)?,
                 });
                 *today = Some(fresh.clone());
-                fresh
+                Ok(fresh)
             }
         }
     }
@@ -211,11 +222,9 @@ fn values<'h>(headers: &'h HeaderMap, name: &str) -> impl Iterator<Item = &'h He
 /// the HMAC-SHA256 of the string to sign (`AWS4-HMAC-SHA256`, the date, the scope joined by
 /// `/`, the hex SHA-256 of `canonical`, one per line), which is fed to the HMAC piece by piece
 /// rather than written out first (aws-sigv4's `calculate_signature`, without its two strings).
-///
-/// `None` only if HMAC refused the key, which it does for no length.
-fn signature(key: &[u8], amz_date: &str, scope: &[&str], canonical: &str) -> Option<[u8; 64]> {
-    use hmac::{KeyInit, Mac};
-    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(key).ok()?;
+fn signature(key: &KeyedMac, amz_date: &str, scope: &[&str], canonical: &str) -> [u8; 64] {
+    use hmac::Mac;
+    let mut mac = key.clone();
     for part in [ALGORITHM, "\n", amz_date, "\n"] {
         mac.update(part.as_bytes());
     }
@@ -227,7 +236,7 @@ fn signature(key: &[u8], amz_date: &str, scope: &[&str], canonical: &str) -> Opt
     }
     mac.update(b"\n");
     mac.update(&hex(&Sha256::digest(canonical.as_bytes()).into()));
-    Some(hex(&mac.finalize().into_bytes().into()))
+    hex(&mac.finalize().into_bytes().into())
 }
 
 /// How far a request's `x-amz-date` may be from fencegate's clock (the S3 library's default,
@@ -405,7 +414,7 @@ impl Verifier {
         canonical_request(method, uri.path(), query, headers, names, payload, Strict(true), &mut canonical).ok()?;
         let (key, cached) = self.key(signature.access_key, signature.date, signature.region, &secret)?;
         let scope = [signature.date, signature.region, SERVICE, "aws4_request"];
-        let expected = self::signature(key.as_slice(), amz_date, &scope, &canonical)?;
+        let expected = self::signature(&key, amz_date, &scope, &canonical);
         if !bool::from(expected.as_slice().ct_eq(signature.signature.as_bytes())) {
             return None;
         }
@@ -418,7 +427,7 @@ impl Verifier {
     }
 
     /// The signing key, and whether it came from the cache.
-    fn key(&self, access_key: &str, date: &str, region: &str, secret: &str) -> Option<(Arc<Vec<u8>>, bool)> {
+    fn key(&self, access_key: &str, date: &str, region: &str, secret: &str) -> Option<(Arc<KeyedMac>, bool)> {
         let same = |k: &CachedKey| {
             k.access_key == access_key
                 && k.date == date
@@ -430,10 +439,10 @@ impl Verifier {
         }
         let day = time::Date::parse(date, time::macros::format_description!("[year][month][day]")).ok()?;
         let at = UNIX_EPOCH + Duration::from_secs(u64::try_from(day.midnight().assume_utc().unix_timestamp()).ok()?);
-        Some((Arc::new(v4::generate_signing_key(secret, at, region, SERVICE).as_ref().to_vec()), false))
+        Some((Arc::new(keyed(v4::generate_signing_key(secret, at, region, SERVICE).as_ref())?), false))
     }
 
-    fn keep(&self, signature: &HeaderSignature<'_>, secret: &str, key: Arc<Vec<u8>>) {
+    fn keep(&self, signature: &HeaderSignature<'_>, secret: &str, key: Arc<KeyedMac>) {
         let mut keys = self.keys.lock().expect("verification keys poisoned");
         if keys.len() >= VERIFY_KEYS_MAX {
             keys.clear();
@@ -454,7 +463,7 @@ struct CachedKey {
     date: String,
     region: String,
     secret: String,
-    key: Arc<Vec<u8>>,
+    key: Arc<KeyedMac>,
 }
 
 /// The one value of `name`, as text.
