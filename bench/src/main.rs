@@ -71,6 +71,10 @@ enum Command {
         listen: SocketAddr,
         #[arg(long)]
         upstream: SocketAddr,
+        /// The signing proxy: verify each request's SigV4 signature and sign it anew for the
+        /// upstream, with fencegate's own code (the floor under a fenced write).
+        #[arg(long)]
+        sigv4: bool,
     },
     /// Drive one bounded load against a target and print what it measured.
     Load(LoadArgs),
@@ -124,6 +128,14 @@ struct LoadArgs {
     secret_access_key: String,
     #[arg(long, default_value = sign::REGION)]
     region: String,
+    /// Names the run's objects: a second load with the same id and `--no-prime` finds the
+    /// steady state the first one left (the default is new names for every run).
+    #[arg(long)]
+    run_id: Option<String>,
+    /// Skip the untimed priming pass: only the scenario's own requests are sent. Needs a run
+    /// with the same `--run-id` before it, or the first requests find no fence or object.
+    #[arg(long, requires = "run_id")]
+    no_prime: bool,
 }
 
 fn main() -> ExitCode {
@@ -146,8 +158,8 @@ fn main() -> ExitCode {
                 })
                 .await
             }
-            Command::Proxy { listen, upstream } => {
-                proxy::serve(listen, upstream, |addr| println!("{UPSTREAM_READY}{addr}")).await
+            Command::Proxy { listen, upstream, sigv4 } => {
+                proxy::serve(listen, upstream, sigv4, |addr| println!("{UPSTREAM_READY}{addr}")).await
             }
             Command::Load(args) => load_command(args).await,
             Command::Run(args) => suite::run(args).await,
@@ -200,7 +212,7 @@ async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
         signer: &signer,
         authority,
         bucket: args.bucket.clone(),
-        run_id: run_id(),
+        run_id: args.run_id.clone().unwrap_or_else(run_id),
         connections: args.connections,
         keys_per_connection: args.keys_per_connection,
         body: Bytes::from(vec![b'x'; args.body_bytes]),
@@ -226,9 +238,11 @@ async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
         }
     };
     let workload = scenario::build(scenario, &params)?;
-    let primed = load::run(addr, workload.prime.clone(), &suite::prime_limits(&limits)).await;
-    if primed.completed > 0 {
-        println!("primed: {}", primed.statuses_text());
+    if !args.no_prime {
+        let primed = load::run(addr, workload.prime.clone(), &suite::prime_limits(&limits)).await;
+        if primed.completed > 0 {
+            println!("primed: {}", primed.statuses_text());
+        }
     }
     let report = load::run(addr, workload.timed.clone() as Arc<_>, &limits).await;
     println!(
