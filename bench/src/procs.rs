@@ -95,19 +95,21 @@ pub fn spawn_upstream(reject_all: bool) -> anyhow::Result<(Proc, SocketAddr)> {
 }
 
 /// Starts the bare hyper reverse proxy (`fencegate-bench proxy`) in front of `upstream`, on
-/// `threads` runtime workers.
-pub fn spawn_bare_proxy(upstream: SocketAddr, threads: usize) -> anyhow::Result<(Proc, SocketAddr)> {
+/// `threads` runtime workers; with `sigv4`, the signing proxy.
+pub fn spawn_bare_proxy(upstream: SocketAddr, threads: usize, sigv4: bool) -> anyhow::Result<(Proc, SocketAddr)> {
     let exe = std::env::current_exe()?;
+    let name = if sigv4 { "signing proxy" } else { "bare hyper proxy" };
     let mut child = Command::new(exe)
         .args(["--threads", &threads.to_string(), "proxy", "--listen", "127.0.0.1:0", "--upstream"])
         .arg(upstream.to_string())
+        .args(sigv4.then_some("--sigv4"))
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .spawn()
-        .context("starting the bare hyper proxy")?;
+        .with_context(|| format!("starting the {name}"))?;
     let stdout = child.stdout.take().expect("piped");
     let proc = Proc { child, graceful_signal: None };
-    let line = wait_for_line(stdout, "bare hyper proxy", |l| l.starts_with(crate::UPSTREAM_READY))?;
+    let line = wait_for_line(stdout, name, |l| l.starts_with(crate::UPSTREAM_READY))?;
     let addr = line[crate::UPSTREAM_READY.len()..].trim().parse()?;
     Ok((proc, addr))
 }

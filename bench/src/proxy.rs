@@ -5,12 +5,25 @@
 //!
 //! It runs on tokio's multi-threaded runtime like fencegate (`--threads`), so the two rows
 //! differ only in what each does per request.
+//!
+//! With `--sigv4` it is the **signing proxy**: the same proxy doing the two things every
+//! fenced write must do besides proxying, with fencegate's own code (`fencegate::sigv4`, the
+//! lean path's check with its signing keys cached, and the re-signing fencegate does for the
+//! upstream): it verifies the client's SigV4 signature (403 when it does not verify) and signs
+//! the request anew with the upstream's key. Its row is the floor under fencegate's accepted
+//! writes: what the signatures alone cost on top of the bare proxy, with no S3 routing, no
+//! fence, no conditional headers and no write held to its outcome.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use fencegate::sigv4::{Signer, Verifier};
 
 use http::uri::{Authority, Scheme};
-use http::{Request, Response, StatusCode, Uri};
+use http::{HeaderValue, Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
@@ -22,21 +35,47 @@ use tokio::net::TcpListener;
 
 type Body = BoxBody<bytes::Bytes, hyper::Error>;
 
+/// The credentials the load client signs with: the signing proxy verifies them.
+const CLIENT_KEY: (&str, &str) = (crate::sign::ACCESS_KEY_ID, crate::sign::SECRET_ACCESS_KEY);
+/// The key the signing proxy signs the upstream's requests with (the bench's fencegate uses
+/// the same; the in-memory upstream accepts any signature).
+const UPSTREAM_KEY: (&str, &str) = ("bench-upstream", "bench-upstream-secret");
+
+/// What the signing proxy adds: the client's signature checked, the upstream's made.
+struct Signing {
+    verifier: Verifier,
+    signer: Signer,
+    /// The upstream's `host`, which its signature covers.
+    host: HeaderValue,
+}
+
 /// Binds `listen`, reports the bound address through `on_bound`, and proxies to `upstream`
-/// until the process ends.
-pub async fn serve(listen: SocketAddr, upstream: SocketAddr, on_bound: impl FnOnce(SocketAddr)) -> anyhow::Result<()> {
+/// until the process ends; with `sigv4`, as the signing proxy (see the module's doc).
+pub async fn serve(
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    sigv4: bool,
+    on_bound: impl FnOnce(SocketAddr),
+) -> anyhow::Result<()> {
     let listener = TcpListener::bind(listen).await?;
     on_bound(listener.local_addr()?);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<HttpConnector, Incoming> = Client::builder(TokioExecutor::new()).build(connector);
     let authority: Authority = upstream.to_string().parse()?;
+    let signing = sigv4.then(|| {
+        Arc::new(Signing {
+            verifier: Verifier::new(HashMap::from([(CLIENT_KEY.0.to_owned(), CLIENT_KEY.1.to_owned())])),
+            signer: Signer::new(UPSTREAM_KEY.0.into(), UPSTREAM_KEY.1.into(), crate::sign::REGION.into()),
+            host: HeaderValue::from_str(authority.as_str()).expect("an authority is a header value"),
+        })
+    });
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        let (client, authority) = (client.clone(), authority.clone());
+        let (client, authority, signing) = (client.clone(), authority.clone(), signing.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |req| forward(client.clone(), authority.clone(), req));
+            let service = service_fn(move |req| forward(client.clone(), authority.clone(), signing.clone(), req));
             let _ = hyper::server::conn::http1::Builder::new()
                 .keep_alive(true)
                 .serve_connection(TokioIo::new(stream), service)
@@ -48,18 +87,109 @@ pub async fn serve(listen: SocketAddr, upstream: SocketAddr, on_bound: impl FnOn
 async fn forward(
     client: Client<HttpConnector, Incoming>,
     authority: Authority,
+    signing: Option<Arc<Signing>>,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
+    if let Some(signing) = &signing {
+        // Checked on the request as received (its path and `host` are what the client signed).
+        let now = SystemTime::now();
+        if signing.verifier.verify(req.method().as_str(), req.uri(), req.headers(), now).is_none() {
+            return Ok(empty(StatusCode::FORBIDDEN));
+        }
+        req.headers_mut().insert(http::header::HOST, signing.host.clone());
+        if signing.signer.sign(&mut req, now).is_err() {
+            return Ok(empty(StatusCode::INTERNAL_SERVER_ERROR));
+        }
+    }
     let mut parts = req.uri().clone().into_parts();
     parts.scheme = Some(Scheme::HTTP);
     parts.authority = Some(authority);
     *req.uri_mut() = Uri::from_parts(parts).expect("a path with a scheme and an authority is a URI");
     Ok(match client.request(req).await {
         Ok(resp) => resp.map(BodyExt::boxed),
-        Err(_) => {
-            let mut resp = Response::new(http_body_util::Empty::new().map_err(|never| match never {}).boxed());
-            *resp.status_mut() = StatusCode::BAD_GATEWAY;
-            resp
-        }
+        Err(_) => empty(StatusCode::BAD_GATEWAY),
     })
+}
+
+fn empty(status: StatusCode) -> Response<Body> {
+    let mut resp = Response::new(http_body_util::Empty::new().map_err(|never| match never {}).boxed());
+    *resp.status_mut() = status;
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, Method};
+    use http_body_util::{BodyExt, Full};
+
+    use super::*;
+    use crate::sign;
+    use crate::upstream::{self, Mode};
+
+    /// Starts a server whose `serve` reports its address through `on_bound`.
+    async fn bound(start: impl FnOnce(tokio::sync::oneshot::Sender<SocketAddr>)) -> SocketAddr {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        start(tx);
+        rx.await.expect("the server reports its address")
+    }
+
+    async fn send(
+        addr: SocketAddr,
+        method: Method,
+        path: &str,
+        headers: HeaderMap,
+        body: &'static str,
+    ) -> (u16, Bytes) {
+        let mut sender = crate::load::connect::<Full<Bytes>>(addr).await.expect("connects");
+        let mut req = Request::new(Full::new(Bytes::from_static(body.as_bytes())));
+        *req.method_mut() = method;
+        *req.uri_mut() = path.parse().expect("a path");
+        *req.headers_mut() = headers;
+        sender.ready().await.expect("ready");
+        let resp = sender.send_request(req).await.expect("answered");
+        let status = resp.status().as_u16();
+        (status, resp.into_body().collect().await.expect("a body").to_bytes())
+    }
+
+    /// The signing proxy forwards what the bench's client signed and refuses a signature that
+    /// does not verify (altered, or made with another secret): its row measures a real check.
+    #[tokio::test]
+    async fn the_signing_proxy_forwards_only_verified_requests() {
+        let upstream = bound(|tx| {
+            tokio::spawn(upstream::serve("127.0.0.1:0".parse().unwrap(), Mode::Store, 1 << 20, move |a| {
+                let _ = tx.send(a);
+            }));
+        })
+        .await;
+        let client = crate::sign::Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION);
+        assert_eq!(crate::create_bucket(upstream, &upstream.to_string(), &client, crate::BUCKET).await.unwrap(), 200);
+        let proxy = bound(|tx| {
+            tokio::spawn(serve("127.0.0.1:0".parse().unwrap(), upstream, true, move |a| {
+                let _ = tx.send(a);
+            }));
+        })
+        .await;
+        let authority = proxy.to_string();
+        let length = [(http::header::CONTENT_LENGTH, HeaderValue::from(4))];
+        let head = |signer: &crate::sign::Signer| signer.sign(&Method::PUT, &authority, "/bench/k", &length).unwrap();
+
+        let (status, _) = send(proxy, Method::PUT, "/bench/k", head(&client), "good").await;
+        assert_eq!(status, 200, "a verified write is forwarded");
+
+        let mut altered = head(&client);
+        let value = altered[http::header::AUTHORIZATION].to_str().unwrap().to_owned();
+        let last = if value.ends_with('0') { '1' } else { '0' };
+        let value = format!("{}{last}", &value[..value.len() - 1]);
+        altered.insert(http::header::AUTHORIZATION, HeaderValue::from_str(&value).unwrap());
+        assert_eq!(send(proxy, Method::PUT, "/bench/k", altered, "bad1").await.0, 403);
+
+        let stranger = crate::sign::Signer::new(sign::ACCESS_KEY_ID, "another-secret", sign::REGION);
+        assert_eq!(send(proxy, Method::PUT, "/bench/k", head(&stranger), "bad2").await.0, 403);
+        assert_eq!(send(proxy, Method::PUT, "/bench/k", HeaderMap::new(), "bad3").await.0, 403);
+
+        let get = client.sign(&Method::GET, &upstream.to_string(), "/bench/k", &[]).unwrap();
+        let (status, body) = send(upstream, Method::GET, "/bench/k", get, "").await;
+        assert_eq!((status, &body[..]), (200, &b"good"[..]), "only the verified write reached the upstream");
+    }
 }

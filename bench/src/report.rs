@@ -172,6 +172,7 @@ fn colour(path: &str) -> &'static str {
         "upstream" => "#95a5a6",
         "nginx" => "#3498db",
         "bare hyper proxy" => "#2ecc71",
+        "signing proxy" => "#1abc9c",
         "fencegate" => "#e67e22",
         "fencegate (redis store)" => "#8e44ad",
         "fencegate (etcd store)" => "#16a085",

@@ -2,8 +2,8 @@
 //! as `results.md` and `chart.svg`.
 //!
 //! Processes: the in-memory upstream, the 409 ceiling, fencegate (release build, embedded fence
-//! store in a temp dir, forwarding to the upstream) and, when installed, nginx as a plain
-//! reverse proxy to the same upstream. All listen on 127.0.0.1 and are ended by pid at the end.
+//! store in a temp dir, forwarding to the upstream), the bare hyper proxy and the signing proxy
+//! (`proxy.rs`) and, when installed, nginx as a plain reverse proxy to the same upstream. All listen on 127.0.0.1 and are ended by pid at the end.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,6 +20,7 @@ use crate::large::{self, LargeReport, StreamReport};
 
 /// The bare hyper reverse proxy's rows (`fencegate-bench proxy`).
 const BARE_PROXY: &str = "bare hyper proxy";
+const SIGNING_PROXY: &str = "signing proxy";
 use crate::load::{self, Limits};
 use crate::procs::{self, FencegateAddrs, Proc};
 use crate::report::{Row, Suite, Target};
@@ -209,7 +210,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     )?;
     let nginx = start_nginx(&mut ctx, tmp.path(), upstream_addr);
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let (bare_proxy, bare_proxy_addr) = procs::spawn_bare_proxy(upstream_addr, cores)?;
+    let (bare_proxy, bare_proxy_addr) = procs::spawn_bare_proxy(upstream_addr, cores, false)?;
+    let (signing_proxy, signing_proxy_addr) = procs::spawn_bare_proxy(upstream_addr, cores, true)?;
     eprintln!("upstream {upstream_addr}, ceiling {ceiling_addr}, fencegate {}", fg.s3);
 
     let mut paths = vec![Endpoint { name: "upstream", addr: upstream_addr, pid: Some(upstream.pid()) }];
@@ -217,12 +219,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         paths.push(Endpoint { name: "nginx", addr: *addr, pid: Some(proc.pid()) });
     }
     paths.push(Endpoint { name: BARE_PROXY, addr: bare_proxy_addr, pid: Some(bare_proxy.pid()) });
+    paths.push(Endpoint { name: SIGNING_PROXY, addr: signing_proxy_addr, pid: Some(signing_proxy.pid()) });
     paths.push(Endpoint { name: "fencegate", addr: fg.s3, pid: Some(fencegate.pid()) });
     let ceiling_path = Endpoint { name: "409 ceiling", addr: ceiling_addr, pid: Some(ceiling.pid()) };
     let fencegate_path = Endpoint { name: "fencegate", addr: fg.s3, pid: Some(fencegate.pid()) };
 
     for scenario in [Scenario::Accepted, Scenario::AcceptedOneResource, Scenario::Advancing] {
         for path in &paths {
+            if path.name == SIGNING_PROXY && scenario != Scenario::Accepted {
+                continue; // its one row is the floor under accepted writes
+            }
             keep_alive_run(&mut ctx, scenario, path).await?;
             if let Some(status) = fencegate.exited() {
                 anyhow::bail!("fencegate exited ({status}) during {}", scenario.name());
@@ -243,7 +249,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         stream_runs(&mut ctx, &fencegate_path, upstream_addr).await?;
     }
-    drop((nginx, bare_proxy));
+    drop((nginx, bare_proxy, signing_proxy));
     drop(fencegate);
     if let Some(rss) = idle_rss {
         ctx.suite.notes.push(format!(
@@ -286,7 +292,9 @@ fn describe_setup(ctx: &mut Ctx) {
             .into(),
         "Bare hyper proxy: `fencegate-bench proxy`, hyper 1.x server and hyper-util's pooled legacy \
          client, URI rewritten, bodies streamed, on as many tokio workers as CPUs; no authentication, \
-         no fence, no re-signing."
+         no fence, no re-signing. Signing proxy: the same with `--sigv4`, verifying each request's \
+         SigV4 signature and signing it anew for the upstream with fencegate's own code: the floor \
+         under a fenced write."
             .into(),
         "fencegate: release build, embedded fence store (redb, fsync per advance) in a temp dir, \
          `upstream.kind = \"s3\"` to the in-memory upstream, `log.level = \"warn\"`, SigV4 \
@@ -701,6 +709,16 @@ fn check_targets(ctx: &mut Ctx) {
         _ => Target { goal, measured: missing.to_string(), met: None },
     };
     let accepted = rps("accepted", "fencegate");
+    let floor = match (rps("accepted", SIGNING_PROXY), rps("accepted", BARE_PROXY), accepted) {
+        (Some(signing), Some(bare), Some(fenced)) => Some(format!(
+            "The floor under a fenced write: the signing proxy (the bare proxy plus fencegate's SigV4 \
+             check and re-signing) ran accepted writes at {signing:.0} / {bare:.0} req/s = {:.2}× the bare \
+             proxy; fencegate at {:.2}× the signing proxy.",
+            signing / bare,
+            fenced / signing
+        )),
+        _ => None,
+    };
     targets.push(ratio_target(
         "accepted 1 KiB writes: fencegate ≥ 0.9 × the bare hyper proxy".into(),
         accepted,
@@ -777,6 +795,7 @@ fn check_targets(ctx: &mut Ctx) {
         });
     }
     ctx.suite.targets = targets;
+    ctx.suite.notes.extend(floor);
 }
 
 fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
