@@ -128,8 +128,9 @@ struct LoadArgs {
     secret_access_key: String,
     #[arg(long, default_value = sign::REGION)]
     region: String,
-    /// Names the run's objects: a second load with the same id and `--no-prime` finds the
-    /// steady state the first one left (the default is new names for every run).
+    /// Names the run's objects: a second load with the same id, scenario, connections and
+    /// keys per connection, and `--no-prime`, finds the steady state the first one left (the
+    /// default is new names for every run). Not for `advancing`, whose tokens start at 1 again.
     #[arg(long)]
     run_id: Option<String>,
     /// Skip the untimed priming pass: only the scenario's own requests are sent. Needs a run
