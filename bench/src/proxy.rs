@@ -43,6 +43,11 @@ const CLIENT_KEY: (&str, &str) = (crate::sign::ACCESS_KEY_ID, crate::sign::SECRE
 /// the same; the in-memory upstream accepts any signature).
 const UPSTREAM_KEY: (&str, &str) = ("bench-upstream", "bench-upstream-secret");
 
+/// A verifier that knows one access key and its secret.
+fn verifier((access_key_id, secret): (&str, &str)) -> Verifier {
+    Verifier::new(HashMap::from([(access_key_id.to_owned(), secret.to_owned())]))
+}
+
 /// What the signing proxy adds: the client's signature checked, the upstream's made.
 struct Signing {
     verifier: Verifier,
@@ -67,7 +72,7 @@ pub async fn serve(
     let authority: Authority = upstream.to_string().parse()?;
     let signing = sigv4.then(|| {
         Arc::new(Signing {
-            verifier: Verifier::new(HashMap::from([(CLIENT_KEY.0.to_owned(), CLIENT_KEY.1.to_owned())])),
+            verifier: verifier(CLIENT_KEY),
             signer: Signer::new(UPSTREAM_KEY.0.into(), UPSTREAM_KEY.1.into(), crate::sign::REGION.into()),
             host: HeaderValue::from_str(authority.as_str()).expect("an authority is a header value"),
         })
@@ -205,10 +210,11 @@ mod tests {
         let (parts, body) = &received[0];
         assert_eq!(&body[..], b"good");
         assert_eq!(parts.headers[http::header::HOST], upstream.to_string().as_str());
-        let upstream_key = Verifier::new(HashMap::from([(UPSTREAM_KEY.0.to_owned(), UPSTREAM_KEY.1.to_owned())]));
-        let verified = upstream_key.verify(parts.method.as_str(), &parts.uri, &parts.headers, SystemTime::now());
+        let verified =
+            verifier(UPSTREAM_KEY).verify(parts.method.as_str(), &parts.uri, &parts.headers, SystemTime::now());
         assert!(verified.is_some(), "the upstream's request carries a signature by the upstream's key");
-        let client_key = Verifier::new(HashMap::from([(CLIENT_KEY.0.to_owned(), CLIENT_KEY.1.to_owned())]));
-        assert!(client_key.verify(parts.method.as_str(), &parts.uri, &parts.headers, SystemTime::now()).is_none());
+        assert!(
+            verifier(CLIENT_KEY).verify(parts.method.as_str(), &parts.uri, &parts.headers, SystemTime::now()).is_none()
+        );
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Processes: the in-memory upstream, the 409 ceiling, fencegate (release build, embedded fence
 //! store in a temp dir, forwarding to the upstream), the bare hyper proxy and the signing proxy
-//! (`proxy.rs`) and, when installed, nginx as a plain reverse proxy to the same upstream. All listen on 127.0.0.1 and are ended by pid at the end.
+//! (`proxy.rs`) and, when installed, nginx as a plain reverse proxy to the same upstream. All
+//! listen on 127.0.0.1 and are ended by pid at the end.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ use crate::large::{self, LargeReport, StreamReport};
 
 /// The bare hyper reverse proxy's rows (`fencegate-bench proxy`).
 const BARE_PROXY: &str = "bare hyper proxy";
+/// The signing proxy's row (`fencegate-bench proxy --sigv4`): the floor under accepted writes.
 const SIGNING_PROXY: &str = "signing proxy";
 use crate::load::{self, Limits};
 use crate::procs::{self, FencegateAddrs, Proc};
