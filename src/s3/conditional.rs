@@ -30,13 +30,31 @@ pub(super) struct ObjectWrite<'a> {
     pub(super) object: String,
     pub(super) condition: ClientCondition,
     pub(super) admitted: &'a Admitted,
+    /// The request's headers, as the client sent them.
+    headers: &'a HeaderMap,
 }
 
 impl<'a> ObjectWrite<'a> {
     /// The request's object and the client's condition on it.
     pub(super) fn of(request: &'a Request, admitted: &'a Admitted) -> Result<Self, FrontError> {
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-        Ok(Self { target: &request.target, object, condition: ClientCondition::of(&request.headers), admitted })
+        Ok(Self {
+            target: &request.target,
+            object,
+            condition: ClientCondition::of(&request.headers),
+            admitted,
+            headers: &request.headers,
+        })
+    }
+
+    /// Whether the request carries a condition that the upstream judges and that fencegate's
+    /// precondition does not carry (`If-Unmodified-Since`, `x-amz-if-match-size`, ...): a 412
+    /// may be that condition's.
+    fn other_conditions(&self) -> bool {
+        self.headers.keys().any(|name| {
+            let name = name.as_str();
+            (name.starts_with("if-") && name != "if-match" && name != "if-none-match") || name.starts_with("x-amz-if-")
+        })
     }
 }
 
@@ -59,6 +77,10 @@ pub(super) enum Attempt {
     /// The upstream did not commit it: its answer as it came, which may be a refused
     /// precondition.
     NotCommitted(http::Response<Body>),
+    /// Not committed, by an upstream that judged more than fencegate's precondition (a copy's
+    /// source conditions, a version the request names): a 412 on an object that did not change
+    /// may be about that, and is then the client's answer.
+    NotCommittedJudgedMore(http::Response<Body>),
     /// The client's answer as it is: no precondition to judge, nothing to count (a DELETE of
     /// an object that is not there, a versioned DELETE, a copy source that cannot be read).
     Final(S3Response<Body>),
@@ -86,9 +108,11 @@ impl Front {
     /// what came of it ([`Attempt`]). After a refused precondition the object is read again:
     /// a newer stamp makes the write stale (409), a failed client condition is the client's
     /// answer (412 or 404), an unchanged object means the refusal was about something else (a
-    /// missing source or upload) and the upstream's answer is the client's; otherwise `send`
-    /// goes once more on the fresh state. A retry that loses again is judged the same way,
-    /// and is a 503 `SlowDown` when the object changed once more under a same-or-older token.
+    /// missing source or upload) and the upstream's answer is the client's, except a 412 that
+    /// only fencegate's precondition can have caused (the object changed and changed back:
+    /// `send` goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]); otherwise `send` goes once more on the fresh
+    /// state. A retry that loses again is judged the same way, and is a 503 `SlowDown` when
+    /// the object changed once more under a same-or-older token.
     ///
     /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
     /// be `Send`, which the compiler cannot yet prove through a generic async closure. Callers
@@ -110,15 +134,24 @@ impl Front {
                     return Ok(resp);
                 }
                 Attempt::Final(resp) => return Ok(resp),
-                Attempt::NotCommitted(resp) => resp,
+                Attempt::NotCommitted(resp) => (resp, false),
+                Attempt::NotCommittedJudgedMore(resp) => (resp, true),
                 Attempt::CannotResend => break,
             };
+            let (resp, judged_more) = resp;
             if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }
             let fresh = self.reread_after_conflict(write.target, &write.object, write.admitted).await?;
             refuse_client_condition(&write.condition, &fresh)?;
             if fresh.same_version(&state) {
+                if resp.status() == StatusCode::PRECONDITION_FAILED && !judged_more && !write.other_conditions() {
+                    // A 412 that judged only fencegate's precondition (the client's `If-Match`
+                    // and `If-None-Match` are folded into it), which names the object as it is
+                    // again: it changed and changed back in between (an ETag names bytes, not a
+                    // write). Never the client's 412: the write goes again.
+                    continue;
+                }
                 // fencegate's precondition named the object as it still is: the refusal was
                 // about something else, and the upstream's answer is the client's.
                 return Ok(client_response(resp));

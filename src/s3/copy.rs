@@ -44,20 +44,27 @@ impl Front {
                         self.remember_write(object.clone(), resp.headers(), admitted.token);
                         return Ok(Attempt::Committed(client_response(resp)));
                     }
-                    // The source changed between its read and the copy: read it again, so that
-                    // the copy's bytes and metadata are one version's.
-                    reads += 1;
-                    let moved = match &pinned {
-                        Some(pinned)
-                            if resp.status() == StatusCode::PRECONDITION_FAILED && reads < SOURCE_READS_MAX =>
-                        {
-                            self.copy_source_etag(headers_source(base)).await?.as_ref() != Some(pinned)
+                    let judged_more = client_source_condition(base, pinned.is_some());
+                    if let Some(pinned) = pinned.filter(|_| resp.status() == StatusCode::PRECONDITION_FAILED) {
+                        // The destination changed, the pinned source changed between its read
+                        // and the copy, or a source condition of the client's failed. A source
+                        // that reads otherwise now is read again at once, so that the copy's
+                        // bytes and metadata are one version's.
+                        reads += 1;
+                        let now = self.copy_source_etag(headers_source(base)).await?;
+                        if now.as_ref() != Some(&pinned) {
+                            if reads < SOURCE_READS_MAX {
+                                continue;
+                            }
+                            // The source never settled: not the client's refusal.
+                            return Ok(Attempt::NotCommitted(resp));
                         }
-                        _ => false,
-                    };
-                    if !moved {
-                        return Ok(Attempt::NotCommitted(resp));
                     }
+                    return Ok(if judged_more {
+                        Attempt::NotCommittedJudgedMore(resp)
+                    } else {
+                        Attempt::NotCommitted(resp)
+                    });
                 }
             })
         })
@@ -154,9 +161,13 @@ impl Front {
         else {
             return Ok(None);
         };
-        if let Some(wanted) = headers.get("x-amz-copy-source-if-match")
-            && !etag_listed(wanted, &etag)
-        {
+        if let Some(wanted) = headers.get("x-amz-copy-source-if-match") {
+            if !etag_listed(wanted, &etag) {
+                return Err(FrontError::ClientPrecondition);
+            }
+        } else if modified_since(resp.headers(), headers.get("x-amz-copy-source-if-unmodified-since")) {
+            // With the pin's `-if-match` the upstream would not judge this condition (S3's
+            // order: `-if-match`, else `-if-unmodified-since`): it is judged here.
             return Err(FrontError::ClientPrecondition);
         }
         copy_metadata(resp.headers(), headers);
@@ -177,8 +188,27 @@ impl Front {
 /// Reads of a copy's source when it keeps changing under the copy (each a HEAD and a copy).
 const SOURCE_READS_MAX: u32 = 3;
 
+/// Whether the upstream judges a copy-source condition of the client's. A pinned copy's
+/// `x-amz-copy-source-if-match` and `-if-unmodified-since` were judged by fencegate on the
+/// version it pins ([`Front::copy_source_metadata`]): only the other two are the upstream's.
+fn client_source_condition(headers: &HeaderMap, pinned: bool) -> bool {
+    let judged = if pinned { &COPY_SOURCE_CONDITIONS[1..3] } else { COPY_SOURCE_CONDITIONS };
+    judged.iter().any(|(name, _)| headers.contains_key(*name))
+}
+
 fn headers_source(headers: &HeaderMap) -> Option<&str> {
     headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok())
+}
+
+/// Whether the object whose head is `head` was modified after `since` (an HTTP date); false
+/// when either date is missing or cannot be read, as S3 ignores a condition it cannot read.
+fn modified_since(head: &HeaderMap, since: Option<&HeaderValue>) -> bool {
+    let date =
+        |v: Option<&HeaderValue>| v.and_then(|v| v.to_str().ok()).and_then(|v| httpdate::parse_http_date(v).ok());
+    match (date(head.get(http::header::LAST_MODIFIED)), date(since)) {
+        (Some(modified), Some(since)) => modified > since,
+        _ => false,
+    }
 }
 
 /// Whether an `If-Match`-style list (`"a", "b"`, `*`) names `etag`.

@@ -47,7 +47,12 @@ impl Front {
                 set_precondition(&mut headers, &state);
                 let resp = self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
                 if !resp.status().is_success() {
-                    return Ok(Attempt::NotCommitted(resp));
+                    // A version the request names is judged by the upstream too.
+                    return Ok(if versioned {
+                        Attempt::NotCommittedJudgedMore(resp)
+                    } else {
+                        Attempt::NotCommitted(resp)
+                    });
                 }
                 self.etags.put(object.clone(), ObjectState::Absent);
                 Ok(Attempt::Committed(client_response(resp)))

@@ -73,6 +73,22 @@ class Hold:
         return bool(self.entry and self.entry.get("client_gone"))
 
 
+class Refusal:
+    """One registered refusal: the next `count` requests with `method` that carry `header`
+    are answered 412 `PreconditionFailed` without reaching moto. `refused` counts them."""
+
+    def __init__(self, method: str, header: str, count: int):
+        self.method, self.header, self.count = method, header.lower(), count
+        self.refused = 0
+
+
+PRECONDITION_FAILED = Answer(
+    412, "Precondition Failed", [("Content-Type", "application/xml")],
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code>'
+    b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>",
+)
+
+
 class HoldingUpstream(MotoProxy):
     """The holding proxy. `start()` listens on a free port of 127.0.0.1; `url` is its endpoint.
     `reserve()` before `start()`: an upstream that refuses connections until it starts."""
@@ -82,6 +98,7 @@ class HoldingUpstream(MotoProxy):
         self._requests: list = []
         self._writes: list = []
         self._holds: list = []
+        self._refusals: list = []
 
     # rules and log ----------------------------------------------------------------------
     def hold_next(self, method: str | None, key: str, query: str | None = None) -> Hold:
@@ -90,6 +107,15 @@ class HoldingUpstream(MotoProxy):
         with self.lock:
             self._holds.append(hold)
         return hold
+
+    def refuse_next(self, method: str, header: str, count: int = 1) -> Refusal:
+        """Answer the next `count` requests with `method` that carry `header` with S3's 412,
+        unforwarded: what S3 answers when what the precondition names changed between
+        fencegate's read and the write, and may have changed back since (ETags name bytes)."""
+        refusal = Refusal(method, header, count)
+        with self.lock:
+            self._refusals.append(refusal)
+        return refusal
 
     def release_all(self):
         with self.lock:
@@ -130,6 +156,13 @@ class HoldingUpstream(MotoProxy):
             "client_gone": False, "t_arrived": time.monotonic(), "t_forwarded": None,
             "t_answered": None, "headers": req.logged_headers(), "body_bytes": len(req.body),
         }
+        with self.lock:
+            refusal = next((r for r in self._refusals if r.method == req.method and r.header in req.h
+                            and r.refused < r.count), None)
+            if refusal is not None:
+                refusal.refused += 1
+        if refusal is not None:
+            return self.respond(conn, req, PRECONDITION_FAILED, rest)
         with self.answering():
             with self.lock:
                 self._requests.append(entry)

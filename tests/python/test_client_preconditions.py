@@ -163,3 +163,53 @@ def test_a_refusal_that_is_not_about_the_destination_is_answered_as_is(fencegate
         r = again.response
         # The upload is gone: S3's 404 NoSuchUpload, not fencegate's 503.
         assert (r["ResponseMetadata"]["HTTPStatusCode"], r["Error"]["Code"]) == (404, "NoSuchUpload"), r
+
+
+@pytest.mark.parametrize("write", ["put", "put_if_match", "delete"])
+def test_a_refusal_only_fencegates_precondition_can_cause_is_never_the_clients_412(held_s3, write):
+    """The upstream refuses fencegate's precondition once, and the object then reads as the
+    precondition named it: it changed and changed back (two writers under one token; an ETag
+    names bytes, not a write). The client set no condition, or one that holds: the write goes
+    again and lands. It was answered the upstream's 412 (a PutObject without any condition, 2
+    of 25 runs of test_copy's racing test). Refused every time: 503 SlowDown, after two tries."""
+    env = held_s3()
+    c = env.fg.client(token=1)
+    etag = c.put_object(Bucket=env.bucket, Key="obj", Body=b"one")["ETag"]
+    method = "DELETE" if write == "delete" else "PUT"
+
+    def send():
+        if write == "delete":
+            return c.delete_object(Bucket=env.bucket, Key="obj")
+        extra = {"IfMatch": etag} if write == "put_if_match" else {}
+        return c.put_object(Bucket=env.bucket, Key="obj", Body=b"two", **extra)
+
+    never = env.up.refuse_next(method, "if-match", 1000)
+    with pytest.raises(ClientError) as busy:
+        send()
+    assert (busy.value.response["ResponseMetadata"]["HTTPStatusCode"],
+            busy.value.response["Error"]["Code"]) == (503, "SlowDown")
+    assert never.refused == 2
+    assert _body(env.moto, env.bucket, "obj") == b"one"
+    never.count = 0
+
+    once = env.up.refuse_next(method, "if-match", 1)
+    send()
+    assert once.refused == 1
+    assert _body(env.moto, env.bucket, "obj") == ("NoSuchKey" if write == "delete" else b"two")
+
+
+def test_a_refusal_that_may_be_a_condition_fencegate_does_not_judge_is_the_clients_412(held_s3):
+    """A condition the upstream judges and fencegate's precondition does not carry
+    (`x-amz-if-match-size` on a DELETE, which S3 judges and moto ignores): a 412 while the
+    object reads as fencegate's precondition named it may be that condition's, and is the
+    client's answer, as from S3; nothing is sent again."""
+    env = held_s3()
+    c = env.fg.client(token=1)
+    c.put_object(Bucket=env.bucket, Key="obj", Body=b"one")
+    refusal = env.up.refuse_next("DELETE", "x-amz-if-match-size", 1)
+    with pytest.raises(ClientError) as refused:
+        c.delete_object(Bucket=env.bucket, Key="obj", IfMatchSize=1)
+    assert (refused.value.response["ResponseMetadata"]["HTTPStatusCode"],
+            refused.value.response["Error"]["Code"]) == (412, "PreconditionFailed")
+    assert refusal.refused == 1
+    assert _body(env.moto, env.bucket, "obj") == b"one"
