@@ -46,10 +46,10 @@ impl Front {
                     }
                     let judged_more = client_source_condition(base, pinned.is_some());
                     if let Some(pinned) = pinned.filter(|_| resp.status() == StatusCode::PRECONDITION_FAILED) {
-                        // The destination changed, the pinned source changed between its read
-                        // and the copy, or a source condition of the client's failed. A source
-                        // that reads otherwise now is read again at once, so that the copy's
-                        // bytes and metadata are one version's.
+                        // The destination changed, or the pinned source changed between its
+                        // read and the copy (the client's source conditions were judged on the
+                        // read). A source that reads otherwise now is read again at once, so
+                        // that the copy's bytes and metadata are one version's.
                         reads += 1;
                         let now = self.copy_source_etag(headers_source(base)).await?;
                         if now.as_ref() != Some(&pinned) {
@@ -151,8 +151,11 @@ impl Front {
     /// metadata on the request with `REPLACE` (so that the stamp can be added), pinned to the
     /// version read (`x-amz-copy-source-if-match`), so that bytes and metadata are one version's.
     /// Returns the pinned ETag, `None` when there is no source to read (the copy then fails
-    /// with the upstream's own error). A client's own `x-amz-copy-source-if-match` that the
-    /// version read does not meet is the client's 412, as from S3.
+    /// with the upstream's own error). The client's copy-source conditions are judged here on
+    /// the version read, in S3's order, and one that fails is the client's 412, as from S3;
+    /// the pin makes the upstream copy exactly that version, so they are not sent (beside the
+    /// pin's `-if-match` S3 would not judge `-if-unmodified-since`, and a refused pin would
+    /// not say whose condition failed).
     async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<Option<HeaderValue>, FrontError> {
         let Some(source) = headers_source(headers) else { return Ok(None) };
         let source_path = format!("/{}", source.trim_start_matches('/'));
@@ -161,14 +164,11 @@ impl Front {
         else {
             return Ok(None);
         };
-        if let Some(wanted) = headers.get("x-amz-copy-source-if-match") {
-            if !etag_listed(wanted, &etag) {
-                return Err(FrontError::ClientPrecondition);
-            }
-        } else if modified_since(resp.headers(), headers.get("x-amz-copy-source-if-unmodified-since")) {
-            // With the pin's `-if-match` the upstream would not judge this condition (S3's
-            // order: `-if-match`, else `-if-unmodified-since`): it is judged here.
+        if !source_conditions_hold(headers, &etag, resp.headers().get(http::header::LAST_MODIFIED)) {
             return Err(FrontError::ClientPrecondition);
+        }
+        for (name, _) in COPY_SOURCE_CONDITIONS {
+            headers.remove(*name);
         }
         copy_metadata(resp.headers(), headers);
         headers.insert("x-amz-metadata-directive", HeaderValue::from_static("REPLACE"));
@@ -188,27 +188,34 @@ impl Front {
 /// Reads of a copy's source when it keeps changing under the copy (each a HEAD and a copy).
 const SOURCE_READS_MAX: u32 = 3;
 
-/// Whether the upstream judges a copy-source condition of the client's. A pinned copy's
-/// `x-amz-copy-source-if-match` and `-if-unmodified-since` were judged by fencegate on the
-/// version it pins ([`Front::copy_source_metadata`]): only the other two are the upstream's.
+/// Whether the upstream judges a copy-source condition of the client's: not on a pinned copy,
+/// whose conditions fencegate judged ([`Front::copy_source_metadata`]).
 fn client_source_condition(headers: &HeaderMap, pinned: bool) -> bool {
-    let judged = if pinned { &COPY_SOURCE_CONDITIONS[1..3] } else { COPY_SOURCE_CONDITIONS };
-    judged.iter().any(|(name, _)| headers.contains_key(*name))
+    !pinned && COPY_SOURCE_CONDITIONS.iter().any(|(name, _)| headers.contains_key(*name))
+}
+
+/// The client's copy-source conditions on a source whose ETag and `Last-Modified` are given,
+/// in S3's order: `-if-match` (else `-if-unmodified-since`) must hold, and `-if-none-match`
+/// (else `-if-modified-since`) must not say unchanged. A date that cannot be read is ignored,
+/// as S3 ignores it.
+fn source_conditions_hold(headers: &HeaderMap, etag: &HeaderValue, last_modified: Option<&HeaderValue>) -> bool {
+    let date =
+        |v: Option<&HeaderValue>| v.and_then(|v| v.to_str().ok()).and_then(|v| httpdate::parse_http_date(v).ok());
+    let modified = date(last_modified);
+    let modified_after = |name: &str| Some(modified? > date(headers.get(name))?);
+    let failed = match headers.get("x-amz-copy-source-if-match") {
+        Some(wanted) => !etag_listed(wanted, etag),
+        None => modified_after("x-amz-copy-source-if-unmodified-since") == Some(true),
+    };
+    let unchanged = match headers.get("x-amz-copy-source-if-none-match") {
+        Some(unwanted) => etag_listed(unwanted, etag),
+        None => modified_after("x-amz-copy-source-if-modified-since") == Some(false),
+    };
+    !failed && !unchanged
 }
 
 fn headers_source(headers: &HeaderMap) -> Option<&str> {
     headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok())
-}
-
-/// Whether the object whose head is `head` was modified after `since` (an HTTP date); false
-/// when either date is missing or cannot be read, as S3 ignores a condition it cannot read.
-fn modified_since(head: &HeaderMap, since: Option<&HeaderValue>) -> bool {
-    let date =
-        |v: Option<&HeaderValue>| v.and_then(|v| v.to_str().ok()).and_then(|v| httpdate::parse_http_date(v).ok());
-    match (date(head.get(http::header::LAST_MODIFIED)), date(since)) {
-        (Some(modified), Some(since)) => modified > since,
-        _ => false,
-    }
 }
 
 /// Whether an `If-Match`-style list (`"a", "b"`, `*`) names `etag`.
@@ -291,4 +298,50 @@ fn copy_result(etag: Option<HeaderValue>) -> S3Response<Body> {
     let mut resp = S3Response::with_headers(Body::from(xml), headers);
     resp.status = Some(StatusCode::OK);
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ETAG: &str = "\"abc\"";
+    const MODIFIED: &str = "Wed, 02 Dec 2026 12:00:00 GMT";
+    const BEFORE: &str = "Wed, 02 Dec 2026 11:59:59 GMT";
+    const AFTER: &str = "Wed, 02 Dec 2026 12:00:01 GMT";
+
+    fn holds(conditions: &[(&'static str, &str)]) -> bool {
+        let mut headers = HeaderMap::new();
+        for (name, value) in conditions {
+            headers.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        source_conditions_hold(&headers, &HeaderValue::from_static(ETAG), Some(&HeaderValue::from_static(MODIFIED)))
+    }
+
+    /// S3's order (and the local upstream's, `ReadConditions::check`): `-if-match` decides
+    /// over `-if-unmodified-since`, `-if-none-match` over `-if-modified-since`.
+    #[test]
+    fn the_clients_source_conditions_are_judged_in_s3s_order() {
+        const IF_MATCH: &str = "x-amz-copy-source-if-match";
+        const IF_NONE_MATCH: &str = "x-amz-copy-source-if-none-match";
+        const IF_MODIFIED: &str = "x-amz-copy-source-if-modified-since";
+        const IF_UNMODIFIED: &str = "x-amz-copy-source-if-unmodified-since";
+        assert!(holds(&[]));
+        assert!(holds(&[(IF_MATCH, ETAG)]));
+        assert!(holds(&[(IF_MATCH, "\"x\", \"abc\"")]));
+        assert!(holds(&[(IF_MATCH, "*")]));
+        assert!(!holds(&[(IF_MATCH, "\"x\"")]));
+        assert!(holds(&[(IF_UNMODIFIED, MODIFIED)]));
+        assert!(holds(&[(IF_UNMODIFIED, AFTER)]));
+        assert!(!holds(&[(IF_UNMODIFIED, BEFORE)]));
+        assert!(holds(&[(IF_MATCH, ETAG), (IF_UNMODIFIED, BEFORE)]), "if-match decides");
+        assert!(holds(&[(IF_UNMODIFIED, "not a date")]), "a date that cannot be read is ignored");
+        assert!(!holds(&[(IF_NONE_MATCH, ETAG)]));
+        assert!(!holds(&[(IF_NONE_MATCH, "*")]));
+        assert!(holds(&[(IF_NONE_MATCH, "\"x\"")]));
+        assert!(holds(&[(IF_MODIFIED, BEFORE)]));
+        assert!(!holds(&[(IF_MODIFIED, MODIFIED)]));
+        assert!(!holds(&[(IF_MODIFIED, AFTER)]));
+        assert!(holds(&[(IF_NONE_MATCH, "\"x\""), (IF_MODIFIED, AFTER)]), "if-none-match decides");
+        assert!(!holds(&[(IF_MATCH, ETAG), (IF_NONE_MATCH, ETAG)]));
+    }
 }

@@ -168,36 +168,58 @@ def test_a_pinned_copy_refused_every_time_is_told_to_slow_down(held_s3):
     assert env.up.writes("dst") == []
 
 
-def test_a_refused_copy_with_a_source_condition_of_the_clients_is_its_412(held_s3):
-    """With a copy-source condition of the client's own that the upstream judges, a refusal
-    while the source reads as pinned may be that condition's: it is the client's 412."""
-    env, refusal = _pinned_copy_env(held_s3, refusals=1)
+def test_a_pinned_copy_judges_the_clients_source_conditions_itself(held_s3):
+    """A pinned copy (`COPY` directive) judges the client's copy-source conditions on the
+    version it pins, in S3's order, and sends only the pin: S3 does not judge
+    `-if-unmodified-since` beside the pin's `-if-match`, and a refused pin would not say whose
+    condition failed. A condition that fails is the client's 412 and nothing is copied, as from
+    S3 (moto ignores them all); one that holds copies, even when the pin is refused once."""
+    import datetime
+
+    env, refusal = _pinned_copy_env(held_s3, refusals=0)
+    c = env.fg.client(token=1)
+    source = {"Bucket": env.bucket, "Key": "src"}
+    etag = c.head_object(Bucket=env.bucket, Key="src")["ETag"]
+    past = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
+    future = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+    failing = [{"CopySourceIfMatch": '"0123456789abcdef0123456789abcdef"'},
+               {"CopySourceIfUnmodifiedSince": past},
+               {"CopySourceIfNoneMatch": etag},
+               {"CopySourceIfModifiedSince": future}]
+    for conditions in failing:
+        with pytest.raises(ClientError) as refused:
+            c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source, **conditions)
+        assert (status_of(refused.value), code_of(refused.value)) == (412, "PreconditionFailed"), conditions
+    assert env.up.writes("dst") == []
+
+    holding = [{"CopySourceIfMatch": etag, "CopySourceIfUnmodifiedSince": past},
+               {"CopySourceIfUnmodifiedSince": future},
+               {"CopySourceIfNoneMatch": '"0123456789abcdef0123456789abcdef"', "CopySourceIfModifiedSince": future},
+               {"CopySourceIfModifiedSince": past}]
+    for conditions in holding:
+        refusal.count += 1
+        c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source, **conditions)
+    assert refusal.refused == len(holding)
+    copies = env.up.writes("dst")
+    assert len(copies) == len(holding)
+    for copy in copies:
+        sent = {k for k in copy["headers"] if k.startswith("x-amz-copy-source-if")}
+        assert sent == {"x-amz-copy-source-if-match"}, copy["headers"]
+        assert copy["headers"]["x-amz-copy-source-if-match"] == etag
+
+
+def test_a_refused_unpinned_copy_with_a_source_condition_of_the_clients_is_its_412(held_s3):
+    """A copy that replaces its metadata is not pinned: the client's copy-source conditions go
+    to the upstream, and a refusal while the destination is as fencegate named it may be
+    theirs: it is the client's 412, sent once."""
+    env, _ = _pinned_copy_env(held_s3, refusals=0)
+    refusal = env.up.refuse_next("PUT", "x-amz-copy-source-if-none-match", 1)
     with pytest.raises(ClientError) as refused:
-        env.fg.client(token=1).copy_object(Bucket=env.bucket, Key="dst",
+        env.fg.client(token=1).copy_object(Bucket=env.bucket, Key="dst", MetadataDirective="REPLACE",
                                            CopySource={"Bucket": env.bucket, "Key": "src"},
                                            CopySourceIfNoneMatch='"0123456789abcdef0123456789abcdef"')
     assert (status_of(refused.value), code_of(refused.value)) == (412, "PreconditionFailed")
     assert refusal.refused == 1
-
-
-def test_a_pinned_copy_judges_the_clients_if_unmodified_since_itself(held_s3):
-    """S3 judges `x-amz-copy-source-if-unmodified-since` only without `-if-match`, so the pin
-    would silence it: fencegate judges it on the version it pins. A source modified since the
-    client's date is the client's 412 and nothing is copied, as from S3; a later date copies."""
-    import datetime
-
-    env = held_s3()
-    c = env.fg.client(token=1)
-    c.put_object(Bucket=env.bucket, Key="src", Body=b"A" * 64)
-    source = {"Bucket": env.bucket, "Key": "src"}
-    with pytest.raises(ClientError) as refused:
-        c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source,
-                      CopySourceIfUnmodifiedSince=datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc))
-    assert (status_of(refused.value), code_of(refused.value)) == (412, "PreconditionFailed")
-    assert env.up.writes("dst") == []
-    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
-    c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source, CopySourceIfUnmodifiedSince=later)
-    assert env.moto.get_object(Bucket=env.bucket, Key="dst")["Body"].read() == b"A" * 64
 
 
 def test_racing_copies_on_the_local_upstream_copy_one_version(fencegate):
