@@ -88,6 +88,10 @@ enum LoadScenario {
     AcceptedOneResource,
     Advancing,
     Stale,
+    /// `accepted-one-resource` signed with lease credentials: a lease on `bench:lease` is
+    /// granted through the target first (signed with `--access-key-id`, which must be able to
+    /// grant it) and released at the end.
+    AcceptedLease,
     /// Stale uploads of `--large-bytes` (64 MiB), one at a time, without `Expect`.
     StaleLarge,
     /// Stale uploads of `--large-bytes` with `Expect: 100-continue`.
@@ -204,11 +208,30 @@ pub fn run_id() -> String {
 
 async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
     let (addr, authority) = parse_target(&args.target)?;
-    let signer = Signer::new(&args.access_key_id, &args.secret_access_key, &args.region);
+    let mut signer = Signer::new(&args.access_key_id, &args.secret_access_key, &args.region);
     if args.create_bucket {
         let status = create_bucket(addr, &authority, &signer, &args.bucket).await?;
         println!("create bucket {}: {status}", args.bucket);
     }
+    let lease = match args.scenario {
+        LoadScenario::AcceptedLease => {
+            let issuer =
+                fencegate_client::Credentials::new(&args.access_key_id, &args.secret_access_key, None, None, "bench");
+            let client = fencegate_client::LeaseClient::new(&args.target, issuer, &args.region)?;
+            let grant = client
+                .try_acquire_with_credentials(scenario::LEASE, "fencegate-bench", Duration::from_secs(3600))
+                .await?;
+            let credentials = grant.credentials.clone().context("the grant came without credentials")?;
+            signer = Signer::with_session_token(
+                &credentials.access_key_id,
+                &credentials.secret_access_key,
+                Some(credentials.session_token),
+                &args.region,
+            );
+            Some((client, grant.lease_id))
+        }
+        _ => None,
+    };
     let params = Params {
         signer: &signer,
         authority,
@@ -230,6 +253,7 @@ async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
         LoadScenario::AcceptedOneResource => Scenario::AcceptedOneResource,
         LoadScenario::Advancing => Scenario::Advancing,
         LoadScenario::Stale => Scenario::Stale,
+        LoadScenario::AcceptedLease => Scenario::AcceptedLease,
         LoadScenario::StaleLarge | LoadScenario::StaleLargeExpect => {
             let expect = args.scenario == LoadScenario::StaleLargeExpect;
             let body = Bytes::from(vec![b'x'; args.large_bytes]);
@@ -258,5 +282,8 @@ async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
         report.statuses_text(),
         report.connects
     );
+    if let Some((client, lease_id)) = lease {
+        client.release(scenario::LEASE, &lease_id).await?;
+    }
     Ok(())
 }
