@@ -575,12 +575,8 @@ fn push_trimmed(value: &str, out: &mut String) {
 
 /// A SHA-256 digest in lower-case hex.
 fn hex(digest: &[u8; 32]) -> [u8; 64] {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = [0u8; 64];
-    for (pair, b) in out.chunks_exact_mut(2).zip(digest) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0xf)];
-    }
+    hex::encode_to_slice(digest, &mut out).expect("64 digits for 32 bytes");
     out
 }
 

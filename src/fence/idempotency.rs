@@ -18,7 +18,7 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     /// `client_request_id` is the client's own `Idempotency-Key`, or the request's fingerprint.
     pub fn new(resource: ResourceKey, client_request_id: &[u8]) -> Self {
-        Self { resource, request: hex(&Sha256::digest(client_request_id)) }
+        Self { resource, request: hex::encode(Sha256::digest(client_request_id)) }
     }
 
     pub fn resource(&self) -> &ResourceKey {
@@ -45,7 +45,7 @@ impl IdempotencyKey {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
         }
-        format!("fg-{}", &hex(&h.finalize())[..UPSTREAM_KEY_HEX_DIGITS])
+        format!("fg-{}", &hex::encode(h.finalize())[..UPSTREAM_KEY_HEX_DIGITS])
     }
 }
 
@@ -120,15 +120,6 @@ pub enum IdempotencyBegin {
     Existing(IdempotencyRecord),
 }
 
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(out, "{b:02x}");
-    }
-    out
-}
-
 /// Bodies as base64 in the JSON form, not arrays of numbers.
 mod base64_bytes {
     use base64::Engine;
@@ -155,7 +146,7 @@ pub fn fingerprint(parts: &[&[u8]]) -> String {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part);
     }
-    hex(&h.finalize())
+    hex::encode(h.finalize())
 }
 
 #[cfg(test)]

@@ -16,8 +16,7 @@ use s3s::{S3, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, s3_error};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWriteExt, ReadBuf};
 
 use super::records::{
-    Attributes, Checksums, ObjectRecord, PartRecord, Precondition, Records, Segment, StoreError, UploadRecord, hex,
-    now_ms,
+    Attributes, Checksums, ObjectRecord, PartRecord, Precondition, Records, Segment, StoreError, UploadRecord, now_ms,
 };
 
 /// S3's limit on a key's length, in bytes.
@@ -206,7 +205,7 @@ async fn copy_hashing(
         sha1: sums.checksum_sha1,
         sha256: sums.checksum_sha256,
     };
-    Ok((size, hex(&md5.finalize()), checksums))
+    Ok((size, hex::encode(md5.finalize()), checksums))
 }
 
 fn internal(what: &str, e: impl std::fmt::Display) -> S3Error {
@@ -616,7 +615,7 @@ fn verify(written: &Written, content_md5: Option<&str>, sent: &Checksums) -> S3R
         let digest = base64::engine::general_purpose::STANDARD
             .decode(content_md5)
             .map_err(|_| s3_error!(InvalidDigest, "The Content-MD5 you specified was not valid"))?;
-        if hex(&digest) != written.md5 {
+        if hex::encode(digest) != written.md5 {
             return Err(s3_error!(BadDigest, "The Content-MD5 you specified did not match what we received"));
         }
     }

@@ -749,11 +749,7 @@ pub fn multipart_etag<'a>(part_etags: impl Iterator<Item = &'a str>) -> String {
         md5.update(bytes);
         n += 1;
     }
-    format!("{}-{n}", hex(&md5.finalize()))
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    format!("{}-{n}", hex::encode(md5.finalize()))
 }
 
 #[cfg(test)]
