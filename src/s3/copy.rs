@@ -6,9 +6,12 @@
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use s3s::{Body, S3Response};
 
+use std::time::SystemTime;
+
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;
 use super::forward::{WriteBody, client_response, upstream_headers};
+use super::objects::{Comparison, etag_listed};
 use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
 use crate::body::ForwardBody;
 
@@ -164,7 +167,7 @@ impl Front {
         else {
             return Ok(None);
         };
-        if !source_conditions_hold(headers, &etag, resp.headers().get(http::header::LAST_MODIFIED)) {
+        if !source_conditions_hold(headers, &etag, resp.headers().get(http::header::LAST_MODIFIED), SystemTime::now()) {
             return Err(FrontError::ClientPrecondition);
         }
         for (name, _) in COPY_SOURCE_CONDITIONS {
@@ -195,34 +198,36 @@ fn client_source_condition(headers: &HeaderMap, pinned: bool) -> bool {
 }
 
 /// The client's copy-source conditions on a source whose ETag and `Last-Modified` are given,
-/// in S3's order: `-if-match` (else `-if-unmodified-since`) must hold, and `-if-none-match`
-/// (else `-if-modified-since`) must not say unchanged. A date that cannot be read is ignored,
-/// as S3 ignores it.
-fn source_conditions_hold(headers: &HeaderMap, etag: &HeaderValue, last_modified: Option<&HeaderValue>) -> bool {
+/// judged at `now` in S3's order: `-if-match` (else `-if-unmodified-since`) must hold, and
+/// `-if-none-match` (else `-if-modified-since`) must not say unchanged. ETags compare as for
+/// the client's own `If-Match` / `If-None-Match` (quotes optional). A date that cannot be
+/// read is ignored, and so is an `-if-modified-since` later than `now` (RFC 9110, 13.1.3:
+/// S3 then copies).
+fn source_conditions_hold(
+    headers: &HeaderMap,
+    etag: &HeaderValue,
+    last_modified: Option<&HeaderValue>,
+    now: SystemTime,
+) -> bool {
     let date =
         |v: Option<&HeaderValue>| v.and_then(|v| v.to_str().ok()).and_then(|v| httpdate::parse_http_date(v).ok());
     let modified = date(last_modified);
-    let modified_after = |name: &str| Some(modified? > date(headers.get(name))?);
     let failed = match headers.get("x-amz-copy-source-if-match") {
-        Some(wanted) => !etag_listed(wanted, etag),
-        None => modified_after("x-amz-copy-source-if-unmodified-since") == Some(true),
+        Some(wanted) => !etag_listed(wanted, etag, Comparison::Strong),
+        None => date(headers.get("x-amz-copy-source-if-unmodified-since")).zip(modified).is_some_and(|(d, m)| m > d),
     };
     let unchanged = match headers.get("x-amz-copy-source-if-none-match") {
-        Some(unwanted) => etag_listed(unwanted, etag),
-        None => modified_after("x-amz-copy-source-if-modified-since") == Some(false),
+        Some(unwanted) => etag_listed(unwanted, etag, Comparison::Weak),
+        None => date(headers.get("x-amz-copy-source-if-modified-since"))
+            .filter(|d| *d <= now)
+            .zip(modified)
+            .is_some_and(|(d, m)| m <= d),
     };
     !failed && !unchanged
 }
 
 fn headers_source(headers: &HeaderMap) -> Option<&str> {
     headers.get("x-amz-copy-source").and_then(|v| v.to_str().ok())
-}
-
-/// Whether an `If-Match`-style list (`"a", "b"`, `*`) names `etag`.
-fn etag_listed(wanted: &HeaderValue, etag: &HeaderValue) -> bool {
-    let Ok(wanted) = wanted.to_str() else { return false };
-    let etag = etag.to_str().unwrap_or("").trim_start_matches("W/");
-    wanted.split(',').map(|w| w.trim().trim_start_matches("W/")).any(|w| w == "*" || w == etag)
 }
 
 /// `x-amz-metadata-directive: REPLACE`: the copy takes the request's metadata, not the source's.
@@ -308,13 +313,21 @@ mod tests {
     const MODIFIED: &str = "Wed, 02 Dec 2026 12:00:00 GMT";
     const BEFORE: &str = "Wed, 02 Dec 2026 11:59:59 GMT";
     const AFTER: &str = "Wed, 02 Dec 2026 12:00:01 GMT";
+    const NOW: &str = "Wed, 02 Dec 2026 13:00:00 GMT";
+    const FUTURE: &str = "Wed, 02 Dec 2026 13:00:01 GMT";
 
     fn holds(conditions: &[(&'static str, &str)]) -> bool {
         let mut headers = HeaderMap::new();
         for (name, value) in conditions {
             headers.insert(*name, HeaderValue::from_str(value).unwrap());
         }
-        source_conditions_hold(&headers, &HeaderValue::from_static(ETAG), Some(&HeaderValue::from_static(MODIFIED)))
+        let now = httpdate::parse_http_date(NOW).unwrap();
+        source_conditions_hold(
+            &headers,
+            &HeaderValue::from_static(ETAG),
+            Some(&HeaderValue::from_static(MODIFIED)),
+            now,
+        )
     }
 
     /// S3's order (and the local upstream's, `ReadConditions::check`): `-if-match` decides
@@ -343,5 +356,11 @@ mod tests {
         assert!(!holds(&[(IF_MODIFIED, AFTER)]));
         assert!(holds(&[(IF_NONE_MATCH, "\"x\""), (IF_MODIFIED, AFTER)]), "if-none-match decides");
         assert!(!holds(&[(IF_MATCH, ETAG), (IF_NONE_MATCH, ETAG)]));
+        assert!(holds(&[(IF_MATCH, "abc")]), "quotes are optional");
+        assert!(!holds(&[(IF_NONE_MATCH, "abc")]), "quotes are optional");
+        assert!(!holds(&[(IF_MATCH, "W/\"abc\"")]), "if-match compares strongly");
+        assert!(!holds(&[(IF_NONE_MATCH, "W/\"abc\"")]), "if-none-match compares weakly");
+        assert!(!holds(&[(IF_MODIFIED, NOW)]));
+        assert!(holds(&[(IF_MODIFIED, FUTURE)]), "a date later than now is ignored");
     }
 }

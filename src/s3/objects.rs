@@ -100,14 +100,14 @@ impl ClientCondition {
 /// RFC 9110, 8.8.3.2: `If-Match` compares strongly (a weak tag never matches), `If-None-Match`
 /// weakly.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Comparison {
+pub(super) enum Comparison {
     Strong,
     Weak,
 }
 
 /// Whether `etag` is in the header's list (`*` is every ETag). Quotes are optional, as S3
 /// takes them.
-fn etag_listed(list: &HeaderValue, etag: &HeaderValue, comparison: Comparison) -> bool {
+pub(super) fn etag_listed(list: &HeaderValue, etag: &HeaderValue, comparison: Comparison) -> bool {
     let bare = |s: &str| s.trim().trim_start_matches("W/").trim_matches('"').to_owned();
     let etag = bare(etag.to_str().unwrap_or(""));
     list.to_str().unwrap_or("").split(',').any(|item| {

@@ -181,21 +181,26 @@ def test_a_pinned_copy_judges_the_clients_source_conditions_itself(held_s3):
     source = {"Bucket": env.bucket, "Key": "src"}
     etag = c.head_object(Bucket=env.bucket, Key="src")["ETag"]
     past = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
-    future = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    future = now + datetime.timedelta(days=1)
     failing = [{"CopySourceIfMatch": '"0123456789abcdef0123456789abcdef"'},
                {"CopySourceIfUnmodifiedSince": past},
                {"CopySourceIfNoneMatch": etag},
-               {"CopySourceIfModifiedSince": future}]
+               {"CopySourceIfNoneMatch": etag.strip('"')},
+               {"CopySourceIfModifiedSince": now}]
     for conditions in failing:
         with pytest.raises(ClientError) as refused:
             c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source, **conditions)
         assert (status_of(refused.value), code_of(refused.value)) == (412, "PreconditionFailed"), conditions
     assert env.up.writes("dst") == []
 
+    # Quotes are optional and a future -if-modified-since is ignored, as S3 does both.
     holding = [{"CopySourceIfMatch": etag, "CopySourceIfUnmodifiedSince": past},
+               {"CopySourceIfMatch": etag.strip('"')},
                {"CopySourceIfUnmodifiedSince": future},
-               {"CopySourceIfNoneMatch": '"0123456789abcdef0123456789abcdef"', "CopySourceIfModifiedSince": future},
-               {"CopySourceIfModifiedSince": past}]
+               {"CopySourceIfNoneMatch": '"0123456789abcdef0123456789abcdef"', "CopySourceIfModifiedSince": now},
+               {"CopySourceIfModifiedSince": past},
+               {"CopySourceIfModifiedSince": future}]
     for conditions in holding:
         refusal.count += 1
         c.copy_object(Bucket=env.bucket, Key="dst", CopySource=source, **conditions)

@@ -144,6 +144,19 @@ def test_reads_keep_their_conditions(fencegate):
             call()
         assert unchanged.value.response["ResponseMetadata"]["HTTPStatusCode"] == 304
     assert reader.get_object(Bucket="bkt", Key="k", IfNoneMatch='"0000"')["Body"].read() == b"v1"
+    # `If-Modified-Since`: unchanged since now is 304; a date later than now is ignored
+    # (RFC 9110, 13.1.3), as S3 ignores it, for reads and for a copy's source alike.
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with pytest.raises(ClientError) as unchanged:
+        reader.get_object(Bucket="bkt", Key="k", IfModifiedSince=now)
+    assert unchanged.value.response["ResponseMetadata"]["HTTPStatusCode"] == 304
+    future = now + datetime.timedelta(days=1)
+    assert reader.get_object(Bucket="bkt", Key="k", IfModifiedSince=future)["Body"].read() == b"v1"
+    c.copy_object(Bucket="bkt", Key="k2", CopySource={"Bucket": "bkt", "Key": "k"}, MetadataDirective="REPLACE",
+                  CopySourceIfModifiedSince=future)
+    assert reader.get_object(Bucket="bkt", Key="k2")["Body"].read() == b"v1"
 
 
 def test_a_slow_upload_holds_no_other_write_of_the_object(fencegate):

@@ -266,6 +266,10 @@ fn timestamp(ms: u64) -> Timestamp {
 }
 
 /// Whole seconds since the epoch: HTTP dates have no finer resolution.
+fn now_seconds() -> i64 {
+    i64::try_from(now_ms() / 1000).unwrap_or(i64::MAX)
+}
+
 fn seconds(t: &Timestamp) -> i64 {
     time::OffsetDateTime::from(t.clone()).unix_timestamp()
 }
@@ -339,7 +343,8 @@ impl ReadConditions<'_> {
         }
         let unchanged = match self.if_none_match {
             Some(c) => matches(c, &record.etag),
-            None => self.if_modified_since.is_some_and(|t| modified <= seconds(t)),
+            // A date later than now is ignored (RFC 9110, 13.1.3), as S3 ignores it.
+            None => self.if_modified_since.is_some_and(|t| modified <= seconds(t) && seconds(t) <= now_seconds()),
         };
         if !unchanged {
             return Ok(());
