@@ -215,20 +215,10 @@ async fn load_command(args: LoadArgs) -> anyhow::Result<()> {
     }
     let lease = match args.scenario {
         LoadScenario::AcceptedLease => {
-            let issuer =
-                fencegate_client::Credentials::new(&args.access_key_id, &args.secret_access_key, None, None, "bench");
-            let client = fencegate_client::LeaseClient::new(&args.target, issuer, &args.region)?;
-            let grant = client
-                .try_acquire_with_credentials(scenario::LEASE, "fencegate-bench", Duration::from_secs(3600))
-                .await?;
-            let credentials = grant.credentials.clone().context("the grant came without credentials")?;
-            signer = Signer::with_session_token(
-                &credentials.access_key_id,
-                &credentials.secret_access_key,
-                Some(credentials.session_token),
-                &args.region,
-            );
-            Some((client, grant.lease_id))
+            let (client, lease_id, (key, secret, token)) =
+                suite::grant_lease(&args.target, &args.access_key_id, &args.secret_access_key, &args.region).await?;
+            signer = Signer::with_session_token(&key, &secret, Some(token), &args.region);
+            Some((client, lease_id))
         }
         _ => None,
     };

@@ -373,16 +373,32 @@ async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> a
 /// and a fencing header: what a lease credential costs per request (the stored lease is read
 /// on every request).
 async fn lease_credentials_run(ctx: &mut Ctx, path: &Endpoint) -> anyhow::Result<()> {
-    let issuer = fencegate_client::Credentials::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, None, None, "bench");
-    let client = fencegate_client::LeaseClient::new(&format!("http://{}", path.addr), issuer, sign::REGION)?;
-    let grant =
-        client.try_acquire_with_credentials(scenario::LEASE, "fencegate-bench", Duration::from_secs(3600)).await?;
-    let credentials = grant.credentials.clone().context("the grant came without credentials")?;
-    ctx.lease_credentials = Some((credentials.access_key_id, credentials.secret_access_key, credentials.session_token));
+    let target = format!("http://{}", path.addr);
+    let (client, lease_id, credentials) =
+        grant_lease(&target, sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION).await?;
+    ctx.lease_credentials = Some(credentials);
     let result = keep_alive_run(ctx, Scenario::AcceptedLease, path).await;
     ctx.lease_credentials = None;
-    client.release(scenario::LEASE, &grant.lease_id).await?;
+    client.release(scenario::LEASE, &lease_id).await?;
     result
+}
+
+/// A lease on the lease-credentials rows' resource ([`scenario::LEASE`]), granted through
+/// `target` (`http://...`) by the issuer whose keys are given: the client to release it with,
+/// its lease id, and its credentials (access key id, secret, session token).
+pub async fn grant_lease(
+    target: &str,
+    access_key_id: &str,
+    secret_access_key: &str,
+    region: &str,
+) -> anyhow::Result<(fencegate_client::LeaseClient, String, (String, String, String))> {
+    let issuer = fencegate_client::Credentials::new(access_key_id, secret_access_key, None, None, "bench");
+    let client = fencegate_client::LeaseClient::new(target, issuer, region)?;
+    let grant =
+        client.try_acquire_with_credentials(scenario::LEASE, "fencegate-bench", Duration::from_secs(3600)).await?;
+    let credentials = grant.credentials.context("the grant came without credentials")?;
+    let credentials = (credentials.access_key_id, credentials.secret_access_key, credentials.session_token);
+    Ok((client, grant.lease_id, credentials))
 }
 
 /// CPU µs per request of process `pid` since `before` (seconds of CPU).

@@ -110,8 +110,8 @@ impl Front {
     /// answer (412 or 404), an unchanged object means the refusal was about something else (a
     /// missing source or upload) and the upstream's answer is the client's, except a 412 that
     /// only fencegate's precondition can have caused (the object changed and changed back:
-    /// `send` goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]); otherwise `send` goes once more on the fresh
-    /// state. A retry that loses again is judged the same way, and is a 503 `SlowDown` when
+    /// `send` goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]);
+    /// otherwise `send` goes once more on the fresh state. A retry that loses again is judged the same way, and is a 503 `SlowDown` when
     /// the object changed once more under a same-or-older token.
     ///
     /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
@@ -126,7 +126,7 @@ impl Front {
         mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
     ) -> Result<S3Response<Body>, FrontError> {
         for attempt in 0..ATTEMPTS {
-            let resp = match send(state.clone()).await? {
+            let (resp, judged_more) = match send(state.clone()).await? {
                 Attempt::Committed(resp) => {
                     if attempt > 0 {
                         metrics::precondition_conflict("retried");
@@ -138,7 +138,6 @@ impl Front {
                 Attempt::NotCommittedJudgedMore(resp) => (resp, true),
                 Attempt::CannotResend => break,
             };
-            let (resp, judged_more) = resp;
             if !lost_precondition(resp.status(), &state) {
                 return Ok(client_response(resp));
             }

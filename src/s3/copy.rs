@@ -3,10 +3,10 @@
 //! stamp can be added without losing the rest. On an upstream that ignores `If-Match` on
 //! copies, across replicas, the copy is made as a read and a conditional PUT instead.
 
+use std::time::SystemTime;
+
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use s3s::{Body, S3Response};
-
-use std::time::SystemTime;
 
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;

@@ -266,12 +266,13 @@ fn timestamp(ms: u64) -> Timestamp {
 }
 
 /// Whole seconds since the epoch: HTTP dates have no finer resolution.
-fn now_seconds() -> i64 {
-    i64::try_from(now_ms() / 1000).unwrap_or(i64::MAX)
-}
-
 fn seconds(t: &Timestamp) -> i64 {
     time::OffsetDateTime::from(t.clone()).unix_timestamp()
+}
+
+/// Now, in whole seconds since the epoch, as [`seconds`].
+fn now_seconds() -> i64 {
+    i64::try_from(now_ms() / 1000).unwrap_or(i64::MAX)
 }
 
 fn http_date(expires: Option<&Timestamp>) -> Option<String> {
