@@ -372,7 +372,7 @@ impl Gate {
                             if state.inflight.len() >= self.limits.inflight_per_resource_max {
                                 return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
                             }
-                            return Ok(Some(self.register(slot, &mut state, token)));
+                            return self.register(slot, &mut state, token).map(Some);
                         }
                     },
                 }
@@ -417,7 +417,7 @@ impl Gate {
             if state.inflight.len() >= self.limits.inflight_per_resource_max {
                 return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
             }
-            Some(self.register(slot, &mut state, token))
+            Some(self.register(slot, &mut state, token)?)
         } else {
             None
         };
@@ -543,7 +543,19 @@ impl Gate {
         });
     }
 
-    fn register(&self, slot: &Arc<Slot>, state: &mut MutexGuard<'_, SlotState>, token: FenceToken) -> Permit {
+    /// Registers a write in flight, unless the gate closed. Checked under the slot's lock: a
+    /// write that waited (for a load, an advance, an older write) while shutdown began is
+    /// either counted by [`Gate::inflight_writes`], which takes the same lock after
+    /// [`Gate::close`], or refused here; never registered unseen after the count.
+    fn register(
+        &self,
+        slot: &Arc<Slot>,
+        state: &mut MutexGuard<'_, SlotState>,
+        token: FenceToken,
+    ) -> Result<Permit, AdmitError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(AdmitError::StoreUnavailable(StoreError::Closed));
+        }
         let id = self.next_write_id.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let body_sent = Arc::new(AtomicBool::new(false));
@@ -556,7 +568,7 @@ impl Gate {
             cut_off: cut_off.clone(),
         });
         metrics::inflight_changed(1);
-        Permit { slot: slot.clone(), id, token, cancel, body_sent, cut_off, remote: None }
+        Ok(Permit { slot: slot.clone(), id, token, cancel, body_sent, cut_off, remote: None })
     }
 
     /// Reads the fence from the store the first time the slot is used.
@@ -823,6 +835,31 @@ mod tests {
         assert!(!newer.is_finished());
         drop(old);
         assert_eq!(newer.await.unwrap().unwrap(), FenceToken(12));
+    }
+
+    /// A write still waiting when the gate closes (shutdown) is refused when its wait ends,
+    /// not registered after shutdown counted the writes in flight.
+    #[tokio::test]
+    async fn a_write_waiting_when_the_gate_closes_is_not_registered() {
+        let gate = Arc::new(gate());
+        let r = key("job:closing");
+        let old = gate.admit(&r, FenceToken(11)).await.unwrap();
+        assert!(old.mark_body_sent());
+        let newer = tokio::spawn({
+            let gate = gate.clone();
+            let r = r.clone();
+            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!newer.is_finished(), "the newer write waits for the older one");
+        gate.close();
+        drop(old);
+        assert_eq!(gate.inflight_writes(), 0);
+        match newer.await.unwrap() {
+            Err(AdmitError::StoreUnavailable(StoreError::Closed)) => {}
+            other => panic!("expected a refusal after close, got {other:?}"),
+        }
+        assert_eq!(gate.inflight_writes(), 0, "nothing registered after shutdown counted");
     }
 
     /// Once a newer token is registered, the older token is refused even before any write
