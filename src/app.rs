@@ -16,6 +16,7 @@ use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
+use crate::threads::{CloseOnDrop, ServingThreads};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
 
 /// How long open requests may finish after shutdown was asked for.
@@ -296,6 +297,10 @@ impl App {
             header_read_timeout: ms(server.header_read_timeout_ms),
             idle_timeout: ms(server.idle_timeout_ms),
         };
+        let threads = Arc::new(
+            ServingThreads::start(self.config.server.serving_threads()).context("server.threads: cannot start")?,
+        );
+        let _close_threads = CloseOnDrop(threads.clone());
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut admin_stop = stop_rx.clone();
         let mut s3_stop = stop_rx;
@@ -308,17 +313,15 @@ impl App {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },
             SHUTDOWN_DRAIN,
+            None,
         ));
-        let s3_task = tokio::spawn(server::run(
-            s3_listener,
-            self.tls.clone(),
-            s3_service,
-            limits,
-            async move {
+        let (s3_threads, tls) = (threads.clone(), self.tls.clone());
+        let s3_task = tokio::spawn(async move {
+            let stop = async move {
                 let _ = s3_stop.wait_for(|stop| *stop).await;
-            },
-            SHUTDOWN_DRAIN,
-        ));
+            };
+            server::run(s3_listener, tls, s3_service, limits, stop, SHUTDOWN_DRAIN, Some(s3_threads)).await;
+        });
         shutdown.await;
         tracing::info!("shutting down: finishing open requests");
         let _ = stop_tx.send(true);
@@ -337,6 +340,8 @@ impl App {
         } else {
             tracing::warn!("stopping with writes still in flight: the next start holds advances");
         }
+        // Last: a write whose client left finishes on its serving thread.
+        threads.stop().await;
         Ok(())
     }
 }

@@ -16,6 +16,10 @@ use serde::Deserialize;
 /// The environment prefix of every override.
 pub const ENV_PREFIX: &str = "FENCEGATE_";
 
+/// The most `server.threads` fencegate starts: each is an OS thread with a runtime and a pool
+/// of upstream connections.
+const THREADS_MAX: usize = 1024;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -89,6 +93,20 @@ pub struct ServerConfig {
     /// Open admin connections at most (probes and metrics scrapes need few).
     #[serde(default = "defaults::admin_connections_max")]
     pub admin_connections_max: usize,
+    /// Threads serving the main listener's connections, each with a runtime and upstream
+    /// connections of its own (`crate::threads`); 0: one per CPU.
+    #[serde(default)]
+    pub threads: usize,
+}
+
+impl ServerConfig {
+    /// [`ServerConfig::threads`], with 0 resolved to the number of CPUs fencegate may use.
+    pub fn serving_threads(&self) -> usize {
+        match self.threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -754,6 +772,9 @@ impl Config {
         if self.server.admin_connections_max == 0 {
             return Err(("server.admin_connections_max", "must be greater than 0".into()));
         }
+        if self.server.threads > THREADS_MAX {
+            return Err(("server.threads", format!("at most {THREADS_MAX} (0: one per CPU)")));
+        }
         if self.server.connections_max == 0 {
             return Err(("server.connections_max", "must be greater than 0".into()));
         }
@@ -855,6 +876,18 @@ mod tests {
         assert!(c.fencing.require_token);
         assert_eq!(c.fencing.token_header, "Fencing-Token");
         assert_eq!(c.store.timeout_ms, 2_000);
+    }
+
+    #[test]
+    fn serving_threads_default_to_one_per_cpu_and_are_bounded() {
+        let c = Config::from_toml(MINIMAL).unwrap();
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        assert_eq!((c.server.threads, c.server.serving_threads()), (0, cpus));
+        let three = MINIMAL.replace("[server]", "[server]\nthreads = 3");
+        assert_eq!(Config::from_toml(&three).unwrap().server.serving_threads(), 3);
+        let too_many = MINIMAL.replace("[server]", "[server]\nthreads = 1025");
+        let error = Config::from_toml(&too_many).unwrap_err().to_string();
+        assert!(error.contains("server.threads") && error.contains("1024"), "{error}");
     }
 
     #[test]

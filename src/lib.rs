@@ -13,6 +13,8 @@
 //! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
 //! - [`server`]: accept loops, connection limits, graceful shutdown.
+//! - [`threads`]: the serving threads, one runtime and one upstream pool each, that the main
+//!   listener's connections run on.
 //! - [`sigv4`]: SigV4 signing of forwarded requests and the lean check of received ones.
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
@@ -43,6 +45,7 @@ pub mod s3;
 pub mod server;
 pub mod sigv4;
 pub mod store;
+pub mod threads;
 pub mod upstream;
 
 mod app;

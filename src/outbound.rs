@@ -15,8 +15,23 @@ use s3s::Body;
 /// Idle time before TCP keepalive probes on outbound connections.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// A pooled client to one kind of upstream.
-pub type PooledClient = Client<HttpsConnector<HttpConnector>, Body>;
+/// Pooled clients to one kind of upstream: one pool per serving thread ([`crate::threads`]).
+///
+/// hyper runs each upstream connection as a task on the runtime that opened it. With one pool
+/// shared by every thread, a write on one serving thread would often take a connection another
+/// one opened, and each of its reads and writes would wake that thread. A request takes the
+/// pool of its own serving thread; anything else (the start-up probe, tests) takes the first.
+pub struct PooledClient {
+    pools: Box<[Client<HttpsConnector<HttpConnector>, Body>]>,
+}
+
+impl PooledClient {
+    /// Sends `req` on a connection of the calling thread's pool.
+    pub fn request(&self, req: http::Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
+        let pool = crate::threads::current().unwrap_or(0) % self.pools.len();
+        self.pools[pool].request(req)
+    }
+}
 
 /// What an outbound client trusts and how it connects.
 pub struct Outbound<'a> {
@@ -24,13 +39,30 @@ pub struct Outbound<'a> {
     /// roots (a config key's value, named in errors).
     pub ca_cert: Option<(&'static str, &'a Path)>,
     pub connect_timeout: Duration,
+    /// Idle connections kept per upstream host, split between the pools (each keeps at least
+    /// one).
     pub idle_connections_max: usize,
     /// HTTP/2 as well as HTTP/1.1 (by ALPN on `https`).
     pub http2: bool,
+    /// How many pools: `server.threads`, resolved.
+    pub pools: usize,
 }
 
 impl Outbound<'_> {
+    /// The pools share one connector (and its TLS configuration).
     pub fn build(&self) -> anyhow::Result<PooledClient> {
+        let connector = self.connector()?;
+        let pools = self.pools.max(1);
+        let idle_per_pool = self.idle_connections_max.div_ceil(pools);
+        let pools = (0..pools)
+            .map(|_| {
+                Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle_per_pool).build(connector.clone())
+            })
+            .collect();
+        Ok(PooledClient { pools })
+    }
+
+    fn connector(&self) -> anyhow::Result<HttpsConnector<HttpConnector>> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -44,12 +76,11 @@ impl Outbound<'_> {
             Some((key, path)) => builder.with_tls_config(tls_config(key, path)?),
         };
         let builder = builder.https_or_http();
-        let connector = if self.http2 {
+        Ok(if self.http2 {
             builder.enable_all_versions().wrap_connector(http)
         } else {
             builder.enable_http1().wrap_connector(http)
-        };
-        Ok(Client::builder(TokioExecutor::new()).pool_max_idle_per_host(self.idle_connections_max).build(connector))
+        })
     }
 }
 

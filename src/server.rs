@@ -10,13 +10,15 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::service::Service;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
+
+use crate::threads::ServingThreads;
 
 /// How long an accept loop waits after a failed accept (out of file descriptors and the like)
 /// before it tries again, instead of spinning.
@@ -62,7 +64,9 @@ pub struct ConnectionLimits {
 }
 
 /// Serves `service` on `listener` (over TLS when `tls` is given) until `shutdown` resolves,
-/// then lets open requests finish (for at most `drain_for`).
+/// then lets open requests finish (for at most `drain_for`). Each connection is served on one
+/// of `threads` when given (an HTTP/2 connection's streams on all of them), else on the
+/// caller's runtime.
 pub async fn run<S, B>(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
@@ -70,6 +74,7 @@ pub async fn run<S, B>(
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
     drain_for: Duration,
+    threads: Option<Arc<ServingThreads>>,
 ) where
     S: Service<http::Request<Incoming>, Response = http::Response<B>> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
@@ -80,7 +85,7 @@ pub async fn run<S, B>(
 {
     let permits = Arc::new(Semaphore::new(limits.connections_max));
     let graceful = GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(Streams(threads.clone()));
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -108,12 +113,24 @@ pub async fn run<S, B>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(AtomicU64::new(0));
-        let tracked = Tracked { inner: stream, activity: activity.clone() };
+        // Taken off this runtime's reactor, to be registered with the serving thread's.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::debug!(%peer, %error, "accepted connection lost before it was served");
+                continue;
+            }
+        };
+        let accepted_at = tokio::time::Instant::now();
         let (builder, service, tls, watcher) = (builder.clone(), service.clone(), tls.clone(), graceful.watcher());
-        tokio::spawn(async move {
+        let connection = async move {
             let _permit = permit;
-            let accepted_at = tokio::time::Instant::now();
+            let stream = match TcpStream::from_std(stream) {
+                Ok(stream) => stream,
+                Err(error) => return tracing::warn!(%peer, %error, "cannot serve an accepted connection"),
+            };
+            let activity = Arc::new(AtomicU64::new(0));
+            let tracked = Tracked { inner: stream, activity: activity.clone() };
             let idle = idle_watch(activity, limits.idle_timeout);
             // Timed from accept, whatever protocol the connection turns out to speak: hyper's
             // own header timeout starts only once it has told HTTP/1 from HTTP/2, and a client
@@ -133,11 +150,37 @@ pub async fn run<S, B>(
                     }
                 }
             }
-        });
+        };
+        match &threads {
+            Some(threads) => threads.spawn(connection),
+            None => drop(tokio::spawn(connection)),
+        }
     }
     drop(listener);
     if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
         tracing::warn!(drain_ms = drain_for.as_millis() as u64, "connections still open after the drain period");
+    }
+}
+
+/// Where hyper runs the streams of an HTTP/2 connection: spread over the serving threads, since
+/// one HTTP/2 connection (a load balancer's, say) can carry many clients' requests at once;
+/// without serving threads, on the caller's runtime. HTTP/1 requests run on their connection's
+/// task, one at a time.
+#[derive(Clone)]
+struct Streams(Option<Arc<ServingThreads>>);
+
+impl<F> hyper::rt::Executor<F> for Streams
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, stream: F) {
+        match &self.0 {
+            Some(threads) => threads.spawn(async move {
+                stream.await;
+            }),
+            None => drop(tokio::spawn(stream)),
+        }
     }
 }
 
@@ -173,7 +216,7 @@ where
 /// Serves one connection until it ends, goes idle, sends no complete request head in time
 /// (`first`), or shutdown drains it.
 async fn serve<I, S, B>(
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &auto::Builder<Streams>,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
@@ -383,4 +426,30 @@ impl Drop for RequestBody {
 /// answer, since some clients (botocore) misread the next response on it.
 pub fn answered_early(expect_continue: bool, polled: bool, content_length: Option<u64>) -> bool {
     expect_continue && (!polled || content_length == Some(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One HTTP/2 connection's streams run on every serving thread, not only its own.
+    #[tokio::test]
+    async fn http2_streams_are_spread_over_the_serving_threads() {
+        let threads = Arc::new(ServingThreads::start(2).unwrap());
+        let streams = Streams(Some(threads.clone()));
+        let (ran_tx, mut ran) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..4 {
+            let ran_tx = ran_tx.clone();
+            hyper::rt::Executor::execute(&streams, async move {
+                ran_tx.send(crate::threads::current()).unwrap();
+            });
+        }
+        let mut on = Vec::new();
+        for _ in 0..4 {
+            on.push(ran.recv().await.unwrap());
+        }
+        on.sort();
+        assert_eq!(on, vec![Some(0), Some(0), Some(1), Some(1)]);
+        threads.stop().await;
+    }
 }

@@ -33,14 +33,15 @@ pub struct ApiClient {
 
 impl ApiClient {
     /// A client verifying `https` upstreams against `ca_cert_path` if given, else the web PKI
-    /// roots.
+    /// roots, with `pools` connection pools (one per serving thread).
     pub fn new(
         ca_cert_path: Option<&Path>,
         connect_timeout: Duration,
         idle_connections_max: usize,
+        pools: usize,
     ) -> anyhow::Result<Self> {
         let ca_cert = ca_cert_path.map(|path| ("routes.ca_cert_path", path));
-        let client = Outbound { ca_cert, connect_timeout, idle_connections_max, http2: true }.build()?;
+        let client = Outbound { ca_cert, connect_timeout, idle_connections_max, http2: true, pools }.build()?;
         Ok(Self { client })
     }
 

@@ -85,14 +85,17 @@ impl Gateway {
     pub fn new(config: &Config, gate: Arc<Gate>, clock: Arc<dyn Clock>) -> anyhow::Result<Self> {
         let connect_timeout = ms(config.upstream.connect_timeout_ms);
         let idle_max = config.upstream.idle_connections_max;
+        let pools = config.server.serving_threads();
         let mut default_client: Option<Arc<ApiClient>> = None;
         let mut routes = Vec::with_capacity(config.routes.len());
         for rc in &config.routes {
             let client = match &rc.ca_cert_path {
-                Some(path) => Arc::new(ApiClient::new(Some(path), connect_timeout, idle_max)?),
+                Some(path) => Arc::new(ApiClient::new(Some(path), connect_timeout, idle_max, pools)?),
                 None => match &default_client {
                     Some(client) => client.clone(),
-                    None => default_client.insert(Arc::new(ApiClient::new(None, connect_timeout, idle_max)?)).clone(),
+                    None => {
+                        default_client.insert(Arc::new(ApiClient::new(None, connect_timeout, idle_max, pools)?)).clone()
+                    }
                 },
             };
             let route = Route::new(rc, client).map_err(|e| anyhow::anyhow!("routes.resource: {e}"))?;

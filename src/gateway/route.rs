@@ -180,7 +180,7 @@ mod tests {
             caller_header: "authorization".into(),
             ca_cert_path: None,
         };
-        Route::new(&config, Arc::new(ApiClient::new(None, Duration::from_secs(1), 1).unwrap())).unwrap()
+        Route::new(&config, Arc::new(ApiClient::new(None, Duration::from_secs(1), 1, 1).unwrap())).unwrap()
     }
 
     /// `{n}` takes the n-th segment after the prefix, percent-decoded; a missing one is an error.

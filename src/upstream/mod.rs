@@ -71,6 +71,6 @@ pub fn from_config(config: &Config) -> anyhow::Result<Arc<dyn Upstream>> {
             let path = up.path.as_deref().expect("validated: upstream.path");
             Arc::new(LocalUpstream::open(path)?)
         }
-        UpstreamKind::S3 => Arc::new(S3Upstream::new(up)?),
+        UpstreamKind::S3 => Arc::new(S3Upstream::new(up, config.server.serving_threads())?),
     })
 }

@@ -21,7 +21,8 @@ pub struct S3Upstream {
 }
 
 impl S3Upstream {
-    pub fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
+    /// A client with `pools` connection pools (one per serving thread).
+    pub fn new(config: &UpstreamConfig, pools: usize) -> anyhow::Result<Self> {
         let endpoint: http::Uri = config.endpoint.as_deref().expect("validated: upstream.endpoint").parse()?;
         let authority = endpoint.authority().expect("validated: endpoint has an authority").clone();
         let scheme = endpoint.scheme().expect("validated: endpoint has a scheme").clone();
@@ -31,6 +32,7 @@ impl S3Upstream {
             connect_timeout: ms(config.connect_timeout_ms),
             idle_connections_max: config.idle_connections_max,
             http2: false,
+            pools,
         }
         .build()?;
 

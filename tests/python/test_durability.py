@@ -87,12 +87,15 @@ def _events(trace, objects_dir):
     for n, line in enumerate(lines):
         pid = line.split()[0]
         opened = re.search(r'openat\(.*"([^"]*)".*= (\d+)$', line)
+        # A data file's creation counts from the call's start: strace splits a call that
+        # another thread interrupts into "<unfinished ...>" and "<... openat resumed>" lines.
+        creating = re.search(r'openat\(.*"([^"]*)".*O_CREAT', line)
         if opened and opened.group(1).endswith("/fences.redb"):
             fds["fence"] = opened.group(2)
         elif opened and opened.group(1).endswith("/local.redb"):
             fds["local"] = opened.group(2)
-        elif opened and opened.group(1).startswith(data_dir) and "O_CREAT" in line:
-            events.append(("data", n, opened.group(1)))
+        elif creating and creating.group(1).startswith(data_dir):
+            events.append(("data", n, creating.group(1)))
         done = re.search(r"\b(?:fdatasync|fsync)\((\d+)\)\s+= 0", line)
         began = re.search(r"\b(?:fdatasync|fsync)\((\d+) <unfinished", line)
         if done and which(done.group(1)):
