@@ -151,10 +151,7 @@ pub async fn run<S, B>(
                 }
             }
         };
-        match &threads {
-            Some(threads) => threads.spawn(connection),
-            None => drop(tokio::spawn(connection)),
-        }
+        spawn(threads.as_deref(), connection);
     }
     drop(listener);
     if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
@@ -175,12 +172,17 @@ where
     F::Output: Send + 'static,
 {
     fn execute(&self, stream: F) {
-        match &self.0 {
-            Some(threads) => threads.spawn(async move {
-                stream.await;
-            }),
-            None => drop(tokio::spawn(stream)),
-        }
+        spawn(self.0.as_deref(), async move {
+            stream.await;
+        });
+    }
+}
+
+/// Runs `task` on the next of `threads`, or on the caller's runtime without them.
+fn spawn(threads: Option<&ServingThreads>, task: impl Future<Output = ()> + Send + 'static) {
+    match threads {
+        Some(threads) => threads.spawn(task),
+        None => drop(tokio::spawn(task)),
     }
 }
 

@@ -68,10 +68,6 @@ impl ServingThreads {
         })
     }
 
-    pub fn count(&self) -> usize {
-        self.handles.len()
-    }
-
     /// Runs `task` on the next serving thread, round robin (once the threads stopped, drops it).
     pub fn spawn<F>(&self, task: F)
     where

@@ -782,6 +782,16 @@ mod tests {
         ResourceKey::new(name).unwrap()
     }
 
+    /// `token`'s admission on `r`, in a task of its own (for a test to watch it wait).
+    fn admit_in_a_task(
+        gate: &Arc<Gate>,
+        r: &ResourceKey,
+        token: FenceToken,
+    ) -> tokio::task::JoinHandle<Result<FenceToken, AdmitError>> {
+        let (gate, r) = (gate.clone(), r.clone());
+        tokio::spawn(async move { gate.admit(&r, token).await.map(|p| p.token()) })
+    }
+
     /// Stale tokens are refused with the current fence; equal tokens run side by side.
     #[tokio::test]
     async fn stale_is_refused_and_current_runs_concurrently() {
@@ -805,11 +815,7 @@ mod tests {
         let old = gate.admit(&r, FenceToken(11)).await.unwrap();
         let cancelled = old.cancellation().clone();
 
-        let newer = tokio::spawn({
-            let gate = gate.clone();
-            let r = r.clone();
-            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
-        });
+        let newer = admit_in_a_task(&gate, &r, FenceToken(12));
         cancelled.cancelled().await;
         assert!(!newer.is_finished(), "newer write admitted while the older one is in flight");
         assert!(!old.mark_body_sent(), "a cancelled write must not finish its body");
@@ -824,11 +830,7 @@ mod tests {
         let r = key("job:c");
         let old = gate.admit(&r, FenceToken(11)).await.unwrap();
         assert!(old.mark_body_sent());
-        let newer = tokio::spawn({
-            let gate = gate.clone();
-            let r = r.clone();
-            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
-        });
+        let newer = admit_in_a_task(&gate, &r, FenceToken(12));
         tokio::task::yield_now().await;
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!old.cancellation().is_cancelled());
@@ -845,11 +847,7 @@ mod tests {
         let r = key("job:closing");
         let old = gate.admit(&r, FenceToken(11)).await.unwrap();
         assert!(old.mark_body_sent());
-        let newer = tokio::spawn({
-            let gate = gate.clone();
-            let r = r.clone();
-            async move { gate.admit(&r, FenceToken(12)).await.map(|p| p.token()) }
-        });
+        let newer = admit_in_a_task(&gate, &r, FenceToken(12));
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!newer.is_finished(), "the newer write waits for the older one");
         gate.close();
