@@ -82,7 +82,8 @@ impl App {
                 let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
                 let wait = (config.store.wait_replicas > 0)
                     .then(|| Wait { replicas: config.store.wait_replicas, timeout: ms(config.store.wait_timeout_ms) });
-                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait)
+                let threads = config.server.serving_threads();
+                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait, threads)
                     .await
                     .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
                 Arc::new(store)

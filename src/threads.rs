@@ -11,7 +11,8 @@
 //!
 //! What stays on the process's main runtime: the accept loops (a connection is accepted there
 //! and handed over, round robin), the admin listener, and the stores' background tasks
-//! (registration renewals, change notices, the Redis and etcd connections). A write that a
+//! (registration renewals, change notices, the shared Redis connection, etcd's); with one
+//! Redis, each serving thread opens a Redis connection of its own. A write that a
 //! client left is finished on its serving thread; [`ServingThreads::stop`] ends the threads only
 //! after the app saw every write settle.
 

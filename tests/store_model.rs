@@ -73,7 +73,7 @@ struct Redis {
 impl Harness for Redis {
     type Store = RedisStore;
     async fn open(&self) -> RedisStore {
-        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into(), None)
+        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into(), None, 0)
             .await
             .unwrap()
     }
@@ -314,7 +314,7 @@ async fn both_stores_keep_the_idempotency_record_contract() {
     record_contract(&embedded, "embedded").await;
     let redis = common::RedisServer::start().await;
     let shared =
-        fencegate::store::RedisStore::connect(&[redis.url()], std::time::Duration::from_secs(2), "t".into(), None)
+        fencegate::store::RedisStore::connect(&[redis.url()], std::time::Duration::from_secs(2), "t".into(), None, 0)
             .await
             .unwrap();
     record_contract(&shared, "redis").await;
@@ -378,3 +378,101 @@ async fn record_contract(store: &dyn IdempotencyStore, name: &str) {
 
 // ---------------------------------------------------------------------------------------------
 // The latency each mode adds.
+
+/// Each serving thread calls Redis on a connection of its own, opened in the background on its
+/// first call. While Redis refuses new connections, the threads' calls take the shared one and
+/// still answer; once it accepts them again, each thread opens its own (after the retry pause)
+/// and its calls go there, not to the shared connection. A thread whose connection broke
+/// answers on the shared one and opens another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_serving_thread_calls_redis_on_a_connection_of_its_own() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let redis = common::RedisServer::start().await;
+    let mut admin = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    // The last command of each connection but the admin's, as `CLIENT LIST` tells it.
+    async fn last_commands(admin: &mut redis::aio::MultiplexedConnection) -> Vec<String> {
+        let list: String = redis::cmd("CLIENT").arg("LIST").query_async(admin).await.unwrap();
+        let mut commands: Vec<String> = list
+            .lines()
+            .filter_map(|line| line.split(' ').find_map(|field| field.strip_prefix("cmd=")).map(str::to_owned))
+            .filter(|cmd| cmd != "client|list")
+            .collect();
+        commands.sort();
+        commands
+    }
+    let store =
+        Arc::new(RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into(), None, 2).await.unwrap());
+    let threads = fencegate::threads::ServingThreads::start(2).unwrap();
+    let resource = ResourceKey::new("b/k").unwrap();
+    store.advance(&resource, FenceToken(7)).await.unwrap();
+    // Waits for the shared connection and the announcements' subscription.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while last_commands(&mut admin).await.len() < 2 {
+        assert!(Instant::now() < deadline, "the store's connections did not show up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let opened_by_the_store = last_commands(&mut admin).await.len();
+    assert_eq!(opened_by_the_store, 2, "one shared connection and one subscription");
+
+    // A load from each serving thread (round robin: one each), answered by the store.
+    let load_on_each_thread = || {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..2 {
+            let (store, resource, tx) = (store.clone(), resource.clone(), tx.clone());
+            threads.spawn(async move {
+                tx.send((fencegate::threads::current(), store.load(&resource).await)).unwrap();
+            });
+        }
+        async move {
+            let mut seen = Vec::new();
+            for _ in 0..2 {
+                let (thread, loaded) = rx.recv().await.unwrap();
+                assert_eq!(loaded.unwrap(), Some(FenceToken(7)));
+                seen.push(thread.unwrap());
+            }
+            seen.sort();
+            assert_eq!(seen, vec![0, 1]);
+        }
+    };
+
+    // Redis takes no new connection: the threads' openings fail, their calls still answer.
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxclients").arg(1).query_async(&mut admin).await.unwrap();
+    for _ in 0..3 {
+        load_on_each_thread().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last_commands(&mut admin).await.len(), opened_by_the_store, "no connection could open");
+
+    // Redis takes them again: each thread opens its own after its retry pause.
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxclients").arg(10000).query_async(&mut admin).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while last_commands(&mut admin).await.len() < opened_by_the_store + 2 {
+        assert!(Instant::now() < deadline, "the serving threads did not open connections of their own");
+        load_on_each_thread().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The shared connection's last command is a PING from off the threads; the threads' loads
+    // (GETs) then land on their own connections only.
+    store.ping().await.unwrap();
+    load_on_each_thread().await;
+    assert_eq!(last_commands(&mut admin).await, vec!["get", "get", "ping", "subscribe"]);
+
+    // The threads' connections are killed: their next loads still answer (on the shared
+    // connection), and each thread opens a new one of its own.
+    let list: String = redis::cmd("CLIENT").arg("LIST").query_async(&mut admin).await.unwrap();
+    for line in list.lines().filter(|line| line.contains(" cmd=get ")) {
+        let id = line.split(' ').find_map(|field| field.strip_prefix("id=")).unwrap();
+        let _: () = redis::cmd("CLIENT").arg("KILL").arg("ID").arg(id).query_async(&mut admin).await.unwrap();
+    }
+    assert_eq!(last_commands(&mut admin).await.len(), opened_by_the_store);
+    load_on_each_thread().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while last_commands(&mut admin).await.len() < opened_by_the_store + 2 {
+        assert!(Instant::now() < deadline, "the serving threads did not open new connections");
+        load_on_each_thread().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    threads.stop().await;
+}

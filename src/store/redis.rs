@@ -15,9 +15,10 @@
 //! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
 //! replica cancels its older uploads still streaming on that resource.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
@@ -179,32 +180,188 @@ return 1
 
 /// One connection kind or the other; both multiplex requests and reconnect by themselves.
 #[derive(Clone)]
-enum Connection {
+enum Link {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
 
+/// Where a call goes: on a serving thread, to that thread's own connection once it is open
+/// ([`ThreadLinks`]); anywhere else, and until then, to the shared one.
+///
+/// No call relies on the order of calls sent on different connections: each caller awaits an
+/// answer before it sends what depends on it, and Redis answers a command only after it ran.
+/// The one exception is a call given up on (a store timeout) whose command still runs later;
+/// see docs/design.md ("Redis connections").
+#[derive(Clone)]
+struct Connection {
+    shared: Link,
+    threads: Option<Arc<ThreadLinks>>,
+}
+
 impl Connection {
+    /// Runs `call` on the thread's own connection or the shared one. A broken connection (an
+    /// error on which the client library reconnects), own or shared, most likely means that
+    /// Redis restarted or failed over: every thread then forgets its own connection, which is
+    /// broken too or soon will be, and takes the shared one (reconnecting) until it opens
+    /// another. A call that `may_repeat` (a read, or a change that gives the same end twice)
+    /// and found its thread's connection broken is tried again on the shared one at once.
+    async fn call<T, F, Fut>(&self, may_repeat: bool, call: F) -> redis::RedisResult<T>
+    where
+        F: Fn(Link) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        if let (Some(threads), Some(thread)) = (&self.threads, crate::threads::current())
+            && let Some(own) = threads.get(thread)
+        {
+            match call(Link::Single(own)).await {
+                Err(error) if error.is_unrecoverable_error() => {
+                    threads.forget_all(&error);
+                    if !may_repeat {
+                        return Err(error);
+                    }
+                }
+                result => return result,
+            }
+        }
+        let result = call(self.shared.clone()).await;
+        if let (Some(threads), Err(error)) = (&self.threads, &result)
+            && error.is_unrecoverable_error()
+        {
+            threads.forget_all(error);
+        }
+        result
+    }
+
+    /// A script: changes, never sent twice.
     async fn invoke<T: redis::FromRedisValue>(&self, inv: &redis::ScriptInvocation<'_>) -> redis::RedisResult<T> {
-        match self.clone() {
-            Self::Single(mut c) => inv.invoke_async(&mut c).await,
-            Self::Cluster(mut c) => inv.invoke_async(&mut c).await,
-        }
+        self.call(false, |link| async move {
+            match link {
+                Link::Single(mut c) => inv.invoke_async(&mut c).await,
+                Link::Cluster(mut c) => inv.invoke_async(&mut c).await,
+            }
+        })
+        .await
     }
 
+    /// A command that may run twice: a read, a `ZREM`, a `PING`.
     async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match self.clone() {
-            Self::Single(mut c) => cmd.query_async(&mut c).await,
-            Self::Cluster(mut c) => cmd.query_async(&mut c).await,
+        self.call(true, |link| async move {
+            match link {
+                Link::Single(mut c) => cmd.query_async(&mut c).await,
+                Link::Cluster(mut c) => cmd.query_async(&mut c).await,
+            }
+        })
+        .await
+    }
+
+    /// Reads sent together; in a cluster their keys must share a slot.
+    async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
+        self.call(true, |link| async move {
+            match link {
+                Link::Single(mut c) => pipe.query_async(&mut c).await,
+                Link::Cluster(mut c) => pipe.query_async(&mut c).await,
+            }
+        })
+        .await
+    }
+}
+
+/// At most this many connections of the serving threads; threads beyond share them.
+const THREAD_LINKS_MAX: usize = 16;
+
+/// How long a serving thread whose connection failed to open uses the shared one before it
+/// tries again.
+const THREAD_LINK_RETRY: Duration = Duration::from_secs(1);
+
+/// The serving threads' own connections to one Redis (not a cluster), one per thread.
+///
+/// A connection's task runs on the runtime that opened it, so each is opened on its thread,
+/// in the background, the first time the thread calls Redis: a call never waits for it, and
+/// takes the shared connection until it is open. On the shared connection a write's call and
+/// its answer crossed to the main runtime and back, waking a second thread each time
+/// (docs/benchmarks.md, "Issue 16: Redis connections per serving thread").
+struct ThreadLinks {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    slots: Box<[ThreadLink]>,
+    epoch: Instant,
+}
+
+struct ThreadLink {
+    open: Mutex<Option<ConnectionManager>>,
+    /// Milliseconds since `epoch` before which no opening starts (`u64::MAX` while one runs).
+    next_attempt_ms: AtomicU64,
+}
+
+impl ThreadLinks {
+    fn new(client: redis::Client, config: ConnectionManagerConfig, threads: usize) -> Arc<Self> {
+        let slots = (0..threads.clamp(1, THREAD_LINKS_MAX))
+            .map(|_| ThreadLink { open: Mutex::new(None), next_attempt_ms: AtomicU64::new(0) })
+            .collect();
+        Arc::new(Self { client, config, slots, epoch: Instant::now() })
+    }
+
+    /// The connection of serving thread `thread`, if it is open; otherwise starts opening it
+    /// (on this thread) unless an opening runs or failed within [`THREAD_LINK_RETRY`].
+    fn get(self: &Arc<Self>, thread: usize) -> Option<ConnectionManager> {
+        let index = thread % self.slots.len();
+        let slot = &self.slots[index];
+        if let Some(open) = slot.open.lock().expect("redis thread link lock").as_ref() {
+            return Some(open.clone());
+        }
+        let due = slot.next_attempt_ms.load(Ordering::Relaxed);
+        if self.now_ms() >= due
+            && slot.next_attempt_ms.compare_exchange(due, u64::MAX, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            let links = self.clone();
+            tokio::spawn(async move { links.open(index).await });
+        }
+        None
+    }
+
+    async fn open(&self, index: usize) {
+        let slot = &self.slots[index];
+        // Dropped unfinished (its runtime stopped), the opening may be tried again at once.
+        let pending = RetryOnDrop(&slot.next_attempt_ms);
+        match ConnectionManager::new_with_config(self.client.clone(), self.config.clone()).await {
+            Ok(open) => {
+                *slot.open.lock().expect("redis thread link lock") = Some(open);
+            }
+            Err(error) => {
+                tracing::debug!(%error, thread = index, "Redis: cannot open a serving thread's connection yet");
+                slot.next_attempt_ms.store(self.now_ms() + millis(THREAD_LINK_RETRY), Ordering::Relaxed);
+            }
+        }
+        std::mem::forget(pending);
+    }
+
+    /// A connection broke: every thread takes the shared one, and opens another after the
+    /// retry pause (a dropped connection's reconnection ends with it).
+    fn forget_all(&self, error: &redis::RedisError) {
+        let retry = self.now_ms() + millis(THREAD_LINK_RETRY);
+        let mut forgot = 0;
+        for slot in &self.slots {
+            if slot.open.lock().expect("redis thread link lock").take().is_some() {
+                slot.next_attempt_ms.store(retry, Ordering::Relaxed);
+                forgot += 1;
+            }
+        }
+        if forgot > 0 {
+            tracing::debug!(%error, forgot, "Redis: a connection broke; the serving threads use the shared one for now");
         }
     }
 
-    /// Commands sent together; in a cluster their keys must share a slot.
-    async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
-        match self.clone() {
-            Self::Single(mut c) => pipe.query_async(&mut c).await,
-            Self::Cluster(mut c) => pipe.query_async(&mut c).await,
-        }
+    fn now_ms(&self) -> u64 {
+        millis(self.epoch.elapsed())
+    }
+}
+
+/// Lets an opening start again if the one under way is dropped before it ends.
+struct RetryOnDrop<'a>(&'a AtomicU64);
+
+impl Drop for RetryOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Relaxed);
     }
 }
 
@@ -238,7 +395,7 @@ impl Changes {
         if wait.is_some() {
             for _ in 0..WAITING_CONNECTIONS {
                 let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-                waiting.push(Connection::Single(manager));
+                waiting.push(Connection { shared: Link::Single(manager), threads: None });
             }
         }
         Ok(Self { waiting, next: AtomicUsize::new(0), wait })
@@ -302,12 +459,14 @@ struct RedisCalls {
 impl RedisStore {
     /// Connects to one Redis (`urls` has one entry) or a Redis Cluster (several seed nodes),
     /// and starts listening for advance announcements. With `wait`, every change waits for
-    /// that many Redis replicas.
+    /// that many Redis replicas. With one Redis, each of `serving_threads` (if any) opens a
+    /// connection of its own when it first calls ([`crate::threads`]).
     pub async fn connect(
         urls: &[String],
         response_timeout: Duration,
         replica_id: String,
         wait: Option<Wait>,
+        serving_threads: usize,
     ) -> anyhow::Result<Self> {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(response_timeout))
@@ -317,7 +476,9 @@ impl RedisStore {
         let (connection, changes) = if urls.len() == 1 {
             let client = redis::Client::open(urls[0].as_str())?;
             let changes = Changes::open(&client, &config, wait).await?;
-            (Connection::Single(ConnectionManager::new_with_config(client, config).await?), changes)
+            let shared = Link::Single(ConnectionManager::new_with_config(client.clone(), config.clone()).await?);
+            let threads = (serving_threads > 0).then(|| ThreadLinks::new(client, config, serving_threads));
+            (Connection { shared, threads }, changes)
         } else {
             anyhow::ensure!(wait.is_none(), "store.wait_replicas is not supported with a Redis Cluster");
             let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
@@ -325,7 +486,7 @@ impl RedisStore {
                 .connection_timeout(response_timeout)
                 .build()?;
             let changes = Changes { waiting: Vec::new(), next: AtomicUsize::new(0), wait: None };
-            (Connection::Cluster(client.get_async_connection().await?), changes)
+            (Connection { shared: Link::Cluster(client.get_async_connection().await?), threads: None }, changes)
         };
         let changes = Arc::new(changes);
         let calls = RedisCalls {
