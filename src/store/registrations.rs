@@ -60,6 +60,11 @@ struct Registration {
     /// When the store last set its deadline (the time the call was sent); `None` until an
     /// admission registered it.
     registered_at: Option<Instant>,
+    /// How many admissions registered it (answered): a renewal planned before the last of
+    /// them may have run before it.
+    registrations: u64,
+    /// A renewal's "gone" was set aside for a later registration: renew at the next tick.
+    recheck: bool,
     deadline: Duration,
     idle_since: Option<Instant>,
     /// A newer token was announced: withdraw as soon as no write uses it.
@@ -90,6 +95,8 @@ pub struct Renewal {
     pub resource: ResourceKey,
     pub member: Member,
     pub deadline: Duration,
+    /// The registration's count of admissions when the renewal was planned.
+    pub registrations: u64,
 }
 
 /// What an admission has to ask the store.
@@ -158,6 +165,8 @@ impl Registrations {
             member,
             active: 1,
             registered_at: None,
+            registrations: 0,
+            recheck: false,
             deadline,
             idle_since: None,
             superseded: false,
@@ -174,21 +183,28 @@ impl Registrations {
             && let Some(at) = registered_at
         {
             reg.registered_at = Some(reg.registered_at.map_or(at, |prev| prev.max(at)));
+            reg.registrations += 1;
             reg.revoked = false;
         }
     }
 
     /// Registrations in use that are due for renewal.
     pub fn renewals_due(&self, now: Instant) -> Vec<Renewal> {
-        let map = self.by_resource.lock().expect("registrations lock");
+        let mut map = self.by_resource.lock().expect("registrations lock");
         let mut out = Vec::new();
-        for (resource, regs) in map.iter() {
-            for r in regs {
-                let due = r.registered_at.is_some_and(|at| now.saturating_duration_since(at) >= r.renew_after());
+        for (resource, regs) in map.iter_mut() {
+            for r in regs.iter_mut() {
+                let due = std::mem::take(&mut r.recheck)
+                    || r.registered_at.is_some_and(|at| now.saturating_duration_since(at) >= r.renew_after());
                 // A revoked registration is renewed too while writes use it: its writes that had
                 // handed their body over before the revocation may still commit.
                 if r.active > 0 && due {
-                    out.push(Renewal { resource: resource.clone(), member: r.member, deadline: r.deadline });
+                    out.push(Renewal {
+                        resource: resource.clone(),
+                        member: r.member,
+                        deadline: r.deadline,
+                        registrations: r.registrations,
+                    });
                 }
             }
         }
@@ -204,11 +220,19 @@ impl Registrations {
         }
     }
 
-    /// The store no longer holds `member` (expired, withdrawn, or lost with the store's data):
-    /// its writes are unprotected. Returns whether it was in use (then they must stop).
-    pub fn lost(&self, resource: &ResourceKey, member: Member) -> bool {
+    /// The store no longer held `member` (expired, withdrawn, or lost with the store's data)
+    /// when `renewal` ran: its writes are unprotected. Returns whether it was in use (then they
+    /// must stop). An admission that registered the member again and was answered after the
+    /// renewal was planned may have run after it (the two can go on different connections):
+    /// the member is then there, and a renewal at the next tick tells.
+    pub fn lost(&self, renewal: &Renewal) -> bool {
         let mut map = self.by_resource.lock().expect("registrations lock");
+        let (resource, member) = (&renewal.resource, renewal.member);
         match map.get_mut(resource).and_then(|regs| regs.iter_mut().find(|r| r.member == member)) {
+            Some(reg) if !reg.revoked && reg.registrations != renewal.registrations => {
+                reg.recheck = true;
+                false
+            }
             Some(reg) if !reg.revoked => {
                 reg.revoked = true;
                 reg.active > 0
@@ -536,7 +560,10 @@ mod tests {
         let member = register(&regs, &res, 5, t0);
         assert!(regs.renewals_due(t0 + Duration::from_millis(10)).is_empty(), "fresh: not yet");
         let later = t0 + RENEW_EVERY_MAX;
-        assert_eq!(regs.renewals_due(later), vec![Renewal { resource: res.clone(), member, deadline: DEADLINE }]);
+        assert_eq!(
+            regs.renewals_due(later),
+            vec![Renewal { resource: res.clone(), member, deadline: DEADLINE, registrations: 1 }]
+        );
         regs.renewed(&res, member, later);
         assert!(regs.renewals_due(later + Duration::from_millis(10)).is_empty());
         // Renewed in time, it is never revoked, however long the write takes.
@@ -579,10 +606,34 @@ mod tests {
     fn a_registration_the_store_lost_is_revoked() {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
-        let member = register(&regs, &res, 5, t0);
-        assert!(regs.lost(&res, member));
-        assert!(!regs.lost(&res, member), "reported once");
+        register(&regs, &res, 5, t0);
+        let renewal = regs.renewals_due(t0 + DEADLINE / 2).pop().unwrap();
+        assert!(regs.lost(&renewal));
+        assert!(!regs.lost(&renewal), "reported once");
         assert!(regs.expiring(t0 + DEADLINE).is_empty(), "already revoked");
         assert!(matches!(regs.begin(&res, FenceToken(5), DEADLINE, t0), Plan::Register { .. }));
+    }
+
+    /// A renewal planned before an admission that registered the member again may have run
+    /// before it: its "gone" does not revoke the writes that admission let in. A renewal
+    /// planned after it does.
+    #[test]
+    fn a_renewal_older_than_a_registration_does_not_revoke_it() {
+        let regs = Registrations::default();
+        let (res, t0) = (r("a"), Instant::now());
+        let member = register(&regs, &res, 5, t0);
+        let first = regs.renewals_due(t0 + DEADLINE / 2).pop().unwrap();
+        assert!(regs.lost(&first), "the store lost it: revoked");
+        // The next write registers the same member again, and `first` (planned before that
+        // admission was answered) is taken as if it had run before the admission.
+        let Plan::Register { member: again, .. } = regs.begin(&res, FenceToken(5), DEADLINE, t0) else { panic!() };
+        assert_eq!(again, member);
+        regs.admitted(&res, member, Some(t0 + DEADLINE / 2));
+        assert!(!regs.lost(&first), "planned before the registration that put it back");
+        assert!(regs.still_registered(&res, FenceToken(5), t0 + DEADLINE / 2));
+        // Renewed again at once, not a renewal period later; a "gone" then revokes.
+        let next = regs.renewals_due(t0 + DEADLINE / 2).pop().expect("a renewal at the next tick");
+        assert!(regs.renewals_due(t0 + DEADLINE / 2).is_empty(), "once");
+        assert!(regs.lost(&next), "planned after it: revoked");
     }
 }

@@ -285,12 +285,13 @@ async fn renew_registrations<C: RegistryCalls>(
         let Some(regs) = registrations.upgrade() else { return };
         let mut revoked: Vec<(ResourceKey, FenceToken)> = Vec::new();
         let mut advanced: Vec<StoreEvent> = Vec::new();
-        for (Renewal { resource, member, .. }, sent, result) in results {
+        for (renewal, sent, result) in results {
+            let (resource, member) = (renewal.resource.clone(), renewal.member);
             match result {
                 Ok(Renewed { still_there, fence }) => {
                     if still_there {
                         regs.renewed(&resource, member, sent);
-                    } else if regs.lost(&resource, member) {
+                    } else if regs.lost(&renewal) {
                         revoked.push((resource.clone(), member.token));
                     }
                     if let Some(fence) = fence
