@@ -188,10 +188,10 @@ enum Link {
 /// Where a call goes: on a serving thread, to that thread's own connection once it is open
 /// ([`ThreadLinks`]); anywhere else, and until then, to the shared one.
 ///
-/// No call relies on the order of calls sent on different connections: each caller awaits an
-/// answer before it sends what depends on it, and Redis answers a command only after it ran.
-/// The one exception is a call given up on (a store timeout) whose command still runs later;
-/// see docs/design.md ("Redis connections").
+/// Safety relies on no order between calls sent on different connections: each caller awaits
+/// an answer before it sends what depends on it, and Redis answers a command only after it
+/// ran. The orders that can be lost cost liveness only; docs/design.md ("Redis connections")
+/// lists them.
 #[derive(Clone)]
 struct Connection {
     shared: Link,
@@ -411,18 +411,18 @@ impl Changes {
     /// unconfirmed. Such an answer that fewer replicas confirmed than asked fails closed.
     async fn run<T: redis::FromRedisValue>(
         &self,
-        shared: &Connection,
+        connection: &Connection,
         script: &Script,
         inv: &redis::ScriptInvocation<'_>,
         claims: impl FnOnce(&T) -> bool,
     ) -> Result<T, StoreError> {
         let Some(wait) = self.wait.filter(|_| !self.waiting.is_empty()) else {
-            return shared.invoke(inv).await.map_err(backend);
+            return connection.invoke(inv).await.map_err(backend);
         };
-        let connection = &self.waiting[self.next.fetch_add(1, Ordering::Relaxed) % self.waiting.len()];
+        let waiting = &self.waiting[self.next.fetch_add(1, Ordering::Relaxed) % self.waiting.len()];
         let mut pipe = redis::pipe();
         pipe.load_script(script).invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
-        let (_sha, answer, confirmed): (String, T, u32) = connection.pipeline(&pipe).await.map_err(backend)?;
+        let (_sha, answer, confirmed): (String, T, u32) = waiting.pipeline(&pipe).await.map_err(backend)?;
         if claims(&answer) && confirmed < wait.replicas {
             metrics::store_wait_failed();
             let detail = format!(
