@@ -286,19 +286,19 @@ async fn renew_registrations<C: RegistryCalls>(
         let mut revoked: Vec<(ResourceKey, FenceToken)> = Vec::new();
         let mut advanced: Vec<StoreEvent> = Vec::new();
         for (renewal, sent, result) in results {
-            let (resource, member) = (renewal.resource.clone(), renewal.member);
+            let (resource, member) = (&renewal.resource, renewal.member);
             match result {
                 Ok(Renewed { still_there, fence }) => {
                     if still_there {
-                        regs.renewed(&resource, member, sent);
+                        regs.renewed(resource, member, sent);
                     } else if regs.lost(&renewal) {
                         revoked.push((resource.clone(), member.token));
                     }
                     if let Some(fence) = fence
                         && fence > member.token
                     {
-                        regs.superseded(&resource, fence, Instant::now());
-                        advanced.push(StoreEvent::Advanced { resource, fence });
+                        regs.superseded(resource, fence, Instant::now());
+                        advanced.push(StoreEvent::Advanced { resource: resource.clone(), fence });
                     }
                 }
                 Err(error) => {
