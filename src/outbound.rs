@@ -15,21 +15,32 @@ use s3s::Body;
 /// Idle time before TCP keepalive probes on outbound connections.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// Pooled clients to one kind of upstream: one pool per serving thread ([`crate::threads`]).
+/// Pooled clients to one kind of upstream: one pool per serving thread ([`crate::threads`]),
+/// and one more for every other thread.
 ///
 /// hyper runs each upstream connection as a task on the runtime that opened it. With one pool
 /// shared by every thread, a write on one serving thread would often take a connection another
 /// one opened, and each of its reads and writes would wake that thread. A request takes the
-/// pool of its own serving thread; anything else (the start-up probe, tests) takes the first.
+/// pool of its own serving thread. Calls from any other thread (the start-up probe, on the
+/// main runtime; tests) take a pool of their own: a connection they open runs where they do,
+/// and a serving thread that took it from its pool would cross to that runtime on every read
+/// and write of each request it carried (the probe's connection once carried an eighth of the
+/// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
 pub struct PooledClient {
+    /// The serving threads' pools, then the pool of every other thread.
     pools: Box<[Client<HttpsConnector<HttpConnector>, Body>]>,
 }
 
 impl PooledClient {
     /// Sends `req` on a connection of the calling thread's pool.
     pub fn request(&self, req: http::Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
-        let pool = crate::threads::current().unwrap_or(0) % self.pools.len();
-        self.pools[pool].request(req)
+        self.pools[self.pool_of(crate::threads::current())].request(req)
+    }
+
+    /// The pool of serving thread `serving` (`None`: not a serving thread).
+    fn pool_of(&self, serving: Option<usize>) -> usize {
+        let others = self.pools.len() - 1;
+        serving.map_or(others, |index| index % others.max(1))
     }
 }
 
@@ -39,26 +50,28 @@ pub struct Outbound<'a> {
     /// roots (a config key's value, named in errors).
     pub ca_cert: Option<(&'static str, &'a Path)>,
     pub connect_timeout: Duration,
-    /// Idle connections kept per upstream host, split between the pools (each keeps at least
-    /// one).
+    /// Idle connections kept per upstream host, split between the serving threads' pools
+    /// (each keeps at least one; the other threads' pool keeps [`OTHERS_IDLE_MAX`]).
     pub idle_connections_max: usize,
     /// HTTP/2 as well as HTTP/1.1 (by ALPN on `https`).
     pub http2: bool,
-    /// How many pools: `server.threads`, resolved.
+    /// How many serving threads' pools: `server.threads`, resolved.
     pub pools: usize,
 }
+
+/// Idle connections kept per upstream host by the pool of the threads that do not serve (the
+/// start-up probe's calls are few).
+pub const OTHERS_IDLE_MAX: usize = 2;
 
 impl Outbound<'_> {
     /// The pools share one connector (and its TLS configuration).
     pub fn build(&self) -> anyhow::Result<PooledClient> {
         let connector = self.connector()?;
-        let pools = self.pools.max(1);
-        let idle_per_pool = self.idle_connections_max.div_ceil(pools);
-        let pools = (0..pools)
-            .map(|_| {
-                Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle_per_pool).build(connector.clone())
-            })
-            .collect();
+        let serving = self.pools.max(1);
+        let idle_per_pool = self.idle_connections_max.div_ceil(serving);
+        let pool =
+            |idle: usize| Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle).build(connector.clone());
+        let pools = (0..serving).map(|_| pool(idle_per_pool)).chain([pool(OTHERS_IDLE_MAX)]).collect();
         Ok(PooledClient { pools })
     }
 
@@ -101,4 +114,84 @@ fn tls_config(key: &str, path: &Path) -> anyhow::Result<rustls::ClientConfig> {
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::threads::ServingThreads;
+
+    /// An upstream answering every request `200` on keep-alive connections, counting the
+    /// connections it accepted.
+    async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = conn.read(&mut buf).await {
+                        seen.extend_from_slice(&buf[..n]);
+                        // Bodiless requests: each ends at its blank line.
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                            if conn.write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    async fn get(client: &PooledClient, addr: std::net::SocketAddr) {
+        let req = http::Request::get(format!("http://{addr}/")).body(Body::empty()).unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        // The empty body read to its end: the connection goes back to its pool.
+        use http_body_util::BodyExt;
+        resp.into_body().collect().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_serving_thread_never_takes_a_connection_another_thread_opened() {
+        let (addr, accepted) = counting_upstream().await;
+        let outbound = Outbound {
+            ca_cert: None,
+            connect_timeout: Duration::from_secs(5),
+            idle_connections_max: 8,
+            http2: false,
+            pools: 1,
+        };
+        let client = Arc::new(outbound.build().unwrap());
+        // From the test's runtime (as the start-up probe calls from the main one): its
+        // connection is idle in a pool once this returns.
+        get(&client, addr).await;
+        get(&client, addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "the other threads' pool keeps its connection");
+        let threads = ServingThreads::start(1).unwrap();
+        for _ in 0..2 {
+            let (done_tx, done) = tokio::sync::oneshot::channel();
+            let client = client.clone();
+            threads.spawn(async move {
+                get(&client, addr).await;
+                let _ = done_tx.send(());
+            });
+            done.await.expect("the serving thread's request ended");
+        }
+        // The serving thread opened a connection of its own, and kept it for its next request.
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "one connection for each runtime");
+        threads.stop().await;
+    }
 }
