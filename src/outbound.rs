@@ -27,20 +27,29 @@ const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 /// and write of each request it carried (the probe's connection once carried an eighth of the
 /// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
 pub struct PooledClient {
-    /// The serving threads' pools, then the pool of every other thread.
-    pools: Box<[Client<HttpsConnector<HttpConnector>, Body>]>,
+    /// The serving threads' pools, by thread index.
+    serving: Box<[Client<HttpsConnector<HttpConnector>, Body>]>,
+    /// The pool of every other thread.
+    others: Client<HttpsConnector<HttpConnector>, Body>,
 }
 
 impl PooledClient {
-    /// Sends `req` on a connection of the calling thread's pool.
+    /// Sends `req` on a connection of the calling thread's pool. The connection's task, when
+    /// one is opened, runs where the returned future is first polled: poll it on the calling
+    /// thread.
     pub fn request(&self, req: http::Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
-        self.pools[self.pool_of(crate::threads::current())].request(req)
+        self.pool_of(crate::threads::current()).request(req)
     }
 
     /// The pool of serving thread `serving` (`None`: not a serving thread).
-    fn pool_of(&self, serving: Option<usize>) -> usize {
-        let others = self.pools.len() - 1;
-        serving.map_or(others, |index| index % others.max(1))
+    fn pool_of(&self, serving: Option<usize>) -> &Client<HttpsConnector<HttpConnector>, Body> {
+        match serving {
+            Some(index) => {
+                debug_assert!(index < self.serving.len(), "a pool for each serving thread");
+                &self.serving[index % self.serving.len()]
+            }
+            None => &self.others,
+        }
     }
 }
 
@@ -51,7 +60,8 @@ pub struct Outbound<'a> {
     pub ca_cert: Option<(&'static str, &'a Path)>,
     pub connect_timeout: Duration,
     /// Idle connections kept per upstream host, split between the serving threads' pools
-    /// (each keeps at least one; the other threads' pool keeps [`OTHERS_IDLE_MAX`]).
+    /// (each keeps at least one unless this is 0; the other threads' pool keeps at most
+    /// [`OTHERS_IDLE_MAX`] of them).
     pub idle_connections_max: usize,
     /// HTTP/2 as well as HTTP/1.1 (by ALPN on `https`).
     pub http2: bool,
@@ -68,11 +78,13 @@ impl Outbound<'_> {
     pub fn build(&self) -> anyhow::Result<PooledClient> {
         let connector = self.connector()?;
         let serving = self.pools.max(1);
-        let idle_per_pool = self.idle_connections_max.div_ceil(serving);
         let pool =
             |idle: usize| Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle).build(connector.clone());
-        let pools = (0..serving).map(|_| pool(idle_per_pool)).chain([pool(OTHERS_IDLE_MAX)]).collect();
-        Ok(PooledClient { pools })
+        let idle_per_pool = self.idle_connections_max.div_ceil(serving);
+        Ok(PooledClient {
+            serving: (0..serving).map(|_| pool(idle_per_pool)).collect(),
+            others: pool(self.idle_connections_max.min(OTHERS_IDLE_MAX)),
+        })
     }
 
     fn connector(&self) -> anyhow::Result<HttpsConnector<HttpConnector>> {
@@ -164,6 +176,10 @@ mod tests {
         resp.into_body().collect().await.unwrap();
     }
 
+    async fn within<F: std::future::Future>(what: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(10), what).await.expect("in time")
+    }
+
     #[tokio::test]
     async fn a_serving_thread_never_takes_a_connection_another_thread_opened() {
         let (addr, accepted) = counting_upstream().await;
@@ -172,26 +188,27 @@ mod tests {
             connect_timeout: Duration::from_secs(5),
             idle_connections_max: 8,
             http2: false,
-            pools: 1,
+            pools: 2,
         };
         let client = Arc::new(outbound.build().unwrap());
         // From the test's runtime (as the start-up probe calls from the main one): its
         // connection is idle in a pool once this returns.
-        get(&client, addr).await;
-        get(&client, addr).await;
+        within(get(&client, addr)).await;
+        within(get(&client, addr)).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "the other threads' pool keeps its connection");
-        let threads = ServingThreads::start(1).unwrap();
-        for _ in 0..2 {
+        let threads = ServingThreads::start(2).unwrap();
+        // Round robin: two requests on each thread, one after the other.
+        for _ in 0..4 {
             let (done_tx, done) = tokio::sync::oneshot::channel();
             let client = client.clone();
             threads.spawn(async move {
                 get(&client, addr).await;
                 let _ = done_tx.send(());
             });
-            done.await.expect("the serving thread's request ended");
+            within(done).await.expect("the serving thread's request ended");
         }
-        // The serving thread opened a connection of its own, and kept it for its next request.
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "one connection for each runtime");
+        // Each serving thread opened a connection of its own, and kept it for its next request.
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
         threads.stop().await;
     }
 }

@@ -10,7 +10,8 @@
 //! (docs/benchmarks.md, "Serving threads"), that was a third of the CPU of an accepted write.
 //!
 //! What stays on the process's main runtime: the accept loops (a connection is accepted there
-//! and handed over, round robin), the admin listener, and the stores' background tasks
+//! and handed over, round robin), the admin listener, the start-up probe (its upstream
+//! connections are pooled apart from the threads'), and the stores' background tasks
 //! (registration renewals, change notices, the shared Redis connection, etcd's); with one
 //! Redis, each serving thread opens a Redis connection of its own. A write that a
 //! client left is finished on its serving thread; [`ServingThreads::stop`] ends the threads only
