@@ -1,11 +1,14 @@
-//! The one HTTP client builder for calls fencegate makes: hyper's pooled client over rustls,
-//! for the S3 upstream and for the gateway's third-party APIs alike.
+//! The one HTTP client builder for calls fencegate makes, over rustls: hyper's pooled client
+//! for the gateway's third-party APIs, and [`Http1Pools`], HTTP/1.1 connections pooled per
+//! serving thread, for the S3 upstream.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -27,10 +30,7 @@ const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 /// and write of each request it carried (the probe's connection once carried an eighth of the
 /// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
 pub struct PooledClient {
-    /// The serving threads' pools, by thread index.
-    serving: Box<[Client<HttpsConnector<HttpConnector>, Body>]>,
-    /// The pool of every other thread.
-    others: Client<HttpsConnector<HttpConnector>, Body>,
+    pools: PerThread<Client<HttpsConnector<HttpConnector>, Body>>,
 }
 
 impl PooledClient {
@@ -38,14 +38,30 @@ impl PooledClient {
     /// one is opened, runs where the returned future is first polled: poll it on the calling
     /// thread.
     pub fn request(&self, req: http::Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
-        self.pool_of(crate::threads::current()).request(req)
+        self.pools.current().request(req)
+    }
+}
+
+/// One `T` per serving thread, and one for every other thread.
+struct PerThread<T> {
+    /// The serving threads', by thread index.
+    serving: Box<[T]>,
+    /// Every other thread's.
+    others: T,
+}
+
+impl<T> PerThread<T> {
+    /// `serving` threads' (at least one) and the others', each made by `make(true)` for a
+    /// serving thread and `make(false)` for the others.
+    fn new(serving: usize, make: impl Fn(bool) -> T) -> Self {
+        Self { serving: (0..serving.max(1)).map(|_| make(true)).collect(), others: make(false) }
     }
 
-    /// The pool of serving thread `serving` (`None`: not a serving thread).
-    fn pool_of(&self, serving: Option<usize>) -> &Client<HttpsConnector<HttpConnector>, Body> {
-        match serving {
+    /// The calling thread's.
+    fn current(&self) -> &T {
+        match crate::threads::current() {
             Some(index) => {
-                debug_assert!(index < self.serving.len(), "a pool for each serving thread");
+                debug_assert!(index < self.serving.len(), "one for each serving thread");
                 &self.serving[index % self.serving.len()]
             }
             None => &self.others,
@@ -73,18 +89,40 @@ pub struct Outbound<'a> {
 /// start-up probe's calls are few).
 pub const OTHERS_IDLE_MAX: usize = 2;
 
+/// How long an idle connection of [`Http1Pools`] may be taken again (hyper's pooled client's
+/// default): a peer that vanished silently is not found by TCP keepalive for minutes, and a
+/// write sent on its connection would wait for its deadline.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
 impl Outbound<'_> {
     /// The pools share one connector (and its TLS configuration).
     pub fn build(&self) -> anyhow::Result<PooledClient> {
         let connector = self.connector()?;
-        let serving = self.pools.max(1);
-        let pool =
-            |idle: usize| Client::builder(TokioExecutor::new()).pool_max_idle_per_host(idle).build(connector.clone());
-        let idle_per_pool = self.idle_connections_max.div_ceil(serving);
-        Ok(PooledClient {
-            serving: (0..serving).map(|_| pool(idle_per_pool)).collect(),
-            others: pool(self.idle_connections_max.min(OTHERS_IDLE_MAX)),
+        let pools = PerThread::new(self.pools, |serving| {
+            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(self.idle_of(serving)).build(connector.clone())
+        });
+        Ok(PooledClient { pools })
+    }
+
+    /// HTTP/1.1 connections to `endpoint` (its scheme and authority), pooled as
+    /// [`Outbound::build`]'s are.
+    pub fn build_http1(&self, endpoint: http::Uri) -> anyhow::Result<Http1Pools> {
+        anyhow::ensure!(!self.http2, "HTTP/1.1 pools do not speak HTTP/2");
+        let connector = self.connector()?;
+        Ok(Http1Pools {
+            connector,
+            endpoint,
+            pools: PerThread::new(self.pools, |serving| Idle::new(self.idle_of(serving))),
         })
+    }
+
+    /// Idle connections kept by a serving thread's pool, or by the others'.
+    fn idle_of(&self, serving: bool) -> usize {
+        if serving {
+            self.idle_connections_max.div_ceil(self.pools.max(1))
+        } else {
+            self.idle_connections_max.min(OTHERS_IDLE_MAX)
+        }
     }
 
     fn connector(&self) -> anyhow::Result<HttpsConnector<HttpConnector>> {
@@ -106,6 +144,133 @@ impl Outbound<'_> {
         } else {
             builder.enable_http1().wrap_connector(http)
         })
+    }
+}
+
+/// HTTP/1.1 connections to one endpoint, pooled per serving thread as [`PooledClient`]'s are:
+/// the S3 upstream's client. A request takes the most recently used idle connection of the
+/// calling thread's pool, or opens one on the thread. A request that a connection closed
+/// before writing it (hyper hands it back, its body unread) goes to the next connection: it
+/// was never sent. What hyper's pooled client does besides, fencegate's upstream does not need:
+/// a pool key hashed twice per request, a race between a checkout and a lazy connect, HTTP/2,
+/// absolute-form URIs and a Host header filled in (the caller sets it). Its per-request work
+/// was a tenth of an accepted write's instructions outside SHA-256 (docs/benchmarks.md, "The
+/// S3 upstream's own connection pools"). Like that client's, idle connections are dropped
+/// after [`IDLE_TIMEOUT`].
+pub struct Http1Pools {
+    connector: HttpsConnector<HttpConnector>,
+    /// Where connections go: the endpoint's scheme and authority.
+    endpoint: http::Uri,
+    pools: PerThread<Arc<Idle>>,
+}
+
+/// Why [`Http1Pools::send`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No connection could take the request: it was not sent.
+    #[error("cannot connect")]
+    Connect(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The connection failed once the request was handed to it: it may have been sent.
+    #[error("the connection failed")]
+    Transport(#[source] hyper::Error),
+}
+
+impl Http1Pools {
+    /// Sends `req` (its URI in origin form: path and query; its Host header set) on a
+    /// connection of the calling thread's pool. The connection's task, when one is opened,
+    /// runs on the calling thread.
+    pub async fn send(&self, mut req: http::Request<Body>) -> Result<http::Response<Incoming>, SendError> {
+        let idle = self.pools.current();
+        while let Some(mut sender) = idle.take() {
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    idle.give_back(sender);
+                    return Ok(resp);
+                }
+                Err(mut error) => match error.take_message() {
+                    // Closed before the request was written: it goes to the next connection.
+                    Some(unsent) => req = unsent,
+                    None => return Err(SendError::Transport(error.into_error())),
+                },
+            }
+        }
+        let mut sender = self.connect().await?;
+        match sender.try_send_request(req).await {
+            Ok(resp) => {
+                idle.give_back(sender);
+                Ok(resp)
+            }
+            Err(error) if error.message().is_some() => Err(SendError::Connect(Box::new(error.into_error()))),
+            Err(error) => Err(SendError::Transport(error.into_error())),
+        }
+    }
+
+    /// A new connection, its task spawned on the calling thread's runtime.
+    async fn connect(&self) -> Result<SendRequest<Body>, SendError> {
+        use tower_service::Service as _;
+        let mut connector = self.connector.clone();
+        std::future::poll_fn(|cx| connector.poll_ready(cx)).await.map_err(SendError::Connect)?;
+        let io = connector.call(self.endpoint.clone()).await.map_err(SendError::Connect)?;
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(io).await.map_err(|e| SendError::Connect(Box::new(e)))?;
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "upstream connection ended");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// One thread's idle connections, each with when it was kept, the most recently used last.
+struct Idle {
+    senders: Mutex<Vec<(SendRequest<Body>, Instant)>>,
+    max: usize,
+}
+
+impl Idle {
+    fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self { senders: Mutex::new(Vec::new()), max })
+    }
+
+    /// The most recently used connection still open and idle for less than [`IDLE_TIMEOUT`]
+    /// (only ready ones are kept; the others are dropped on the way).
+    fn take(&self) -> Option<SendRequest<Body>> {
+        let mut senders = self.senders.lock().expect("idle connections lock poisoned");
+        let now = Instant::now();
+        while let Some((sender, kept)) = senders.pop() {
+            if sender.is_ready() && now.duration_since(kept) < IDLE_TIMEOUT {
+                return Some(sender);
+            }
+        }
+        None
+    }
+
+    /// Keeps a connection whose response head arrived: now if it can take a request (a
+    /// response without a body), otherwise once its response's body was read, from a task of
+    /// its own. Closed, or beyond the pool's size, it is dropped (and closes once idle).
+    fn give_back(self: &Arc<Self>, mut sender: SendRequest<Body>) {
+        if sender.is_ready() {
+            self.keep(sender);
+        } else if !sender.is_closed() && !self.is_full() {
+            let idle = Arc::clone(self);
+            tokio::spawn(async move {
+                if sender.ready().await.is_ok() {
+                    idle.keep(sender);
+                }
+            });
+        }
+    }
+
+    fn is_full(&self) -> bool {
+        self.senders.lock().expect("idle connections lock poisoned").len() >= self.max
+    }
+
+    fn keep(&self, sender: SendRequest<Body>) {
+        let mut senders = self.senders.lock().expect("idle connections lock poisoned");
+        if senders.len() < self.max {
+            senders.push((sender, Instant::now()));
+        }
     }
 }
 
@@ -137,9 +302,10 @@ mod tests {
     use super::*;
     use crate::threads::ServingThreads;
 
-    /// An upstream answering every request `200` on keep-alive connections, counting the
-    /// connections it accepted.
-    async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    /// An upstream answering every request `200` with `body_bytes` of body on keep-alive
+    /// connections (or closing each after its answer, with `close`), counting the connections
+    /// it accepted.
+    async fn upstream(body_bytes: usize, close: bool) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -150,13 +316,14 @@ mod tests {
                 tokio::spawn(async move {
                     let mut seen = Vec::new();
                     let mut buf = [0u8; 4096];
+                    let mut answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {body_bytes}\r\n\r\n").into_bytes();
+                    answer.resize(answer.len() + body_bytes, b'x');
                     while let Ok(n @ 1..) = conn.read(&mut buf).await {
                         seen.extend_from_slice(&buf[..n]);
                         // Bodiless requests: each ends at its blank line.
                         while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
                             seen.drain(..end + 4);
-                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
-                            if conn.write_all(answer).await.is_err() {
+                            if conn.write_all(&answer).await.is_err() || close {
                                 return;
                             }
                         }
@@ -165,6 +332,10 @@ mod tests {
             }
         });
         (addr, accepted)
+    }
+
+    async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        upstream(0, false).await
     }
 
     async fn get(client: &PooledClient, addr: std::net::SocketAddr) {
@@ -210,5 +381,175 @@ mod tests {
         // Each serving thread opened a connection of its own, and kept it for its next request.
         assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
         threads.stop().await;
+    }
+
+    fn http1_pools(pools: usize) -> Http1Pools {
+        let outbound = Outbound {
+            ca_cert: None,
+            connect_timeout: Duration::from_secs(5),
+            idle_connections_max: 8,
+            http2: false,
+            pools,
+        };
+        outbound.build_http1("http://127.0.0.1/".parse().unwrap()).unwrap()
+    }
+
+    /// A GET of `/` at `addr` through `pools`, its body read: its length.
+    async fn get_http1(pools: &Http1Pools, addr: std::net::SocketAddr) -> usize {
+        let mut req = http::Request::get("/").body(Body::empty()).unwrap();
+        req.headers_mut().insert(http::header::HOST, addr.to_string().parse().unwrap());
+        let resp = within(pools.send(req)).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        use http_body_util::BodyExt;
+        within(resp.into_body().collect()).await.unwrap().to_bytes().len()
+    }
+
+    /// [`Http1Pools`] aimed at `addr` (the endpoint is only where connections go).
+    fn aimed(addr: std::net::SocketAddr, pools: usize) -> Arc<Http1Pools> {
+        let mut p = http1_pools(pools);
+        p.endpoint = format!("http://{addr}/").parse().unwrap();
+        Arc::new(p)
+    }
+
+    #[tokio::test]
+    async fn http1_pools_keep_a_connection_per_thread_and_reuse_it() {
+        let (addr, accepted) = counting_upstream().await;
+        let pools = aimed(addr, 2);
+        get_http1(&pools, addr).await;
+        get_http1(&pools, addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "the other threads' pool keeps its connection");
+        let threads = ServingThreads::start(2).unwrap();
+        for _ in 0..4 {
+            let (done_tx, done) = tokio::sync::oneshot::channel();
+            let pools = pools.clone();
+            threads.spawn(async move {
+                get_http1(&pools, addr).await;
+                let _ = done_tx.send(());
+            });
+            within(done).await.expect("the serving thread's request ended");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
+        threads.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_reused_once_its_answers_body_was_read() {
+        use http_body_util::BodyExt;
+        let (addr, accepted) = upstream(256 * 1024, false).await;
+        let pools = aimed(addr, 1);
+        for _ in 0..3 {
+            let mut req = http::Request::get("/").body(Body::empty()).unwrap();
+            req.headers_mut().insert(http::header::HOST, addr.to_string().parse().unwrap());
+            let resp = within(pools.send(req)).await.unwrap();
+            // Its body still to read, the connection cannot take a request: not in the pool.
+            assert!(pools.pools.others.senders.lock().unwrap().is_empty(), "a busy connection is not idle");
+            let body = within(resp.into_body().collect()).await.unwrap().to_bytes();
+            assert_eq!(body.len(), 256 * 1024);
+            // It goes back from a task of its own, once idle.
+            within(async {
+                while pools.pools.others.senders.lock().unwrap().is_empty() {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for 3 requests");
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closed_is_dropped_and_the_next_request_opens_one() {
+        let (addr, accepted) = upstream(16, true).await;
+        let pools = aimed(addr, 1);
+        for _ in 0..3 {
+            assert_eq!(get_http1(&pools, addr).await, 16);
+            assert!(pools.pools.others.senders.lock().unwrap().is_empty(), "a closed connection is not kept");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "a connection per request");
+    }
+
+    /// An upstream on a thread of its own: answers the first request of its first connection,
+    /// then closes it 100 ms later; answers every request of its later connections. Counts
+    /// connections.
+    fn closing_upstream_thread() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let first = count.fetch_add(1, Ordering::SeqCst) == 0;
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = conn.read(&mut buf) {
+                        seen.extend_from_slice(&buf[..n]);
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+                            if first {
+                                // Closed a while after the answer: idle by then.
+                                std::thread::sleep(Duration::from_millis(100));
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// The race of an upstream closing an idle connection as a request goes out on it: hyper
+    /// writes the request before it reads the close, so the request may have reached the
+    /// upstream. It is never reported as unsent, nor sent again; the next one opens a
+    /// connection. (hyper's pooled client does the same: it sends again only a request the
+    /// connection handed back unwritten.)
+    #[tokio::test]
+    async fn a_request_on_a_connection_closed_unseen_may_have_been_sent() {
+        let (addr, accepted) = closing_upstream_thread();
+        let pools = aimed(addr, 1);
+        get_http1(&pools, addr).await;
+        assert_eq!(pools.pools.others.senders.lock().unwrap().len(), 1, "kept, as its answer was complete");
+        // The upstream closes that connection meanwhile; this runtime's thread, blocked, does
+        // not see it before the next request is handed to the connection.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut req = http::Request::put("/b/k").body(Body::from("x".to_owned())).unwrap();
+        req.headers_mut().insert(http::header::HOST, addr.to_string().parse().unwrap());
+        let error = within(pools.send(req)).await.unwrap_err();
+        assert!(matches!(error, SendError::Transport(_)), "{error:?}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "not sent again on another connection");
+        get_http1(&pools, addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the next request opened a connection");
+    }
+
+    #[tokio::test]
+    async fn a_request_the_upstream_read_without_answering_may_have_been_sent() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            // Read, then gone without an answer.
+        });
+        let pools = aimed(addr, 1);
+        let mut req = http::Request::put("/b/k").body(Body::from("x".to_owned())).unwrap();
+        req.headers_mut().insert(http::header::HOST, addr.to_string().parse().unwrap());
+        let error = within(pools.send(req)).await.unwrap_err();
+        assert!(matches!(error, SendError::Transport(_)), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn no_connection_means_the_request_was_not_sent() {
+        // Bound, not listening: connections are refused, and the port stays this test's.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = socket.local_addr().unwrap();
+        let pools = aimed(addr, 1);
+        let req = http::Request::put("/b/k").body(Body::from("x".to_owned())).unwrap();
+        let error = within(pools.send(req)).await.unwrap_err();
+        assert!(matches!(error, SendError::Connect(_)), "{error:?}");
     }
 }

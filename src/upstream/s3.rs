@@ -1,5 +1,6 @@
-//! The S3-compatible upstream: the pooled client of `outbound.rs`, each request re-signed with SigV4 for
-//! the upstream's credentials. The body is streamed (`UNSIGNED-PAYLOAD`), never buffered.
+//! The S3-compatible upstream: HTTP/1.1 connections pooled per serving thread (`outbound.rs`),
+//! each request re-signed with SigV4 for the upstream's credentials. The body is streamed
+//! (`UNSIGNED-PAYLOAD`), never buffered.
 
 use std::time::SystemTime;
 
@@ -8,14 +9,11 @@ use s3s::Body;
 
 use super::{Upstream, UpstreamError};
 use crate::config::{UpstreamConfig, ms};
-use crate::outbound::{Outbound, PooledClient};
+use crate::outbound::{Http1Pools, Outbound, SendError};
 use crate::sigv4::Signer;
 
 pub struct S3Upstream {
-    client: PooledClient,
-    /// The endpoint's scheme and authority, which every request's URI takes.
-    scheme: http::uri::Scheme,
-    authority: http::uri::Authority,
+    client: Http1Pools,
     host: http::HeaderValue,
     signer: Signer,
 }
@@ -34,7 +32,7 @@ impl S3Upstream {
             http2: false,
             pools,
         }
-        .build()?;
+        .build_http1(http::Uri::builder().scheme(scheme).authority(authority.clone()).path_and_query("/").build()?)?;
 
         let signer = Signer::new(
             config.access_key_id.clone().expect("validated: upstream.access_key_id"),
@@ -43,26 +41,23 @@ impl S3Upstream {
         );
 
         let host = http::HeaderValue::from_str(authority.as_str())?;
-        Ok(Self { client, scheme, authority, host, signer })
+        Ok(Self { client, host, signer })
     }
 }
 
 #[async_trait]
 impl Upstream for S3Upstream {
     async fn send(&self, mut req: http::Request<Body>) -> Result<http::Response<Body>, UpstreamError> {
-        // The request's own path and query under the endpoint's scheme and authority: the
-        // parsed path moves over, nothing is formatted or parsed again.
-        let mut parts = std::mem::take(req.uri_mut()).into_parts();
-        parts.scheme = Some(self.scheme.clone());
-        parts.authority = Some(self.authority.clone());
-        if parts.path_and_query.is_none() {
-            parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+        // In origin form: the request's own path and query, sent to the endpoint's host.
+        if req.uri().path_and_query().is_none() || req.uri().authority().is_some() {
+            let path = req.uri().path_and_query().cloned().unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+            *req.uri_mut() = http::Uri::from(path);
         }
-        *req.uri_mut() = http::Uri::from_parts(parts).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         req.headers_mut().insert(http::header::HOST, self.host.clone());
         self.signer.sign(&mut req, SystemTime::now()).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
-        let response = self.client.request(req).await.map_err(|e| {
-            if e.is_connect() { UpstreamError::Connect(Box::new(e)) } else { UpstreamError::Transport(Box::new(e)) }
+        let response = self.client.send(req).await.map_err(|e| match e {
+            SendError::Connect(e) => UpstreamError::Connect(e),
+            SendError::Transport(e) => UpstreamError::Transport(Box::new(e)),
         })?;
         Ok(response.map(Body::from))
     }
