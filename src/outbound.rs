@@ -18,17 +18,8 @@ use s3s::Body;
 /// Idle time before TCP keepalive probes on outbound connections.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
-/// Pooled clients to one kind of upstream: one pool per serving thread ([`crate::threads`]),
-/// and one more for every other thread.
-///
-/// hyper runs each upstream connection as a task on the runtime that opened it. With one pool
-/// shared by every thread, a write on one serving thread would often take a connection another
-/// one opened, and each of its reads and writes would wake that thread. A request takes the
-/// pool of its own serving thread. Calls from any other thread (the start-up probe, on the
-/// main runtime; tests) take a pool of their own: a connection they open runs where they do,
-/// and a serving thread that took it from its pool would cross to that runtime on every read
-/// and write of each request it carried (the probe's connection once carried an eighth of the
-/// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
+/// hyper's pooled client, for the gateway's third-party APIs (HTTP/1.1 and HTTP/2): one pool
+/// per serving thread, and one for every other thread (`PerThread`).
 pub struct PooledClient {
     pools: PerThread<Client<HttpsConnector<HttpConnector>, Body>>,
 }
@@ -42,7 +33,17 @@ impl PooledClient {
     }
 }
 
-/// One `T` per serving thread, and one for every other thread.
+/// One `T` (a pool of connections) per serving thread ([`crate::threads`]), and one for every
+/// other thread.
+///
+/// hyper runs each connection as a task on the runtime that opened it. With one pool shared by
+/// every thread, a write on one serving thread would often take a connection another one
+/// opened, and each of its reads and writes would wake that thread. A request takes the pool
+/// of its own serving thread. Calls from any other thread (the start-up probe, on the main
+/// runtime; tests) take a pool of their own: a connection they open runs where they do, and a
+/// serving thread that took it from its pool would cross to that runtime on every read and
+/// write of each request it carried (the probe's connection once carried an eighth of the
+/// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
 struct PerThread<T> {
     /// The serving threads', by thread index.
     serving: Box<[T]>,
@@ -147,8 +148,8 @@ impl Outbound<'_> {
     }
 }
 
-/// HTTP/1.1 connections to one endpoint, pooled per serving thread as [`PooledClient`]'s are:
-/// the S3 upstream's client. A request takes the most recently used idle connection of the
+/// HTTP/1.1 connections to one endpoint, pooled per serving thread (`PerThread`): the S3
+/// upstream's client. A request takes the most recently used idle connection of the
 /// calling thread's pool, or opens one on the thread. A request that a connection closed
 /// before writing it (hyper hands it back, its body unread) goes to the next connection: it
 /// was never sent. What hyper's pooled client does besides, fencegate's upstream does not need:
