@@ -1,11 +1,14 @@
 //! Percent-decoding of URL paths, shared by every listener.
 
+use std::borrow::Cow;
+
 /// Decodes `%XX` escapes; `None` for a broken escape or a result that is not UTF-8. A `+` is
 /// a plus sign (paths are not form-encoded).
-pub fn decode(raw: &str) -> Option<String> {
+pub fn decode(raw: &str) -> Option<Cow<'_, str>> {
     let bytes = raw.as_bytes();
     if !bytes.contains(&b'%') {
-        return Some(raw.to_owned());
+        // Most paths: nothing to decode, nothing to copy.
+        return Some(Cow::Borrowed(raw));
     }
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -23,7 +26,7 @@ pub fn decode(raw: &str) -> Option<String> {
             i += 1;
         }
     }
-    String::from_utf8(out).ok()
+    String::from_utf8(out).ok().map(Cow::Owned)
 }
 
 /// Encodes an object key for a path: every byte but unreserved characters and `/` escaped.

@@ -91,7 +91,8 @@ impl Signer {
         headers.insert(X_AMZ_DATE, date);
         headers.insert(X_AMZ_CONTENT_SHA256, HeaderValue::from_static(UNSIGNED_PAYLOAD));
 
-        let mut names: Vec<&HeaderName> = req.headers().keys().filter(|name| !is_unsigned(name)).collect();
+        let mut names: Vec<&HeaderName> = Vec::with_capacity(req.headers().keys_len());
+        names.extend(req.headers().keys().filter(|name| !is_unsigned(name)));
         names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
 
         let mut canonical = String::with_capacity(512);

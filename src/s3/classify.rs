@@ -32,7 +32,7 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
         None => raw.to_owned(),
     };
     let decoded = crate::percent::decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
-    let rest = decoded.strip_prefix('/').unwrap_or(&decoded);
+    let rest = decoded.strip_prefix('/').unwrap_or(&*decoded);
     let (bucket, key) = match rest.split_once('/') {
         Some((b, k)) if !k.is_empty() => (Some(b.to_owned()), Some(k.to_owned())),
         Some((b, _)) => (Some(b.to_owned()), None),
