@@ -107,7 +107,7 @@ struct Request {
 
 impl Request {
     fn path_and_query(&self) -> String {
-        format!("{}{}", self.target.raw_path, self.query)
+        [self.target.raw_path.as_str(), self.query.as_str()].concat()
     }
 }
 
