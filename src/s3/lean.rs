@@ -199,7 +199,7 @@ fn valid_path(path: &str) -> bool {
         }
     }
     crate::percent::decode(path)
-        .is_some_and(|decoded| s3s::path::parse_path_style_with_validation(&*decoded, &BucketNames).is_ok())
+        .is_some_and(|decoded| s3s::path::parse_path_style_with_validation(&decoded, &BucketNames).is_ok())
 }
 
 fn unreserved(byte: u8) -> bool {
