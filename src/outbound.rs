@@ -355,14 +355,7 @@ mod tests {
     #[tokio::test]
     async fn a_serving_thread_never_takes_a_connection_another_thread_opened() {
         let (addr, accepted) = counting_upstream().await;
-        let outbound = Outbound {
-            ca_cert: None,
-            connect_timeout: Duration::from_secs(5),
-            idle_connections_max: 8,
-            http2: false,
-            pools: 2,
-        };
-        let client = Arc::new(outbound.build().unwrap());
+        let client = Arc::new(outbound(2).build().unwrap());
         // From the test's runtime (as the start-up probe calls from the main one): its
         // connection is idle in a pool once this returns.
         within(get(&client, addr)).await;
@@ -384,15 +377,15 @@ mod tests {
         threads.stop().await;
     }
 
-    fn http1_pools(pools: usize) -> Http1Pools {
-        let outbound = Outbound {
+    /// Plain HTTP, 8 idle connections, `pools` serving threads' pools.
+    fn outbound(pools: usize) -> Outbound<'static> {
+        Outbound {
             ca_cert: None,
             connect_timeout: Duration::from_secs(5),
             idle_connections_max: 8,
             http2: false,
             pools,
-        };
-        outbound.build_http1("http://127.0.0.1/".parse().unwrap()).unwrap()
+        }
     }
 
     /// A GET of `/` at `addr` through `pools`, its body read: its length.
@@ -405,11 +398,9 @@ mod tests {
         within(resp.into_body().collect()).await.unwrap().to_bytes().len()
     }
 
-    /// [`Http1Pools`] aimed at `addr` (the endpoint is only where connections go).
+    /// [`Http1Pools`] to `addr`.
     fn aimed(addr: std::net::SocketAddr, pools: usize) -> Arc<Http1Pools> {
-        let mut p = http1_pools(pools);
-        p.endpoint = format!("http://{addr}/").parse().unwrap();
-        Arc::new(p)
+        Arc::new(outbound(pools).build_http1(format!("http://{addr}/").parse().unwrap()).unwrap())
     }
 
     #[tokio::test]
