@@ -195,7 +195,9 @@ impl Http1Pools {
                 },
             }
         }
-        let mut sender = self.connect().await?;
+        // Boxed: a connection's opening is most of this future's size, and most requests
+        // find an idle connection (the caller boxes this future with every request).
+        let mut sender = Box::pin(self.connect()).await?;
         match sender.try_send_request(req).await {
             Ok(resp) => {
                 idle.give_back(sender);

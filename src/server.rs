@@ -140,14 +140,19 @@ pub async fn run<S, B>(
             let service = FirstRequest { inner: service, seen };
             match tls {
                 None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, first, peer).await,
+                // Boxed: the handshake's and a TLS connection's futures are about twice a plain
+                // connection's, and every connection's task, plain or not, would hold them.
                 Some(acceptor) => {
-                    match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
-                        Ok(Ok(stream)) => {
-                            serve(&builder, TokioIo::new(stream), service, watcher, idle, first, peer).await;
+                    Box::pin(async move {
+                        match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
+                            Ok(Ok(stream)) => {
+                                serve(&builder, TokioIo::new(stream), service, watcher, idle, first, peer).await;
+                            }
+                            Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                         }
-                        Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
+                    })
+                    .await
                 }
             }
         };

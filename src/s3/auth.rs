@@ -38,16 +38,17 @@ impl Service {
             claims: std::sync::Mutex::new(None),
             routed: AtomicBool::new(false),
         };
-        SIGNED
-            .scope(signed, async {
-                let resp = self.inner.call(req).await;
-                if !SIGNED.with(|s| s.routed.load(Ordering::Relaxed)) {
-                    let status = resp.as_ref().map_or(500, |r| r.status().as_u16());
-                    metrics::s3_protocol_refusal(status);
-                }
-                resp
-            })
-            .await
+        // Boxed: the library's future is kilobytes. Inline, it would make this future as large,
+        // and with it the slot hyper keeps for it on every open connection, lean or not.
+        Box::pin(SIGNED.scope(signed, async {
+            let resp = self.inner.call(req).await;
+            if !SIGNED.with(|s| s.routed.load(Ordering::Relaxed)) {
+                let status = resp.as_ref().map_or(500, |r| r.status().as_u16());
+                metrics::s3_protocol_refusal(status);
+            }
+            resp
+        }))
+        .await
     }
 }
 
