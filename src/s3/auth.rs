@@ -39,7 +39,8 @@ impl Service {
             routed: AtomicBool::new(false),
         };
         // Boxed: the library's future is kilobytes. Inline, it would make this future as large,
-        // and with it the slot hyper keeps for it on every open connection, lean or not.
+        // and with it the slot hyper keeps for the service's future on every open HTTP/1
+        // connection, lean or not.
         Box::pin(SIGNED.scope(signed, async {
             let resp = self.inner.call(req).await;
             if !SIGNED.with(|s| s.routed.load(Ordering::Relaxed)) {
