@@ -51,3 +51,10 @@ pub mod upstream;
 mod app;
 
 pub use app::{App, Bound};
+
+/// The size of the future `f` returns, found without calling it: for tests of what a future
+/// carries in every request or connection.
+#[cfg(test)]
+pub(crate) fn future_size<A, B, F: std::future::Future>(_f: impl Fn(A, B) -> F) -> usize {
+    std::mem::size_of::<F>()
+}

@@ -546,4 +546,12 @@ mod tests {
         let error = within(pools.send(req)).await.unwrap_err();
         assert!(matches!(error, SendError::Connect(_)), "{error:?}");
     }
+
+    #[test]
+    fn a_request_that_finds_an_idle_connection_carries_no_connection_opening() {
+        // The upstream call boxes this future with every write; opening a connection, boxed
+        // apart, made it 3,000 bytes inline (docs/benchmarks.md, "the tenth session").
+        let size = crate::future_size(|pools: &'static Http1Pools, req: http::Request<Body>| pools.send(req));
+        assert!(size <= 1536, "Http1Pools::send's future is {size} bytes");
+    }
 }
