@@ -364,19 +364,32 @@ mod tests {
         within(get(&client, addr)).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "the other threads' pool keeps its connection");
         let threads = ServingThreads::start(2).unwrap();
-        // Round robin: two requests on each thread, one after the other.
-        for _ in 0..4 {
-            let (done_tx, done) = tokio::sync::oneshot::channel();
+        one_after_another(&threads, 4, || {
             let client = client.clone();
+            async move { get(&client, addr).await }
+        })
+        .await;
+        // Each serving thread opened a connection of its own, and kept it for its next request.
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
+        threads.stop().await;
+    }
+
+    /// Runs `count` requests made by `request` on `threads`, one after the other: the threads
+    /// take them in turn (round robin), so each thread runs `count / threads` of them.
+    async fn one_after_another<F, R>(threads: &ServingThreads, count: usize, request: F)
+    where
+        F: Fn() -> R,
+        R: std::future::Future<Output = ()> + Send + 'static,
+    {
+        for _ in 0..count {
+            let (done_tx, done) = tokio::sync::oneshot::channel();
+            let request = request();
             threads.spawn(async move {
-                get(&client, addr).await;
+                request.await;
                 let _ = done_tx.send(());
             });
             within(done).await.expect("the serving thread's request ended");
         }
-        // Each serving thread opened a connection of its own, and kept it for its next request.
-        assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
-        threads.stop().await;
     }
 
     /// Plain HTTP, 8 idle connections, `pools` serving threads' pools.
@@ -413,15 +426,13 @@ mod tests {
         get_http1(&pools, addr).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "the other threads' pool keeps its connection");
         let threads = ServingThreads::start(2).unwrap();
-        for _ in 0..4 {
-            let (done_tx, done) = tokio::sync::oneshot::channel();
+        one_after_another(&threads, 4, || {
             let pools = pools.clone();
-            threads.spawn(async move {
+            async move {
                 get_http1(&pools, addr).await;
-                let _ = done_tx.send(());
-            });
-            within(done).await.expect("the serving thread's request ended");
-        }
+            }
+        })
+        .await;
         assert_eq!(accepted.load(Ordering::SeqCst), 3, "one connection for each runtime");
         threads.stop().await;
     }
