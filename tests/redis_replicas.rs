@@ -231,9 +231,9 @@ async fn repeated_writes_with_one_token_only_read_redis_and_a_newer_token_clears
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_of_three_masters_is_a_fence_store() {
     let nodes = [
-        RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]).await,
-        RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]).await,
-        RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]).await,
+        RedisServer::start_cluster_node().await,
+        RedisServer::start_cluster_node().await,
+        RedisServer::start_cluster_node().await,
     ];
     let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
     let created = std::process::Command::new("redis-cli")

@@ -99,6 +99,24 @@ async fn classic_scenario_against_a_real_s3_server() {
     fg.stop().await;
 }
 
+/// The harness itself: when another process holds the port picked for moto (a Redis cluster
+/// node's bus once did, and reset the test's first request), moto starts on the next port
+/// instead of the test talking to whatever listens there.
+#[tokio::test]
+async fn moto_moves_off_a_port_that_something_else_serves() {
+    let squatter = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let taken = squatter.local_addr().unwrap().port();
+    let serving = tokio::spawn(async move {
+        while let Ok((stream, _)) = squatter.accept().await {
+            drop(stream); // a reset, as a cluster bus gives an HTTP request
+        }
+    });
+    let moto = Moto::start_on_first_free([taken, common::free_port()]).await;
+    assert_ne!(moto.endpoint, format!("http://127.0.0.1:{taken}"));
+    s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
+    serving.abort();
+}
+
 /// A slow upload with token 11 is in flight when 12 arrives: 11 is cancelled before its body
 /// completes, 12 is forwarded only after that, and the object ends as 12 wrote it (G3).
 async fn race(

@@ -139,6 +139,72 @@ async fn wait_for_port(port: u16, what: &str) {
     panic!("{what} did not start on port {port}");
 }
 
+/// How many times a third-party server is started on a new port when the one `free_port()`
+/// picked was taken before the server could bind it.
+const PORT_ATTEMPTS: usize = 5;
+
+/// What a third-party server answers once it serves, so that a start knows the process on the
+/// port is the one it started: another process can take a port between `free_port()` and the
+/// server's bind (a Redis cluster node's bus, on its port + 10,000, once took moto's), and then
+/// the server exits while something else answers there.
+enum Probe {
+    /// `INFO server` names this process id.
+    Redis { pid: u32 },
+    /// `GET /` lists buckets.
+    Moto,
+}
+
+impl Probe {
+    async fn answers(&self, port: u16) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (request, expected) = match self {
+            Probe::Redis { pid } => ("INFO server\r\n".to_string(), format!("process_id:{pid}\r\n")),
+            Probe::Moto => {
+                ("GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".to_string(), "ListAllMyBucketsResult".to_string())
+            }
+        };
+        let exchange = async {
+            let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+            stream.write_all(request.as_bytes()).await.ok()?;
+            let mut reply = Vec::new();
+            let mut chunk = [0u8; 4096];
+            while reply.len() < 64 * 1024 {
+                let n = stream.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    break;
+                }
+                reply.extend_from_slice(&chunk[..n]);
+                if String::from_utf8_lossy(&reply).contains(&expected) {
+                    return Some(true);
+                }
+            }
+            Some(false)
+        };
+        let answered = tokio::time::timeout(std::time::Duration::from_secs(2), exchange).await;
+        matches!(answered, Ok(Some(true)))
+    }
+}
+
+/// Waits until `child` answers `probe` on `port` (at most 30 s), or returns how it exited if it
+/// ends first (its port was taken, most likely).
+async fn wait_for_server(
+    child: &mut std::process::Child,
+    port: u16,
+    what: &str,
+    probe: &Probe,
+) -> Result<(), std::process::ExitStatus> {
+    for _ in 0..600 {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Err(status);
+        }
+        if probe.answers(port).await {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{what} did not answer on port {port} within 30 s");
+}
+
 /// A `moto_server` (a real S3-compatible server) on a free loopback port, killed on drop.
 pub struct Moto {
     child: std::process::Child,
@@ -149,16 +215,24 @@ impl Moto {
     // The child is reaped by `Drop` on every path, the panics included.
     #[allow(clippy::zombie_processes)]
     pub async fn start() -> Self {
-        let port = free_port();
-        let child = std::process::Command::new("moto_server")
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("moto_server is needed: run scripts/test, or pip install 'moto[server]'");
-        let moto = Self { child, endpoint: format!("http://127.0.0.1:{port}") };
-        wait_for_port(port, "moto_server").await;
-        moto
+        Self::start_on_first_free((0..PORT_ATTEMPTS).map(|_| free_port())).await
+    }
+
+    /// Starts on the first of `ports` it can serve on.
+    pub async fn start_on_first_free(ports: impl IntoIterator<Item = u16>) -> Self {
+        for port in ports {
+            let mut child = std::process::Command::new("moto_server")
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("moto_server is needed: run scripts/test, or pip install 'moto[server]'");
+            match wait_for_server(&mut child, port, "moto_server", &Probe::Moto).await {
+                Ok(()) => return Self { child, endpoint: format!("http://127.0.0.1:{port}") },
+                Err(status) => eprintln!("moto_server on port {port} exited ({status}): trying another port"),
+            }
+        }
+        panic!("moto_server exited before it served on any port it was given");
     }
 
     /// The `[upstream]` section pointing fencegate at this server.
@@ -182,6 +256,9 @@ impl Drop for Moto {
 pub struct RedisServer {
     child: Option<std::process::Child>,
     pub port: u16,
+    /// A cluster node's bus port (picked like `port`, not Redis's default of port + 10,000,
+    /// which nothing reserves).
+    bus_port: Option<u16>,
     dir: tempfile::TempDir,
     extra: Vec<String>,
 }
@@ -193,34 +270,66 @@ impl RedisServer {
     }
 
     pub async fn start_with(extra: &[&str]) -> Self {
+        Self::start_on_free_ports(extra, false).await
+    }
+
+    /// A node for a Redis cluster (`cluster-enabled`), not yet part of one.
+    pub async fn start_cluster_node() -> Self {
+        Self::start_on_free_ports(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"], true).await
+    }
+
+    async fn start_on_free_ports(extra: &[&str], cluster: bool) -> Self {
         let mut server = Self {
             child: None,
-            port: free_port(),
+            port: 0,
+            bus_port: None,
             dir: tempfile::tempdir().unwrap(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
-        server.spawn().await;
-        server
+        for attempt in 1..=PORT_ATTEMPTS {
+            server.port = free_port();
+            server.bus_port = cluster.then(free_port);
+            match server.spawn().await {
+                Ok(()) => return server,
+                Err(status) => eprintln!("redis-server on port {} exited ({status}), attempt {attempt}", server.port),
+            }
+        }
+        panic!("redis-server exited before it served, {PORT_ATTEMPTS} times");
     }
 
     // The child is reaped by `kill` and `Drop`.
     #[allow(clippy::zombie_processes)]
-    async fn spawn(&mut self) {
+    async fn spawn(&mut self) -> Result<(), std::process::ExitStatus> {
         let mut args: Vec<String> = ["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""]
             .iter()
             .map(|s| s.to_string())
             .collect();
         args.push("--dir".into());
         args.push(self.dir.path().display().to_string());
+        if let Some(bus_port) = self.bus_port {
+            args.extend(["--cluster-port".to_string(), bus_port.to_string()]);
+        }
         args.extend(self.extra.iter().cloned());
-        let child = std::process::Command::new("redis-server")
+        let mut child = std::process::Command::new("redis-server")
             .args(&args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("redis-server is needed: run scripts/test, or apt-get install redis-server");
-        self.child = Some(child);
-        wait_for_port(self.port, "redis-server").await;
+        let probe = Probe::Redis { pid: child.id() };
+        let started = wait_for_server(&mut child, self.port, "redis-server", &probe).await;
+        if started.is_ok() {
+            self.child = Some(child);
+        }
+        started
+    }
+
+    /// Starts again on the same ports, panicking if it cannot: a test that restarts Redis
+    /// needs it back where its clients look.
+    async fn respawn(&mut self) {
+        if let Err(status) = self.spawn().await {
+            panic!("redis-server did not start again on port {} ({status})", self.port);
+        }
     }
 
     pub fn url(&self) -> String {
@@ -238,7 +347,7 @@ impl RedisServer {
     /// Starts again on the same port and directory (with whatever it persisted).
     pub async fn restart(&mut self) {
         self.kill();
-        self.spawn().await;
+        self.respawn().await;
     }
 
     /// Starts again on the same port with nothing: a restart without persistence.
@@ -247,7 +356,7 @@ impl RedisServer {
         for entry in std::fs::read_dir(self.dir.path()).unwrap() {
             let _ = std::fs::remove_file(entry.unwrap().path());
         }
-        self.spawn().await;
+        self.respawn().await;
     }
 }
 
