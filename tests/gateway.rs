@@ -767,9 +767,8 @@ async fn every_mode_serves_a_concurrent_load_and_reports_its_latency() {
     let bin = std::env::var("FENCEGATE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_fencegate").into());
     let api = FakeApi::start(None).await;
     let dir = tempfile::tempdir().unwrap();
-    let (port, admin_port) = (common::free_port(), common::free_port());
     let config = format!(
-        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\n\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
          [store]\nkind = \"embedded\"\npath = \"{}\"\n[upstream]\nkind = \"local\"\npath = \"{}\"\nprobe = \"off\"\n\
          [[credentials]]\naccess_key_id = \"k\"\nsecret_access_key = \"s\"\n[log]\nlevel = \"warn\"\n{}",
         dir.path().join("fences").display(),
@@ -778,20 +777,11 @@ async fn every_mode_serves_a_concurrent_load_and_reports_its_latency() {
     );
     let config_path = dir.path().join("fencegate.toml");
     std::fs::write(&config_path, config).unwrap();
-    let mut child = std::process::Command::new(&bin)
-        .args(["serve", "--config", config_path.to_str().unwrap()])
-        .env_remove("FENCEGATE_BIN") // every FENCEGATE_* variable is a config override
-        .spawn()
-        .unwrap_or_else(|e| panic!("{bin}: {e}"));
-    let ready = Instant::now();
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        assert!(ready.elapsed() < WAIT_MAX, "fencegate did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (mut child, s3) = tokio::task::block_in_place(|| common::spawn_fencegate(&bin, &config_path, WAIT_MAX));
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).pool_max_idle_per_host(CONCURRENCY).build_http();
     let direct = format!("http://{}/v1", api.addr);
-    let via = format!("http://127.0.0.1:{port}");
+    let via = format!("http://{s3}");
     let paths: [(&str, String, &str); 4] = [
         ("direct", format!("{direct}/hooks"), "PUT"),
         ("fence-only", format!("{via}/hook"), "PUT"),

@@ -1,9 +1,10 @@
 //! Proves that leases live in the fence store and survive crashes: with the real fencegate binary killed with SIGKILL between grants, every grant after a restart on the same data dir has a greater token (and older tokens stay fenced off), and a live lease survives the restart: its holder keeps renewing it and nobody else can take it.
-use std::io::{BufRead, BufReader};
+
+mod common;
+
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Child;
 use std::time::Duration;
 
 use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
@@ -41,35 +42,7 @@ impl Process {
             ),
         )
         .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting fencegate");
-        // Read the ready line on a thread so that a silent fencegate fails the test in time.
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.strip_prefix("fencegate ready: ") {
-                    let _ = tx.send(rest.to_owned());
-                }
-            }
-        });
-        let ready = match rx.recv_timeout(READY_WAIT_MAX) {
-            Ok(ready) => ready,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("fencegate printed no ready line within {READY_WAIT_MAX:?}");
-            }
-        };
-        let s3 = ready
-            .split(' ')
-            .find_map(|f| f.strip_prefix("s3="))
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("unparseable ready line {ready:?}"));
+        let (child, s3) = common::spawn_fencegate(env!("CARGO_BIN_EXE_fencegate"), &config, READY_WAIT_MAX);
         Self { child, s3 }
     }
 

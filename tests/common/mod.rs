@@ -124,19 +124,46 @@ where
     (code, raw.status().as_u16(), current)
 }
 
+/// Runs `bin serve --config config` and waits (at most `wait_max`) for its `fencegate ready:`
+/// line, which names the S3 address it bound: a config that listens on port 0 races no other
+/// process for its ports. Its stderr is the test's.
+pub fn spawn_fencegate(bin: &str, config: &Path, wait_max: std::time::Duration) -> (std::process::Child, SocketAddr) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(bin)
+        .args(["serve", "--config"])
+        .arg(config)
+        .env_remove("FENCEGATE_BIN") // every FENCEGATE_* variable is a config override
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    // The ready line is read on a thread, so that a silent fencegate fails the test in time;
+    // the thread drains stdout until the child ends.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("fencegate ready: ") {
+                let _ = tx.send(rest.to_owned());
+            }
+        }
+    });
+    let Ok(ready) = rx.recv_timeout(wait_max) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("fencegate printed no ready line within {wait_max:?}");
+    };
+    let s3 = ready
+        .split(' ')
+        .find_map(|f| f.strip_prefix("s3="))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("unparseable ready line {ready:?}"));
+    (child, s3)
+}
+
 /// A free loopback port (bound then released; good enough for test processes).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-async fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    panic!("{what} did not start on port {port}");
 }
 
 /// How many times a third-party server is started on a new port when the one `free_port()`
@@ -386,6 +413,16 @@ struct EtcdMember {
 #[cfg(feature = "etcd")]
 impl EtcdCluster {
     pub async fn start(n: usize) -> Self {
+        for attempt in 1..=PORT_ATTEMPTS {
+            match Self::start_on_free_ports(n).await {
+                Ok(cluster) => return cluster,
+                Err(status) => eprintln!("an etcd member exited ({status}), attempt {attempt}: new ports"),
+            }
+        }
+        panic!("an etcd member exited before it served, {PORT_ATTEMPTS} times");
+    }
+
+    async fn start_on_free_ports(n: usize) -> Result<Self, std::process::ExitStatus> {
         let shm = std::path::Path::new("/dev/shm");
         let dir = if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.unwrap();
         // Every port picked while the others are still held, so no two are the same.
@@ -410,11 +447,27 @@ impl EtcdCluster {
         for i in 0..n {
             cluster.spawn(i, "new");
         }
-        for m in &cluster.members {
-            wait_for_port(m.client_port, "etcd").await;
+        for i in 0..n {
+            cluster.wait_for_member(i).await?;
         }
         cluster.wait_for_leader().await;
-        cluster
+        Ok(cluster)
+    }
+
+    /// Waits until member `i` answers etcd's status call on its port (at most 30 s), or returns
+    /// how it exited if it ends first (its port was taken, most likely).
+    async fn wait_for_member(&mut self, i: usize) -> Result<(), std::process::ExitStatus> {
+        let port = self.members[i].client_port;
+        for _ in 0..600 {
+            if let Some(status) = self.members[i].child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                return Err(status);
+            }
+            if is_leader(port).await.is_some() {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("etcd member {i} did not answer on port {port} within 30 s");
     }
 
     // The child is reaped by `kill` and `Drop`.
@@ -476,7 +529,9 @@ impl EtcdCluster {
     pub async fn restart(&mut self, i: usize) {
         self.kill(i);
         self.spawn(i, "existing");
-        wait_for_port(self.members[i].client_port, "etcd").await;
+        if let Err(status) = self.wait_for_member(i).await {
+            panic!("etcd member {i} did not start again ({status})");
+        }
     }
 }
 
