@@ -100,8 +100,8 @@ async fn classic_scenario_against_a_real_s3_server() {
 }
 
 /// The harness itself: when another process holds the port picked for moto (a Redis cluster
-/// node's bus once did, and reset the test's first request), moto starts on the next port
-/// instead of the test talking to whatever listens there.
+/// node's bus once did, and reset the test's first request), or another test's moto does,
+/// moto starts on the next port instead of the test talking to whatever listens there.
 #[tokio::test]
 async fn moto_moves_off_a_port_that_something_else_serves() {
     let squatter = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -111,8 +111,11 @@ async fn moto_moves_off_a_port_that_something_else_serves() {
             drop(stream); // a reset, as a cluster bus gives an HTTP request
         }
     });
-    let moto = Moto::start_on_first_free([taken, common::free_port()]).await;
+    let other = Moto::start().await; // answers like ours would
+    let others = other.endpoint.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let moto = Moto::start_on_first_free([taken, others, common::free_port()]).await;
     assert_ne!(moto.endpoint, format!("http://127.0.0.1:{taken}"));
+    assert_ne!(moto.endpoint, other.endpoint);
     s3_client(&moto.endpoint, "moto", "moto").create_bucket().bucket(BUCKET).send().await.unwrap();
     serving.abort();
 }

@@ -132,7 +132,6 @@ pub fn spawn_fencegate(bin: &str, config: &Path, wait_max: std::time::Duration) 
     let mut child = std::process::Command::new(bin)
         .args(["serve", "--config"])
         .arg(config)
-        .env_remove("FENCEGATE_BIN") // every FENCEGATE_* variable is a config override
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .spawn()
@@ -148,16 +147,20 @@ pub fn spawn_fencegate(bin: &str, config: &Path, wait_max: std::time::Duration) 
             }
         }
     });
-    let Ok(ready) = rx.recv_timeout(wait_max) else {
+    let ready = rx.recv_timeout(wait_max);
+    let s3 = ready.as_deref().ok().and_then(|ready| {
+        ready.split(' ').find_map(|f| f.strip_prefix("s3=")).and_then(|a| a.parse::<SocketAddr>().ok())
+    });
+    let Some(s3) = s3 else {
+        let exited = child.try_wait().ok().flatten();
         let _ = child.kill();
         let _ = child.wait();
-        panic!("fencegate printed no ready line within {wait_max:?}");
+        match (ready, exited) {
+            (Ok(line), _) => panic!("unparseable ready line {line:?}"),
+            (Err(_), Some(status)) => panic!("fencegate exited ({status}) before its ready line"),
+            (Err(_), None) => panic!("fencegate printed no ready line within {wait_max:?}"),
+        }
     };
-    let s3 = ready
-        .split(' ')
-        .find_map(|f| f.strip_prefix("s3="))
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("unparseable ready line {ready:?}"));
     (child, s3)
 }
 
@@ -166,26 +169,37 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// `n` free loopback ports, each picked while the others are still held, so no two are the same.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    held.iter().map(|l| l.local_addr().unwrap().port()).collect()
+}
+
 /// How many times a third-party server is started on a new port when the one `free_port()`
 /// picked was taken before the server could bind it.
 const PORT_ATTEMPTS: usize = 5;
+
+/// How long a third-party server may take to serve once started.
+const SERVER_START_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a third-party server answers once it serves, so that a start knows the process on the
 /// port is the one it started: another process can take a port between `free_port()` and the
 /// server's bind (a Redis cluster node's bus, on its port + 10,000, once took moto's), and then
 /// the server exits while something else answers there.
 enum Probe {
-    /// `INFO server` names this process id.
-    Redis { pid: u32 },
-    /// `GET /` lists buckets.
+    /// `INFO server` names the process id.
+    Redis,
+    /// `GET /` lists buckets, and the process is the one listening on the port (another test's
+    /// moto would answer the same).
     Moto,
 }
 
 impl Probe {
-    async fn answers(&self, port: u16) -> bool {
+    async fn answers(&self, pid: u32, port: u16) -> bool {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (request, expected) = match self {
-            Probe::Redis { pid } => ("INFO server\r\n".to_string(), format!("process_id:{pid}\r\n")),
+            Probe::Redis => ("INFO server\r\n".to_string(), format!("process_id:{pid}\r\n")),
             Probe::Moto => {
                 ("GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".to_string(), "ListAllMyBucketsResult".to_string())
             }
@@ -208,28 +222,48 @@ impl Probe {
             Some(false)
         };
         let answered = tokio::time::timeout(std::time::Duration::from_secs(2), exchange).await;
-        matches!(answered, Ok(Some(true)))
+        matches!(answered, Ok(Some(true))) && (matches!(self, Probe::Redis) || listens(pid, port))
     }
 }
 
-/// Waits until `child` answers `probe` on `port` (at most 30 s), or returns how it exited if it
-/// ends first (its port was taken, most likely).
+/// Whether process `pid` holds the socket listening on 127.0.0.1:`port` (Linux's
+/// `/proc/net/tcp` names the socket's inode, `/proc/PID/fd` the process's sockets).
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else { return false };
+    let local = format!("0100007F:{port:04X}");
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() > 9 && f[1] == local && f[3] == "0A") // 0A: LISTEN
+        .map(|f| format!("socket:[{}]", f[9]))
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .any(|target| inodes.iter().any(|inode| target.as_os_str() == inode.as_str()))
+}
+
+/// Waits until `child` answers `probe` on `port` (at most `SERVER_START_MAX`), or returns how
+/// it exited if it ends first (its port was taken, most likely). The caller owns `child`, so a
+/// panic here still kills it.
 async fn wait_for_server(
     child: &mut std::process::Child,
     port: u16,
     what: &str,
     probe: &Probe,
 ) -> Result<(), std::process::ExitStatus> {
-    for _ in 0..600 {
+    let deadline = tokio::time::Instant::now() + SERVER_START_MAX;
+    while tokio::time::Instant::now() < deadline {
         if let Some(status) = child.try_wait().unwrap() {
             return Err(status);
         }
-        if probe.answers(port).await {
+        if probe.answers(child.id(), port).await {
             return Ok(());
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    panic!("{what} did not answer on port {port} within 30 s");
+    panic!("{what} did not answer on port {port} within {SERVER_START_MAX:?}");
 }
 
 /// A `moto_server` (a real S3-compatible server) on a free loopback port, killed on drop.
@@ -248,14 +282,15 @@ impl Moto {
     /// Starts on the first of `ports` it can serve on.
     pub async fn start_on_first_free(ports: impl IntoIterator<Item = u16>) -> Self {
         for port in ports {
-            let mut child = std::process::Command::new("moto_server")
+            let child = std::process::Command::new("moto_server")
                 .args(["-H", "127.0.0.1", "-p", &port.to_string()])
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .expect("moto_server is needed: run scripts/test, or pip install 'moto[server]'");
-            match wait_for_server(&mut child, port, "moto_server", &Probe::Moto).await {
-                Ok(()) => return Self { child, endpoint: format!("http://127.0.0.1:{port}") },
+            let mut moto = Self { child, endpoint: format!("http://127.0.0.1:{port}") };
+            match wait_for_server(&mut moto.child, port, "moto_server", &Probe::Moto).await {
+                Ok(()) => return moto,
                 Err(status) => eprintln!("moto_server on port {port} exited ({status}): trying another port"),
             }
         }
@@ -314,8 +349,9 @@ impl RedisServer {
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         for attempt in 1..=PORT_ATTEMPTS {
-            server.port = free_port();
-            server.bus_port = cluster.then(free_port);
+            let ports = free_ports(if cluster { 2 } else { 1 });
+            server.port = ports[0];
+            server.bus_port = ports.get(1).copied();
             match server.spawn().await {
                 Ok(()) => return server,
                 Err(status) => eprintln!("redis-server on port {} exited ({status}), attempt {attempt}", server.port),
@@ -337,16 +373,17 @@ impl RedisServer {
             args.extend(["--cluster-port".to_string(), bus_port.to_string()]);
         }
         args.extend(self.extra.iter().cloned());
-        let mut child = std::process::Command::new("redis-server")
+        let child = std::process::Command::new("redis-server")
             .args(&args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("redis-server is needed: run scripts/test, or apt-get install redis-server");
-        let probe = Probe::Redis { pid: child.id() };
-        let started = wait_for_server(&mut child, self.port, "redis-server", &probe).await;
-        if started.is_ok() {
-            self.child = Some(child);
+        // Held by `self` while it starts, so that a panic kills it (`Drop`).
+        let child = self.child.insert(child);
+        let started = wait_for_server(child, self.port, "redis-server", &Probe::Redis).await;
+        if started.is_err() {
+            self.child = None; // it exited, and `wait_for_server` reaped it
         }
         started
     }
@@ -377,11 +414,15 @@ impl RedisServer {
         self.respawn().await;
     }
 
-    /// Starts again on the same port with nothing: a restart without persistence.
+    /// Starts again on the same port with nothing: a restart without persistence, or one that
+    /// lost what it persisted (files and directories: Redis 7 keeps its append-only file in
+    /// `appendonlydir/`).
     pub async fn restart_empty(&mut self) {
         self.kill();
         for entry in std::fs::read_dir(self.dir.path()).unwrap() {
-            let _ = std::fs::remove_file(entry.unwrap().path());
+            let path = entry.unwrap().path();
+            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            removed.unwrap_or_else(|e| panic!("removing {}: {e}", path.display()));
         }
         self.respawn().await;
     }
@@ -425,19 +466,15 @@ impl EtcdCluster {
     async fn start_on_free_ports(n: usize) -> Result<Self, std::process::ExitStatus> {
         let shm = std::path::Path::new("/dev/shm");
         let dir = if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.unwrap();
-        // Every port picked while the others are still held, so no two are the same.
-        let held: Vec<std::net::TcpListener> =
-            (0..2 * n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-        let port = |i: usize| held[i].local_addr().unwrap().port();
+        let ports = free_ports(2 * n);
         let members: Vec<EtcdMember> = (0..n)
             .map(|i| EtcdMember {
                 name: format!("m{i}"),
-                client_port: port(2 * i),
-                peer_port: port(2 * i + 1),
+                client_port: ports[2 * i],
+                peer_port: ports[2 * i + 1],
                 child: None,
             })
             .collect();
-        drop(held);
         let initial_cluster = members
             .iter()
             .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
@@ -447,27 +484,30 @@ impl EtcdCluster {
         for i in 0..n {
             cluster.spawn(i, "new");
         }
-        for i in 0..n {
-            cluster.wait_for_member(i).await?;
-        }
+        cluster.wait_for_members().await?;
         cluster.wait_for_leader().await;
         Ok(cluster)
     }
 
-    /// Waits until member `i` answers etcd's status call on its port (at most 30 s), or returns
-    /// how it exited if it ends first (its port was taken, most likely).
-    async fn wait_for_member(&mut self, i: usize) -> Result<(), std::process::ExitStatus> {
-        let port = self.members[i].client_port;
-        for _ in 0..600 {
-            if let Some(status) = self.members[i].child.as_mut().and_then(|c| c.try_wait().unwrap()) {
-                return Err(status);
+    /// Waits until every member answers etcd's status call on its port (at most
+    /// `SERVER_START_MAX`), or returns how one exited if one ends first (its port was taken,
+    /// most likely; the others cannot form a cluster without it).
+    async fn wait_for_members(&mut self) -> Result<(), std::process::ExitStatus> {
+        let deadline = tokio::time::Instant::now() + SERVER_START_MAX;
+        let mut answered = vec![false; self.members.len()];
+        while tokio::time::Instant::now() < deadline {
+            for (i, m) in self.members.iter_mut().enumerate() {
+                if let Some(status) = m.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                    return Err(status);
+                }
+                answered[i] = answered[i] || is_leader(m.client_port).await.is_some();
             }
-            if is_leader(port).await.is_some() {
+            if answered.iter().all(|a| *a) {
                 return Ok(());
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
-        panic!("etcd member {i} did not answer on port {port} within 30 s");
+        panic!("the etcd members did not all answer within {SERVER_START_MAX:?}");
     }
 
     // The child is reaped by `kill` and `Drop`.
@@ -529,8 +569,23 @@ impl EtcdCluster {
     pub async fn restart(&mut self, i: usize) {
         self.kill(i);
         self.spawn(i, "existing");
-        if let Err(status) = self.wait_for_member(i).await {
-            panic!("etcd member {i} did not start again ({status})");
+        // Listening is enough: a member that comes back to a cluster without a quorum answers
+        // no status call until one forms.
+        let port = self.members[i].client_port;
+        let deadline = tokio::time::Instant::now() + SERVER_START_MAX;
+        loop {
+            let child = self.members[i].child.as_mut().expect("just spawned");
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("etcd member {i} did not start again on port {port} ({status})");
+            }
+            if listens(child.id(), port) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "etcd member {i} did not listen within {SERVER_START_MAX:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
 }

@@ -189,9 +189,10 @@ class ChaosRun:
 
         # Every held write reaches moto before the history is judged.
         hold_max = spec.hold_range[1]
-        if not self.upstream.wait_idle(timeout=hold_max + 30):
+        idle = self.upstream.wait_idle(timeout=hold_max + 30)
+        if not idle:
             problems.append("the upstream wrapper still had requests in flight")
-        idle_at = time.monotonic()
+        idle_at = time.monotonic() if idle else None
         finals = self._final_fences(sorted(resources))
         events = self.upstream.snapshot()
         records = [r for w in writers for r in w.records]
@@ -258,12 +259,13 @@ class ChaosRun:
             finals[res] = s["token"]
         return finals
 
-    def _sanity(self, events: list, idle_at: float) -> list:
+    def _sanity(self, events: list, idle_at: float | None) -> list:
         """Checks the wrapper's log against moto itself: every PutObject that the log says
         committed is a version in the (versioned) bucket, and no other. A mismatch means the
         log, and so the verdict, cannot be trusted; its evidence is every write of the keys
         that differ, the writes of unknown outcome, and any write that reached the wrapper
-        after it was idle (`idle_at`), for the triage of a harness fault."""
+        after it was idle (`idle_at`, on the monotonic clock of the events' times; None if it
+        never was), for the triage of a harness fault."""
         s3 = s3_client(self.moto.url, access_key=MOTO_ACCESS_KEY, secret_key=MOTO_SECRET_KEY)
         versions = Counter()
         pages = s3.get_paginator("list_object_versions").paginate(Bucket=self.spec.bucket)
@@ -276,14 +278,17 @@ class ChaosRun:
             return []
         differ = {k for k in set(versions) | set(logged) if versions[k] != logged[k]}
         now = self.upstream.snapshot()  # writes that arrived since `events` was taken included
-        suspects = [e for e in now if e["key"] in differ or e["outcome"] == "unknown" or e["t_arrival"] > idle_at]
+        after_idle = (lambda e: False) if idle_at is None else (lambda e: e["t_arrival"] > idle_at)
+        suspects = [e for e in now if e["key"] in differ or e["outcome"] == "unknown" or after_idle(e)]
         # The rendering keeps a few lines: the likeliest first (late, unknown, then not settled).
-        suspects.sort(key=lambda e: (e["t_arrival"] <= idle_at, e["outcome"] != "unknown",
+        suspects.sort(key=lambda e: (not after_idle(e), e["outcome"] != "unknown",
                                      e["outcome"] in ("committed", "refused"), e["t_arrival"]))
         fields = ("seq", "method", "key", "query", "op", "outcome", "status", "stamp", "chaos_id", "hold",
                   "client_gone", "late", "t_arrival", "t_body", "t_fwd", "t_done")
         evidence = [f"moto versions per key {dict(versions)}", f"logged PUT commits {dict(logged)}",
-                    f"the wrapper was idle at t={idle_at:.3f}; {len(now) - len(events)} writes arrived after the log was read"]
+                    ("the wrapper never went idle" if idle_at is None else
+                     f"the wrapper was idle at monotonic t={idle_at:.3f}")
+                    + f"; {len(now) - len(events)} writes arrived after the log was read"]
         evidence += [repr({f: e.get(f) for f in fields}) for e in suspects]
         return [Violation("harness", "-", "the wrapper's log does not match moto's versions", evidence)]
 
