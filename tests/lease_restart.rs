@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_s3::primitives::ByteStream;
+use common::{ACCESS_KEY, SECRET_KEY};
 use fencegate_client::{FencingInterceptor, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
 
-const ACCESS_KEY: &str = "fencegate-dev";
-const SECRET_KEY: &str = "fencegate-dev-secret";
 /// Bound on fencegate's start-up (a debug build on a loaded machine).
 const READY_WAIT_MAX: Duration = Duration::from_secs(60);
 /// Bound on waiting for an old lease to expire.

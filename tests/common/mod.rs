@@ -193,12 +193,15 @@ enum Probe {
     /// `GET /` lists buckets, and the process is the one listening on the port (another test's
     /// moto would answer the same).
     Moto,
+    /// The process listens on the port; nothing is asked of it.
+    Listening,
 }
 
 impl Probe {
     async fn answers(&self, pid: u32, port: u16) -> bool {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (request, expected) = match self {
+            Probe::Listening => return listens(pid, port),
             Probe::Redis => ("INFO server\r\n".to_string(), format!("process_id:{pid}\r\n")),
             Probe::Moto => {
                 ("GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".to_string(), "ListAllMyBucketsResult".to_string())
@@ -572,20 +575,9 @@ impl EtcdCluster {
         // Listening is enough: a member that comes back to a cluster without a quorum answers
         // no status call until one forms.
         let port = self.members[i].client_port;
-        let deadline = tokio::time::Instant::now() + SERVER_START_MAX;
-        loop {
-            let child = self.members[i].child.as_mut().expect("just spawned");
-            if let Some(status) = child.try_wait().unwrap() {
-                panic!("etcd member {i} did not start again on port {port} ({status})");
-            }
-            if listens(child.id(), port) {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "etcd member {i} did not listen within {SERVER_START_MAX:?}"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let child = self.members[i].child.as_mut().expect("just spawned");
+        if let Err(status) = wait_for_server(child, port, "etcd", &Probe::Listening).await {
+            panic!("etcd member {i} did not start again on port {port} ({status})");
         }
     }
 }
