@@ -367,16 +367,39 @@ const USER_HZ: f64 = 100.0;
 /// CPU seconds (user and system) used so far by `pid` and, recursively, by its child
 /// processes (nginx's workers). `None` if the process is gone.
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let mut seconds = own_cpu_seconds(&pid.to_string())?;
+    for child in children(pid) {
+        seconds += cpu_seconds(child).unwrap_or(0.0);
+    }
+    Some(seconds)
+}
+
+/// CPU seconds used so far by the bench's own process (its load client: the suite's other
+/// threads wait meanwhile), not by the servers it started.
+pub fn client_cpu_seconds() -> Option<f64> {
+    own_cpu_seconds("self")
+}
+
+/// The threads of one process (`/proc/<pid>/stat`: live children's times are not in it).
+fn own_cpu_seconds(pid: &str) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name, which is in parentheses and may contain spaces.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    let mut seconds = ticks / USER_HZ;
-    for child in children(pid) {
-        seconds += cpu_seconds(child).unwrap_or(0.0);
-    }
-    Some(seconds)
+    Some(ticks / USER_HZ)
+}
+
+/// Busy CPU seconds of the whole machine so far, all CPUs together (`/proc/stat`: every state
+/// but idle and I/O wait, interrupts and softirqs included): the client, the servers, the
+/// upstream and the kernel's loopback work that no process is charged for.
+pub fn machine_busy_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
+    let ticks: Vec<f64> = cpu.split_whitespace().filter_map(|t| t.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest times are inside user's).
+    let busy = ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum::<f64>();
+    Some(busy / USER_HZ)
 }
 
 fn children(pid: u32) -> Vec<u32> {

@@ -16,6 +16,11 @@ pub struct Row {
     /// CPU time the server under test (the proxy, or the upstream on the direct path) spent
     /// per request, from `/proc/PID/stat`.
     pub cpu_us_per_request: Option<f64>,
+    /// CPU time the load client (the bench's own process, one thread) spent per request.
+    pub client_cpu_us_per_request: Option<f64>,
+    /// Busy CPU time of the whole machine per request (all processes and the kernel): the
+    /// machine's CPUs divided by it bound the rate the row could reach with every CPU busy.
+    pub machine_cpu_us_per_request: Option<f64>,
     /// Status counts (`200×1234`), or what else the row measured.
     pub outcome: String,
     /// Whether the chart shows it (throughput rows of the keep-alive load).
@@ -56,12 +61,15 @@ impl Suite {
             let _ = writeln!(md, "- {line}");
         }
         let _ = writeln!(md, "\n![throughput](chart.svg)\n");
-        let _ = writeln!(md, "| scenario | path | req/s | p50 ms | p99 ms | p99.9 ms | server CPU µs/req | outcome |");
-        let _ = writeln!(md, "|---|---|---:|---:|---:|---:|---:|---|");
+        let _ = writeln!(
+            md,
+            "| scenario | path | req/s | p50 ms | p99 ms | p99.9 ms | server CPU µs/req | client CPU µs/req | machine CPU µs/req | outcome |"
+        );
+        let _ = writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
         for r in grouped(self.rows.iter().collect()).into_iter().flat_map(|(_, rows)| rows) {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.scenario,
                 r.path,
                 num(r.per_second, 0),
@@ -69,6 +77,8 @@ impl Suite {
                 num(r.p99_ms, 2),
                 num(r.p999_ms, 2),
                 num(r.cpu_us_per_request, 0),
+                num(r.client_cpu_us_per_request, 1),
+                num(r.machine_cpu_us_per_request, 1),
                 r.outcome
             );
         }
@@ -197,6 +207,8 @@ mod tests {
             p99_ms: Some(2.0),
             p999_ms: None,
             cpu_us_per_request: Some(40.0),
+            client_cpu_us_per_request: Some(6.5),
+            machine_cpu_us_per_request: Some(41.0),
             outcome: "200×10".into(),
             charted: true,
         }
@@ -218,6 +230,6 @@ mod tests {
         assert_eq!(svg.matches("<rect x=").count(), 3);
         assert!(svg.contains(">accepted</text>") && svg.contains(">stale</text>"));
         let md = suite.markdown();
-        assert!(md.contains("| accepted | fencegate | 50 | 0.50 | 2.00 | – | 40 | 200×10 |"));
+        assert!(md.contains("| accepted | fencegate | 50 | 0.50 | 2.00 | – | 40 | 6.5 | 41.0 | 200×10 |"));
     }
 }

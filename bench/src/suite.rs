@@ -288,6 +288,12 @@ fn describe_setup(ctx: &mut Ctx) {
         "Client: fencegate-bench on one tokio thread, hyper `client::conn::http1`, heads pre-signed \
          and replayed; latency in an HDR histogram (µs)."
             .into(),
+        "CPU per request, over the timed pass: the server's (its process and child processes, from \
+         `/proc/PID/stat`; the upstream's own on the direct path), the client's (the bench's process), \
+         and the machine's (all CPUs' busy time in `/proc/stat`, kernel included). A row whose \
+         machine CPU per request times its rate is near the CPU count was bound by CPU; a client near \
+         1 s of CPU per second was bound by its one thread."
+            .into(),
         "Upstream: fencegate-bench's in-memory S3 (ETags, If-Match / If-None-Match, metadata; \
          signatures not verified), one tokio thread. 409 ceiling: the same server answering 409 \
          to everything without reading the body."
@@ -346,9 +352,9 @@ async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> a
     let primed = load::run(path.addr, workload.prime.clone(), &prime_limits(&limits)).await;
     tokio::time::sleep(SETTLE).await;
     eprintln!("{} via {}: running", scenario.name(), path.name);
-    let cpu_before = path.pid.and_then(procs::cpu_seconds);
+    let cpu_before = CpuReadings::now(path.pid);
     let report = load::run(path.addr, workload.timed.clone(), &limits).await;
-    let cpu = cpu_per_request(cpu_before, path.pid, report.completed);
+    let cpu = CpuReadings::now(path.pid).per_request_since(&cpu_before, report.completed);
     let mut outcome = report.statuses_text();
     if primed.completed > 0 && scenario == Scenario::Stale {
         outcome.push_str(&format!(" (primed: {})", primed.statuses_text()));
@@ -361,7 +367,9 @@ async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> a
         p50_ms: Some(report.ms(0.5)),
         p99_ms: Some(report.ms(0.99)),
         p999_ms: Some(report.ms(0.999)),
-        cpu_us_per_request: cpu,
+        cpu_us_per_request: cpu.server,
+        client_cpu_us_per_request: cpu.client,
+        machine_cpu_us_per_request: cpu.machine,
         outcome,
         charted: true,
     });
@@ -401,10 +409,32 @@ pub async fn grant_lease(
     Ok((client, grant.lease_id, credentials))
 }
 
-/// CPU µs per request of process `pid` since `before` (seconds of CPU).
-fn cpu_per_request(before: Option<f64>, pid: Option<u32>, requests: u64) -> Option<f64> {
-    let after = pid.and_then(procs::cpu_seconds)?;
-    Some((after - before?) * 1e6 / requests.max(1) as f64)
+/// CPU seconds used so far by the server under test (with its child processes), by the load
+/// client, and by the whole machine; or, from [`CpuReadings::per_request_since`], µs of each
+/// per request of a pass.
+struct CpuReadings {
+    server: Option<f64>,
+    client: Option<f64>,
+    machine: Option<f64>,
+}
+
+impl CpuReadings {
+    fn now(server: Option<u32>) -> Self {
+        Self {
+            server: server.and_then(procs::cpu_seconds),
+            client: procs::client_cpu_seconds(),
+            machine: procs::machine_busy_seconds(),
+        }
+    }
+
+    fn per_request_since(&self, before: &Self, requests: u64) -> Self {
+        let per = |after: Option<f64>, before: Option<f64>| Some((after? - before?) * 1e6 / requests.max(1) as f64);
+        Self {
+            server: per(self.server, before.server),
+            client: per(self.client, before.client),
+            machine: per(self.machine, before.machine),
+        }
+    }
 }
 
 fn scenario_label(scenario: Scenario, body_bytes: usize) -> String {
@@ -493,6 +523,8 @@ async fn stale_large_run(ctx: &mut Ctx, path: &Endpoint, expect: bool) -> anyhow
         p99_ms: ms(0.99),
         p999_ms: ms(0.999),
         cpu_us_per_request: None,
+        client_cpu_us_per_request: None,
+        machine_cpu_us_per_request: None,
         outcome,
         charted: false,
     });
@@ -552,6 +584,8 @@ fn stream_row(path: &str, method: &Method, size: u64, r: &StreamReport) -> Row {
         p99_ms: None,
         p999_ms: None,
         cpu_us_per_request: None,
+        client_cpu_us_per_request: None,
+        machine_cpu_us_per_request: None,
         outcome,
         charted: false,
     }
@@ -639,9 +673,9 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
             params.requests_max = lookup_requests;
             scenario::lookups(&params, count, 0x5eed)?
         };
-        let cpu_before = procs::cpu_seconds(proc.pid());
+        let cpu_before = CpuReadings::now(Some(proc.pid()));
         let report = load::run(fg.s3, workload.timed.clone(), &limits).await;
-        let cpu = cpu_per_request(cpu_before, Some(proc.pid()), report.completed);
+        let cpu = CpuReadings::now(Some(proc.pid())).per_request_since(&cpu_before, report.completed);
         eprintln!("  {:.0} req/s p99 {:.2} ms", report.per_second(), report.ms(0.99));
         let rss = procs::rss(proc.pid()).ok();
         ctx.suite.rows.push(Row {
@@ -651,7 +685,9 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
             p50_ms: Some(report.ms(0.5)),
             p99_ms: Some(report.ms(0.99)),
             p999_ms: Some(report.ms(0.999)),
-            cpu_us_per_request: cpu,
+            cpu_us_per_request: cpu.server,
+            client_cpu_us_per_request: cpu.client,
+            machine_cpu_us_per_request: cpu.machine,
             outcome: format!(
                 "{}; registered through the admin API at {:.0}/s; RSS {:.0} MiB",
                 report.statuses_text(),
@@ -814,6 +850,33 @@ fn check_targets(ctx: &mut Ctx) {
     }
     ctx.suite.targets = targets;
     ctx.suite.notes.extend(floor);
+    ctx.suite.notes.extend(joint_bound(ctx));
+}
+
+/// What the first and third targets ask together, against what this run's own rows allow:
+/// accepted ≥ 0.9 × the bare proxy and stale ≥ 3 × accepted mean stale ≥ 2.7 × the bare
+/// proxy, while no rejection costs the machine less than the 409 ceiling's (the same client
+/// and loopback work, and a server that only answers).
+fn joint_bound(ctx: &Ctx) -> Option<String> {
+    let bare = find_row(ctx, "accepted", BARE_PROXY)?;
+    let ceiling = find_row(ctx, "stale", "409 ceiling")?;
+    let (bare_rate, ceiling_rate) = (bare.per_second?, ceiling.per_second?);
+    let ceiling_machine_us = ceiling.machine_cpu_us_per_request.filter(|us| *us > 0.0)?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    Some(joint_bound_text(bare_rate, ceiling_rate, ceiling_machine_us, cpus))
+}
+
+fn joint_bound_text(bare_rate: f64, ceiling_rate: f64, ceiling_machine_us: f64, cpus: f64) -> String {
+    let bound = cpus * 1e6 / ceiling_machine_us;
+    format!(
+        "Targets 1 and 3 together need stale rejections ≥ 2.7 × the bare proxy's accepted writes: \
+         {:.0} req/s in this run. The 409 ceiling ran {ceiling_rate:.0} req/s ({:.2}× the bare proxy) at \
+         {ceiling_machine_us:.1} µs of the machine's CPU per request, so even with all {cpus:.0} CPUs busy a \
+         rejection that costs what the ceiling's costs runs at most {bound:.0} req/s ({:.2}× the bare proxy).",
+        2.7 * bare_rate,
+        ceiling_rate / bare_rate,
+        bound / bare_rate
+    )
 }
 
 fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
@@ -824,4 +887,18 @@ fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
     println!("{md}");
     eprintln!("wrote {} and {}", ctx.args.out.join("results.md").display(), ctx.args.out.join("chart.svg").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bound divides the machine's CPUs by what one ceiling request cost the machine.
+    #[test]
+    fn the_joint_bound_compares_the_ceiling_s_machine_cost_with_what_the_targets_need() {
+        let text = joint_bound_text(50_000.0, 120_000.0, 12.5, 2.0);
+        assert!(text.contains(": 135000 req/s in this run"), "{text}");
+        assert!(text.contains("120000 req/s (2.40× the bare proxy)"), "{text}");
+        assert!(text.contains("at most 160000 req/s (3.20× the bare proxy)"), "{text}");
+    }
 }
