@@ -383,23 +383,33 @@ pub fn client_cpu_seconds() -> Option<f64> {
 /// The threads of one process (`/proc/<pid>/stat`: live children's times are not in it).
 fn own_cpu_seconds(pid: &str) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may contain spaces.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / USER_HZ)
+    Some(stat_ticks(&stat)? / USER_HZ)
 }
 
-/// Busy CPU seconds of the whole machine so far, all CPUs together (`/proc/stat`: every state
-/// but idle and I/O wait, interrupts and softirqs included): the client, the servers, the
-/// upstream and the kernel's loopback work that no process is charged for.
-pub fn machine_busy_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
-    let ticks: Vec<f64> = cpu.split_whitespace().filter_map(|t| t.parse().ok()).collect();
-    // user nice system idle iowait irq softirq steal (guest times are inside user's).
-    let busy = ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum::<f64>();
-    Some(busy / USER_HZ)
+/// utime + stime of a `/proc/PID/stat` line, in ticks.
+fn stat_ticks(stat: &str) -> Option<f64> {
+    // Fields after the command name, which is in parentheses and may contain spaces and ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
+}
+
+/// The machine's CPUs as `/proc/stat` counts them (its `cpuN` lines), and their busy seconds
+/// so far, all together: every state but idle, I/O wait and steal (time the hypervisor gave
+/// elsewhere), interrupts and softirqs included. So the client, the servers, the upstream,
+/// the kernel's loopback work that no process is charged for, and anything else running.
+pub fn machine_busy_seconds() -> Option<(usize, f64)> {
+    proc_stat_busy(&std::fs::read_to_string("/proc/stat").ok()?).map(|(cpus, ticks)| (cpus, ticks / USER_HZ))
+}
+
+fn proc_stat_busy(stat: &str) -> Option<(usize, f64)> {
+    let mut lines = stat.lines();
+    let all = lines.next()?.strip_prefix("cpu ")?;
+    let ticks = all.split_whitespace().map(str::parse::<f64>).collect::<Result<Vec<f64>, _>>().ok()?;
+    // user nice system idle iowait irq softirq steal [guest guest_nice, inside user and nice].
+    let [user, nice, system, _idle, _iowait, irq, softirq, ..] = ticks[..] else { return None };
+    let cpus = lines.take_while(|l| l.starts_with("cpu")).count();
+    Some((cpus, user + nice + system + irq + softirq))
 }
 
 fn children(pid: u32) -> Vec<u32> {
@@ -521,5 +531,21 @@ mod tests {
         let r = rss(std::process::id()).unwrap();
         assert!(r.now_kb > 0 && r.peak_kb >= r.now_kb);
         assert!(cpu_seconds(std::process::id()).is_some());
+    }
+
+    #[test]
+    fn a_process_s_ticks_are_read_after_its_name_whatever_the_name_holds() {
+        let line = "4242 (a) b (c) S 1 4242 4242 0 -1 4194560 500 0 0 0 120 35 0 0 20 0 3 0 100 0 0";
+        assert_eq!(stat_ticks(line), Some(155.0));
+        assert_eq!(stat_ticks("4242 (short) S 1"), None);
+    }
+
+    #[test]
+    fn the_machine_s_busy_time_leaves_out_idle_io_wait_steal_and_guests() {
+        let stat = "cpu  100 5 50 1000 20 3 7 2 40 1\ncpu0 50 2 25 500 10 1 3 1 20 0\n\
+                    cpu1 50 3 25 500 10 2 4 1 20 1\nintr 12345\nctxt 999\n";
+        assert_eq!(proc_stat_busy(stat), Some((2, 165.0)));
+        assert_eq!(proc_stat_busy("cpu  100 5 x 1000\n"), None, "a field that is no number is refused");
+        assert_eq!(proc_stat_busy("cpu  100 5 50\n"), None, "too few fields");
     }
 }

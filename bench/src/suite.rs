@@ -215,6 +215,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (bare_proxy, bare_proxy_addr) = procs::spawn_bare_proxy(upstream_addr, cores, false)?;
     let (signing_proxy, signing_proxy_addr) = procs::spawn_bare_proxy(upstream_addr, cores, true)?;
     eprintln!("upstream {upstream_addr}, ceiling {ceiling_addr}, fencegate {}", fg.s3);
+    ctx.suite.setup.push(idle_machine().await);
 
     let mut paths = vec![Endpoint { name: "upstream", addr: upstream_addr, pid: Some(upstream.pid()) }];
     if let Some((proc, addr)) = &nginx {
@@ -359,6 +360,7 @@ async fn keep_alive_run(ctx: &mut Ctx, scenario: Scenario, path: &Endpoint) -> a
     if primed.completed > 0 && scenario == Scenario::Stale {
         outcome.push_str(&format!(" (primed: {})", primed.statuses_text()));
     }
+    outcome.push_str(&format!("; {} connections opened", report.connects));
     eprintln!("  {:.0} req/s p99 {:.2} ms {}", report.per_second(), report.ms(0.99), outcome);
     ctx.suite.rows.push(Row {
         scenario: scenario_label(scenario, ctx.args.body_bytes),
@@ -423,7 +425,7 @@ impl CpuReadings {
         Self {
             server: server.and_then(procs::cpu_seconds),
             client: procs::client_cpu_seconds(),
-            machine: procs::machine_busy_seconds(),
+            machine: procs::machine_busy_seconds().map(|(_, seconds)| seconds),
         }
     }
 
@@ -855,28 +857,64 @@ fn check_targets(ctx: &mut Ctx) {
 
 /// What the first and third targets ask together, against what this run's own rows allow:
 /// accepted ≥ 0.9 × the bare proxy and stale ≥ 3 × accepted mean stale ≥ 2.7 × the bare
-/// proxy, while no rejection costs the machine less than the 409 ceiling's (the same client
-/// and loopback work, and a server that only answers).
+/// proxy. A rejection has cost the machine and the client more than a request to the 409
+/// ceiling (the same client and loopback work, and a server that only answers) in every run
+/// measured, so the ceiling's costs bound what a rejection can run at.
 fn joint_bound(ctx: &Ctx) -> Option<String> {
     let bare = find_row(ctx, "accepted", BARE_PROXY)?;
     let ceiling = find_row(ctx, "stale", "409 ceiling")?;
-    let (bare_rate, ceiling_rate) = (bare.per_second?, ceiling.per_second?);
-    let ceiling_machine_us = ceiling.machine_cpu_us_per_request.filter(|us| *us > 0.0)?;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    Some(joint_bound_text(bare_rate, ceiling_rate, ceiling_machine_us, cpus))
+    let costs = CeilingCosts {
+        rate: ceiling.per_second?,
+        machine_us: ceiling.machine_cpu_us_per_request.filter(|us| *us > 0.0)?,
+        client_us: ceiling.client_cpu_us_per_request.filter(|us| *us > 0.0)?,
+        cpus: procs::machine_busy_seconds()?.0,
+    };
+    Some(joint_bound_text(bare.per_second?, &costs))
 }
 
-fn joint_bound_text(bare_rate: f64, ceiling_rate: f64, ceiling_machine_us: f64, cpus: f64) -> String {
-    let bound = cpus * 1e6 / ceiling_machine_us;
+/// The 409 ceiling's row: its rate, the machine's and the client's CPU µs per request, and
+/// the machine's CPUs.
+struct CeilingCosts {
+    rate: f64,
+    machine_us: f64,
+    client_us: f64,
+    cpus: usize,
+}
+
+fn joint_bound_text(bare_rate: f64, c: &CeilingCosts) -> String {
+    let by_cpus = c.cpus as f64 * 1e6 / c.machine_us;
+    let by_client = 1e6 / c.client_us;
     format!(
         "Targets 1 and 3 together need stale rejections ≥ 2.7 × the bare proxy's accepted writes: \
-         {:.0} req/s in this run. The 409 ceiling ran {ceiling_rate:.0} req/s ({:.2}× the bare proxy) at \
-         {ceiling_machine_us:.1} µs of the machine's CPU per request, so even with all {cpus:.0} CPUs busy a \
-         rejection that costs what the ceiling's costs runs at most {bound:.0} req/s ({:.2}× the bare proxy).",
+         {:.0} req/s in this run. The 409 ceiling ran {:.0} req/s ({:.2}× the bare proxy) at {:.2} µs of \
+         the machine's CPU and {:.2} µs of the client's per request. At those costs, a rejection runs at \
+         most {by_cpus:.0} req/s with all {} CPUs busy ({:.2}× the bare proxy), and at most \
+         {by_client:.0} req/s on the client's one thread ({:.2}×).",
         2.7 * bare_rate,
-        ceiling_rate / bare_rate,
-        bound / bare_rate
+        c.rate,
+        c.rate / bare_rate,
+        c.machine_us,
+        c.client_us,
+        c.cpus,
+        by_cpus / bare_rate,
+        by_client / bare_rate,
     )
+}
+
+/// How busy the machine is while every server idles, before the runs: the machine CPU
+/// figures include it.
+async fn idle_machine() -> String {
+    const SPAN: Duration = Duration::from_secs(1);
+    let before = procs::machine_busy_seconds();
+    tokio::time::sleep(SPAN).await;
+    match (before, procs::machine_busy_seconds()) {
+        (Some((cpus, before)), Some((_, after))) => format!(
+            "The machine ({cpus} CPUs in `/proc/stat`) was {:.3} CPUs busy while every server idled before \
+             the runs; the machine CPU figures include such background.",
+            (after - before) / SPAN.as_secs_f64()
+        ),
+        _ => "The machine's busy time could not be read from `/proc/stat`.".into(),
+    }
 }
 
 fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
@@ -893,12 +931,15 @@ fn write_outputs(ctx: &Ctx) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    /// The bound divides the machine's CPUs by what one ceiling request cost the machine.
+    /// The bounds divide the machine's CPUs, and the client's one thread, by what one ceiling
+    /// request cost each.
     #[test]
     fn the_joint_bound_compares_the_ceiling_s_machine_cost_with_what_the_targets_need() {
-        let text = joint_bound_text(50_000.0, 120_000.0, 12.5, 2.0);
+        let costs = CeilingCosts { rate: 120_000.0, machine_us: 12.5, client_us: 8.0, cpus: 2 };
+        let text = joint_bound_text(50_000.0, &costs);
         assert!(text.contains(": 135000 req/s in this run"), "{text}");
-        assert!(text.contains("120000 req/s (2.40× the bare proxy)"), "{text}");
-        assert!(text.contains("at most 160000 req/s (3.20× the bare proxy)"), "{text}");
+        assert!(text.contains("120000 req/s (2.40× the bare proxy) at 12.50 µs"), "{text}");
+        assert!(text.contains("most 160000 req/s with all 2 CPUs busy (3.20× the bare proxy)"), "{text}");
+        assert!(text.contains("most 125000 req/s on the client's one thread (2.50×)"), "{text}");
     }
 }
