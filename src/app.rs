@@ -59,8 +59,8 @@ impl App {
         if config.store.kind != StoreKind::Embedded
             && config.store.timeout_ms * 4 >= config.fencing.inflight_deadline_ms
         {
-            // A renewal that takes this long ends after the revocation margin (a quarter of the
-            // deadline): writes are then revoked while their renewal is still out.
+            // A renewal that takes this long comes back after the hand-over window (a quarter
+            // of the deadline) closed: the writes of a slow store are then cut off (503).
             tracing::warn!(
                 store_timeout_ms = config.store.timeout_ms,
                 inflight_deadline_ms = config.fencing.inflight_deadline_ms,

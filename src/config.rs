@@ -663,6 +663,22 @@ impl Config {
                     "this fencegate was built without etcd support: build it with `cargo build --features etcd`".into(),
                 ));
             }
+            StoreKind::Redis | StoreKind::Etcd
+                if self.fencing.inflight_deadline_ms < crate::fence::SHARED_INFLIGHT_DEADLINE_MS_MIN =>
+            {
+                // Safety holds for any D (the store keeps a registration D past the latest
+                // hand-over, `fence::bounds`); below this, renewals cannot keep a registration
+                // inside its hand-over window and every write longer than a few ticks is cut off.
+                return Err((
+                    "fencing.inflight_deadline_ms",
+                    format!(
+                        "must be at least {} with a shared store: a replica hands bodies over only in the first \
+                         quarter of a registration's renewal period, which the renewals (every eighth of the \
+                         deadline, checked every 50 ms) must keep young",
+                        crate::fence::SHARED_INFLIGHT_DEADLINE_MS_MIN
+                    ),
+                ));
+            }
             StoreKind::Redis | StoreKind::Etcd | StoreKind::Embedded => {}
         }
         match self.upstream.kind {

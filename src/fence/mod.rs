@@ -1,6 +1,7 @@
 //! The fence core: tokens, the pure decision, the store trait and the gate that orders writes,
 //! and the idempotency records the API gateway keeps in the same store.
 
+mod bounds;
 mod decision;
 mod gate;
 mod idempotency;
@@ -10,6 +11,7 @@ mod store;
 mod timed;
 mod token;
 
+pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN};
 pub use decision::{Decision, decide};
 pub use gate::{AdmitError, CutOff, Gate, GateLimits, Permit};
 pub use idempotency::{

@@ -142,8 +142,9 @@ pub enum SharedAdmit {
 pub trait SharedRegistry: Send + Sync {
     /// Checks `token` against the fence (raising it, and first raising the store back to
     /// `floor` if it fell below) and, if `register`, registers a write with `token` as in
-    /// flight on this replica (for `deadline_ms` of the store's own clock at most) unless an
-    /// older write is in flight. Every admitted registered write is ended by [`Self::release`].
+    /// flight on this replica unless an older write is in flight. The store keeps the
+    /// registration for `InflightBounds::registration_ttl` of the in-flight deadline
+    /// (`inflight_deadline_ms`) on its own clock, renewed while writes use it. Every admitted registered write is ended by [`Self::release`].
     async fn admit(
         &self,
         resource: &ResourceKey,
@@ -151,7 +152,7 @@ pub trait SharedRegistry: Send + Sync {
         floor: Option<FenceToken>,
         register: bool,
         may_advance: bool,
-        deadline_ms: u64,
+        inflight_deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError>;
 
     /// A registered write has finished. Never waits: the store withdraws the registration in

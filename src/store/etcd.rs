@@ -10,7 +10,8 @@
 //! - `fg/f/<r>`            the fence (decimal)
 //! - `fg/l/<r>`            the lease (JSON `LeaseRecord`)
 //! - `fg/i/<r>\0<member>`  an in-flight registration `replica:id:token`, attached to an etcd
-//!   lease of its own whose TTL is the in-flight deadline: renewing the registration is a
+//!   lease of its own whose TTL is the registration's (`InflightBounds::registration_ttl`,
+//!   rounded up to whole seconds): renewing the registration is a
 //!   keep-alive of that lease, and a replica that dies or loses etcd loses its registrations
 //!   when their leases expire (see `registrations` for when a replica withdraws them)
 //! - `fg/k/<r>\0<digest>`  the API gateway's idempotency record (JSON), on an etcd lease that
@@ -558,8 +559,8 @@ impl EtcdCalls {
 #[async_trait]
 impl RegistryCalls for EtcdCalls {
     /// Reads the fence and the member's key, writing nothing. As with Redis, the key can only
-    /// go by this replica's own withdrawal or when its etcd lease expires, which
-    /// `Registrations` keeps at least half a deadline away before it plans a check.
+    /// go by this replica's own withdrawal or when its etcd lease expires, which is more than
+    /// `D` away when `Registrations` plans a check.
     async fn check(
         &self,
         resource: &ResourceKey,
@@ -620,7 +621,7 @@ impl RegistryCalls for EtcdCalls {
                 let lease = match granted {
                     Some(id) => id,
                     None => {
-                        let ttl = ttl_seconds(ask.deadline_ms);
+                        let ttl = ttl_seconds(ask.ttl_ms);
                         let id = grant_on(&self.client, self.timeout, ttl).await?;
                         *granted.insert(id)
                     }

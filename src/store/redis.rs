@@ -60,7 +60,7 @@ redis.call('PUBLISH', ARGV[2], ARGV[1] .. ' ' .. ARGV[3])
 return {1, cur or ''}
 ";
 
-/// KEYS: fence, inflight. ARGV: token, floor or '', member or '', deadline_ms, channel,
+/// KEYS: fence, inflight. ARGV: token, floor or '', member or '', ttl_ms, channel,
 /// resource, may advance '1' | '0', then members of this replica to withdraw first. Returns
 /// {outcome, advanced 0|1, current fence or '', repaired 0|1, what the store had or ''}:
 /// outcome 'ok' | 'stale' | 'unregistered' (a token above the fence that may not raise it;
@@ -95,8 +95,8 @@ end
 return {'ok', advanced, ARGV[1], repaired, had}
 ";
 
-/// KEYS: fence, inflight. ARGV: member, deadline_ms. Pushes a registration in use to a full
-/// deadline from now, if it is still there. Returns {renewed 0|1, fence or ''}.
+/// KEYS: fence, inflight. ARGV: member, ttl_ms. Pushes a registration in use to a full
+/// time to live from now, if it is still there. Returns {renewed 0|1, fence or ''}.
 const LUA_RENEW: &str = r"
 local now = now_ms()
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -516,8 +516,9 @@ impl RegistryCalls for RedisCalls {
     /// append-only-file write, and no script to run).
     ///
     /// Reading the two keys without a script is enough: the member can only go by this
-    /// replica's own withdrawal (not while this admission uses it) or at its deadline, which
-    /// `Registrations` keeps at least half a deadline away before it plans a check. So the
+    /// replica's own withdrawal (not while this admission uses it) or at its expiry, which is
+    /// more than `D` away when `Registrations` plans a check (it plans one only before a
+    /// renewal is due, inside the hand-over window). So the
     /// answer is the one an atomic check at the moment of the `GET` would give.
     async fn check(
         &self,
@@ -555,13 +556,13 @@ impl RegistryCalls for RedisCalls {
         member: Option<Member>,
         withdraw: &[Member],
     ) -> Result<SharedAdmit, StoreError> {
-        let Ask { floor, may_advance, deadline_ms } = *ask;
+        let Ask { floor, may_advance, ttl_ms } = *ask;
         let mut inv = self.admit.key(key(resource, "fence"));
         inv.key(key(resource, "inflight"));
         inv.arg(token.0.to_string())
             .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
             .arg(member.map(|m| member_of(&self.replica_id, m)).unwrap_or_default())
-            .arg(deadline_ms)
+            .arg(ttl_ms)
             .arg(ANNOUNCE_CHANNEL)
             .arg(resource.as_str())
             .arg(if may_advance { "1" } else { "0" });
@@ -590,7 +591,7 @@ impl RegistryCalls for RedisCalls {
     async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {
         let mut inv = self.renew.key(key(&renewal.resource, "fence"));
         inv.key(key(&renewal.resource, "inflight"));
-        inv.arg(member_of(&self.replica_id, renewal.member)).arg(millis(renewal.deadline));
+        inv.arg(member_of(&self.replica_id, renewal.member)).arg(millis(renewal.ttl));
         // A renewal lost in a failover would let the registration expire before this replica
         // revokes it: it waits for replicas like any change.
         let (renewed, fence): (i64, String) =

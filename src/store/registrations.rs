@@ -16,25 +16,12 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::fence::{FenceToken, ResourceKey};
+use crate::fence::{BootInstant as Instant, FenceToken, InflightBounds, ResourceKey};
 
 /// The longest an idle registration is kept for the next write with its token.
 pub const LINGER_MAX: Duration = Duration::from_secs(1);
-
-/// The longest a registration in use goes without renewal (a renewal also tells whether the
-/// fence moved past its token, so this bounds how long a lost announcement delays a newer token).
-pub const RENEW_EVERY_MAX: Duration = Duration::from_secs(1);
-
-/// A registration in use is renewed once it is this share of its deadline old (capped by
-/// [`RENEW_EVERY_MAX`]).
-const RENEW_AT: u32 = 8;
-
-/// A registration in use that could not be renewed is revoked (its unsent writes stopped) once
-/// it is `deadline - deadline / REVOKE_MARGIN` old, before the store can drop it: the margin
-/// covers clock drift between this host and the store, and the time the cut-off takes.
-const REVOKE_MARGIN: u32 = 4;
 
 /// One registration of this replica in the store: its member is `replica:id:token`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,7 +52,9 @@ struct Registration {
     registrations: u64,
     /// A renewal's "gone" was set aside for a later registration: renew at the next tick.
     recheck: bool,
-    deadline: Duration,
+    /// The hand-over window, the store's time to live and the renewal interval
+    /// (`fence::bounds`): ages below are measured on a clock that counts suspension.
+    bounds: InflightBounds,
     idle_since: Option<Instant>,
     /// A newer token was announced: withdraw as soon as no write uses it.
     superseded: bool,
@@ -76,25 +65,32 @@ struct Registration {
 
 impl Registration {
     fn linger(&self) -> Duration {
-        LINGER_MAX.min(self.deadline / 4)
+        LINGER_MAX.min(self.bounds.handover_window())
     }
 
     fn renew_after(&self) -> Duration {
-        RENEW_EVERY_MAX.min(self.deadline / RENEW_AT)
+        self.bounds.renew_every()
     }
 
+    /// Past this age a registration's writes hand nothing over and are cut off: the store keeps
+    /// it `D` (plus the drift margin) longer, for the upstream to commit what was handed over.
     fn revoke_after(&self) -> Duration {
-        self.deadline - self.deadline / REVOKE_MARGIN
+        self.bounds.handover_window()
+    }
+
+    /// How long the store keeps it after the call that set it.
+    fn ttl(&self) -> Duration {
+        self.bounds.registration_ttl()
     }
 }
 
-/// A registration in use to renew in the store: its deadline is pushed to a full deadline from
-/// when the call is sent.
+/// A registration in use to renew in the store: its expiry is pushed to a full `ttl` from when
+/// the call is sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Renewal {
     pub resource: ResourceKey,
     pub member: Member,
-    pub deadline: Duration,
+    pub ttl: Duration,
     /// The registration's count of admissions when the renewal was planned.
     pub registrations: u64,
 }
@@ -139,7 +135,7 @@ pub struct Registrations {
 impl Registrations {
     /// An admission of a write with `token` starts; it counts as a user of the registration
     /// until [`Self::admitted`]'s permit is released or [`Self::refused`] is called.
-    pub fn begin(&self, resource: &ResourceKey, token: FenceToken, deadline: Duration, now: Instant) -> Plan {
+    pub fn begin(&self, resource: &ResourceKey, token: FenceToken, bounds: InflightBounds, now: Instant) -> Plan {
         let mut map = self.by_resource.lock().expect("registrations lock");
         let regs = map.entry(resource.clone()).or_default();
         let mut withdraw = Vec::new();
@@ -153,8 +149,9 @@ impl Registrations {
         if let Some(reg) = regs.iter_mut().find(|r| r.member.token == token) {
             reg.active += 1;
             reg.idle_since = None;
-            reg.deadline = deadline;
-            let fresh = reg.registered_at.is_some_and(|at| now.saturating_duration_since(at) < deadline / 2);
+            reg.bounds = bounds;
+            // Young enough that no renewal is due: the write can hand over at once.
+            let fresh = reg.registered_at.is_some_and(|at| now.saturating_duration_since(at) < reg.renew_after());
             if fresh && !reg.superseded && !reg.revoked && withdraw.is_empty() {
                 return Plan::Check { member: reg.member };
             }
@@ -167,7 +164,7 @@ impl Registrations {
             registered_at: None,
             registrations: 0,
             recheck: false,
-            deadline,
+            bounds,
             idle_since: None,
             superseded: false,
             revoked: false,
@@ -202,7 +199,7 @@ impl Registrations {
                     out.push(Renewal {
                         resource: resource.clone(),
                         member: r.member,
-                        deadline: r.deadline,
+                        ttl: r.ttl(),
                         registrations: r.registrations,
                     });
                 }
@@ -273,20 +270,20 @@ impl Registrations {
     pub fn refused(&self, resource: &ResourceKey, plan: &Plan, failed: bool, now: Instant) {
         let (member, withdraw) = (plan.member(), plan.withdraw());
         if failed && !withdraw.is_empty() {
-            let deadline = self.deadline_of(resource, member.token);
+            let ttl = self.ttl_of(resource, member.token);
             let mut urgent = self.urgent.lock().expect("registrations lock");
             for old in withdraw {
-                urgent.push(Withdrawal { resource: resource.clone(), member: *old, give_up_at: now + deadline });
+                urgent.push(Withdrawal { resource: resource.clone(), member: *old, give_up_at: now + ttl });
             }
         }
         self.finish(resource, member.token, failed, now);
     }
 
-    fn deadline_of(&self, resource: &ResourceKey, token: FenceToken) -> std::time::Duration {
+    fn ttl_of(&self, resource: &ResourceKey, token: FenceToken) -> Duration {
         let map = self.by_resource.lock().expect("registrations lock");
         map.get(resource)
             .and_then(|regs| regs.iter().find(|r| r.member.token == token))
-            .map_or(LINGER_MAX, |r| r.deadline)
+            .map_or(LINGER_MAX, Registration::ttl)
     }
 
     /// An admitted write has finished. Returns whether its registration is due now.
@@ -312,7 +309,7 @@ impl Registrations {
             self.urgent.lock().expect("registrations lock").push(Withdrawal {
                 resource: resource.clone(),
                 member: reg.member,
-                give_up_at: now + reg.deadline,
+                give_up_at: now + reg.ttl(),
             });
             due = true;
         } else {
@@ -343,7 +340,7 @@ impl Registrations {
                 self.urgent.lock().expect("registrations lock").push(Withdrawal {
                     resource: resource.clone(),
                     member: r.member,
-                    give_up_at: now + r.deadline,
+                    give_up_at: now + r.ttl(),
                 });
                 due = true;
             }
@@ -369,7 +366,7 @@ impl Registrations {
                 let expired =
                     r.active == 0 && r.idle_since.is_some_and(|at| now.saturating_duration_since(at) >= r.linger());
                 if expired {
-                    out.push(Withdrawal { resource: resource.clone(), member: r.member, give_up_at: now + r.deadline });
+                    out.push(Withdrawal { resource: resource.clone(), member: r.member, give_up_at: now + r.ttl() });
                 }
                 !expired
             });
@@ -401,14 +398,19 @@ impl Registrations {
 mod tests {
     use super::*;
 
-    const DEADLINE: Duration = Duration::from_secs(30);
+    const BOUNDS: InflightBounds = InflightBounds::new(Duration::from_secs(30));
+
+    /// The hand-over window of `BOUNDS`.
+    fn window() -> Duration {
+        BOUNDS.handover_window()
+    }
 
     fn r(name: &str) -> ResourceKey {
         ResourceKey::new(name).unwrap()
     }
 
     fn register(regs: &Registrations, res: &ResourceKey, token: u64, now: Instant) -> Member {
-        let Plan::Register { member, .. } = regs.begin(res, FenceToken(token), DEADLINE, now) else {
+        let Plan::Register { member, .. } = regs.begin(res, FenceToken(token), BOUNDS, now) else {
             panic!("expected a registration")
         };
         regs.admitted(res, member, Some(now));
@@ -425,7 +427,7 @@ mod tests {
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
         regs.release(&res, FenceToken(5), t0);
-        assert_eq!(regs.begin(&res, FenceToken(5), DEADLINE, t0 + Duration::from_millis(10)), Plan::Check { member });
+        assert_eq!(regs.begin(&res, FenceToken(5), BOUNDS, t0 + Duration::from_millis(10)), Plan::Check { member });
         regs.admitted(&res, member, None);
         regs.release(&res, FenceToken(5), t0);
         assert!(regs.due(t0 + Duration::from_millis(20), true).is_empty());
@@ -444,12 +446,12 @@ mod tests {
     }
 
     #[test]
-    fn a_registration_near_its_deadline_is_refreshed() {
+    fn a_registration_due_for_renewal_is_refreshed() {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
         assert_eq!(
-            regs.begin(&res, FenceToken(5), DEADLINE, t0 + DEADLINE / 2),
+            regs.begin(&res, FenceToken(5), BOUNDS, t0 + BOUNDS.renew_every()),
             Plan::Register { member, withdraw: vec![] }
         );
     }
@@ -461,10 +463,10 @@ mod tests {
         register(&regs, &res, 5, t0);
         regs.release(&res, FenceToken(5), t0);
         let six = register(&regs, &res, 6, t0); // token 6 still in use
-        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(7), DEADLINE, t0) else { panic!() };
+        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(7), BOUNDS, t0) else { panic!() };
         assert!(withdraw.is_empty());
         regs.release(&res, FenceToken(6), t0);
-        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(8), DEADLINE, t0) else { panic!() };
+        let Plan::Register { withdraw, .. } = regs.begin(&res, FenceToken(8), BOUNDS, t0) else { panic!() };
         assert_eq!(withdraw, vec![six]);
     }
 
@@ -487,11 +489,11 @@ mod tests {
     fn a_refused_admission_leaves_nothing_unless_the_call_failed() {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
-        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        let plan = regs.begin(&res, FenceToken(5), BOUNDS, t0);
         regs.refused(&res, &plan, false, t0);
         assert_eq!(regs.len(), 0);
         assert!(regs.due(t0, true).is_empty());
-        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        let plan = regs.begin(&res, FenceToken(5), BOUNDS, t0);
         let Plan::Register { member, .. } = plan else { panic!() };
         regs.refused(&res, &plan, true, t0);
         assert_eq!(withdrawn(regs.due(t0, true)), vec![(res, member)]);
@@ -503,7 +505,7 @@ mod tests {
         let (res, t0) = (r("a"), Instant::now());
         let five = register(&regs, &res, 5, t0);
         regs.release(&res, FenceToken(5), t0);
-        let plan = regs.begin(&res, FenceToken(6), DEADLINE, t0);
+        let plan = regs.begin(&res, FenceToken(6), BOUNDS, t0);
         let Plan::Register { member: six, withdraw } = &plan else { panic!() };
         assert_eq!(withdraw, &vec![five]);
         let six = *six;
@@ -518,10 +520,10 @@ mod tests {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
-        let plan = regs.begin(&res, FenceToken(5), DEADLINE, t0);
+        let plan = regs.begin(&res, FenceToken(5), BOUNDS, t0);
         regs.refused(&res, &plan, true, t0);
         assert!(regs.due(t0, true).is_empty());
-        assert_eq!(regs.begin(&res, FenceToken(5), DEADLINE, t0), Plan::Check { member });
+        assert_eq!(regs.begin(&res, FenceToken(5), BOUNDS, t0), Plan::Check { member });
     }
 
     #[test]
@@ -548,7 +550,7 @@ mod tests {
         regs.retry(due.clone(), t0 + Duration::from_secs(1));
         assert!(regs.has_urgent());
         assert_eq!(regs.due(t0 + Duration::from_secs(1), false), due);
-        regs.retry(due, t0 + DEADLINE);
+        regs.retry(due, t0 + BOUNDS.registration_ttl());
         assert!(!regs.has_urgent());
     }
 
@@ -559,45 +561,47 @@ mod tests {
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
         assert!(regs.renewals_due(t0 + Duration::from_millis(10)).is_empty(), "fresh: not yet");
-        let later = t0 + RENEW_EVERY_MAX;
+        let later = t0 + BOUNDS.renew_every();
         assert_eq!(
             regs.renewals_due(later),
-            vec![Renewal { resource: res.clone(), member, deadline: DEADLINE, registrations: 1 }]
+            vec![Renewal { resource: res.clone(), member, ttl: BOUNDS.registration_ttl(), registrations: 1 }]
         );
         regs.renewed(&res, member, later);
         assert!(regs.renewals_due(later + Duration::from_millis(10)).is_empty());
         // Renewed in time, it is never revoked, however long the write takes.
         for step in 1..100 {
-            let now = later + RENEW_EVERY_MAX * step;
+            let now = later + BOUNDS.renew_every() * step;
             assert!(regs.expiring(now).is_empty());
             regs.renewed(&res, member, now);
         }
         regs.release(&res, FenceToken(5), t0);
-        assert!(regs.renewals_due(later + DEADLINE).is_empty(), "idle: left to its linger");
+        assert!(regs.renewals_due(later + BOUNDS.registration_ttl()).is_empty(), "idle: left to its linger");
     }
 
-    /// A registration in use that could not be renewed is revoked once, before its deadline,
-    /// and the next admission registers it again instead of only checking it.
+    /// A registration in use that could not be renewed is revoked once, at the end of its
+    /// hand-over window, `D` and the drift margin before the store drops it, and the next
+    /// admission registers it again instead of only checking it.
     #[test]
-    fn a_registration_not_renewed_in_time_is_revoked_before_its_deadline() {
+    fn a_registration_not_renewed_in_time_is_revoked_at_the_end_of_its_window() {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
-        assert!(regs.expiring(t0 + DEADLINE / 2).is_empty());
-        assert!(regs.still_registered(&res, FenceToken(5), t0 + DEADLINE / 2));
-        let revoke_at = t0 + DEADLINE - DEADLINE / REVOKE_MARGIN;
-        assert!(revoke_at < t0 + DEADLINE);
+        let last_moment = t0 + (window() - Duration::from_nanos(1));
+        assert!(regs.expiring(last_moment).is_empty());
+        assert!(regs.still_registered(&res, FenceToken(5), last_moment), "the latest hand-over allowed");
+        let revoke_at = t0 + window();
+        assert_eq!(revoke_at + BOUNDS.inflight_deadline + BOUNDS.drift_margin(), t0 + BOUNDS.registration_ttl());
         assert_eq!(regs.expiring(revoke_at), vec![(res.clone(), FenceToken(5))]);
         assert!(regs.expiring(revoke_at + Duration::from_millis(1)).is_empty(), "revoked once");
         assert_eq!(regs.renewals_due(revoke_at).len(), 1, "renewed on: sent writes may still commit");
         assert!(!regs.still_registered(&res, FenceToken(5), revoke_at), "no body is handed over past it");
         assert_eq!(
-            regs.begin(&res, FenceToken(5), DEADLINE, revoke_at),
+            regs.begin(&res, FenceToken(5), BOUNDS, revoke_at),
             Plan::Register { member, withdraw: vec![] },
             "registered again, not only checked"
         );
         regs.admitted(&res, member, Some(revoke_at));
-        assert!(regs.expiring(revoke_at + DEADLINE / 2).is_empty());
+        assert!(regs.expiring(revoke_at + window() / 2).is_empty());
     }
 
     /// A registration the store lost (a restart without persistence, an expiry) is revoked at
@@ -607,11 +611,12 @@ mod tests {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
         register(&regs, &res, 5, t0);
-        let renewal = regs.renewals_due(t0 + DEADLINE / 2).pop().unwrap();
+        let renewal = regs.renewals_due(t0 + BOUNDS.renew_every()).pop().unwrap();
         assert!(regs.lost(&renewal));
         assert!(!regs.lost(&renewal), "reported once");
-        assert!(regs.expiring(t0 + DEADLINE).is_empty(), "already revoked");
-        assert!(matches!(regs.begin(&res, FenceToken(5), DEADLINE, t0), Plan::Register { .. }));
+        assert!(!regs.still_registered(&res, FenceToken(5), t0 + BOUNDS.renew_every()), "nothing handed over");
+        assert!(regs.expiring(t0 + BOUNDS.registration_ttl()).is_empty(), "already revoked");
+        assert!(matches!(regs.begin(&res, FenceToken(5), BOUNDS, t0), Plan::Register { .. }));
     }
 
     /// A renewal planned before an admission that registered the member again may have run
@@ -622,18 +627,19 @@ mod tests {
         let regs = Registrations::default();
         let (res, t0) = (r("a"), Instant::now());
         let member = register(&regs, &res, 5, t0);
-        let first = regs.renewals_due(t0 + DEADLINE / 2).pop().unwrap();
+        let half = t0 + window() / 2;
+        let first = regs.renewals_due(half).pop().unwrap();
         assert!(regs.lost(&first), "the store lost it: revoked");
         // The next write registers the same member again, and `first` (planned before that
         // admission was answered) is taken as if it had run before the admission.
-        let Plan::Register { member: again, .. } = regs.begin(&res, FenceToken(5), DEADLINE, t0) else { panic!() };
+        let Plan::Register { member: again, .. } = regs.begin(&res, FenceToken(5), BOUNDS, t0) else { panic!() };
         assert_eq!(again, member);
-        regs.admitted(&res, member, Some(t0 + DEADLINE / 2));
+        regs.admitted(&res, member, Some(half));
         assert!(!regs.lost(&first), "planned before the registration that put it back");
-        assert!(regs.still_registered(&res, FenceToken(5), t0 + DEADLINE / 2));
+        assert!(regs.still_registered(&res, FenceToken(5), half));
         // Renewed again at once, not a renewal period later; a "gone" then revokes.
-        let next = regs.renewals_due(t0 + DEADLINE / 2).pop().expect("a renewal at the next tick");
-        assert!(regs.renewals_due(t0 + DEADLINE / 2).is_empty(), "once");
+        let next = regs.renewals_due(half).pop().expect("a renewal at the next tick");
+        assert!(regs.renewals_due(half).is_empty(), "once");
         assert!(regs.lost(&next), "planned after it: revoked");
     }
 }

@@ -6,13 +6,17 @@
 //! listener that hands announced advances to [`Announcements::announced`].
 
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::{Notify, mpsc};
 
 use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
-use crate::fence::{FenceToken, ResourceKey, SharedAdmit, SharedRegistry, StoreError, StoreEvent};
+use crate::config::millis;
+use crate::fence::{
+    BootInstant as Instant, FenceToken, InflightBounds, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
+    StoreEvent,
+};
 use crate::metrics;
 
 /// Announcements not yet handled by the gate; beyond this, older ones are dropped (the store's
@@ -27,12 +31,12 @@ const WITHDRAW_TICK: Duration = Duration::from_millis(100);
 const RENEW_TICK: Duration = Duration::from_millis(50);
 
 /// What an admission asks besides the token: the replica's floor, whether the write may raise
-/// the fence, and the registration's deadline.
+/// the fence, and how long the store keeps the registration (`InflightBounds::registration_ttl`).
 #[derive(Debug, Clone, Copy)]
 pub struct Ask {
     pub floor: Option<FenceToken>,
     pub may_advance: bool,
-    pub deadline_ms: u64,
+    pub ttl_ms: u64,
 }
 
 /// A renewal's answer: whether the registration is still in the store, and the fence there.
@@ -58,7 +62,7 @@ pub trait RegistryCalls: Send + Sync + 'static {
     /// The full admission, atomic in the store: withdraws `withdraw`, raises the store back to
     /// the floor if it fell below, checks `token` against the fence (raising it if allowed),
     /// and, if `member` is given and no older write is in flight, registers it for
-    /// `ask.deadline_ms`.
+    /// `ask.ttl_ms`.
     async fn register(
         &self,
         resource: &ResourceKey,
@@ -68,8 +72,8 @@ pub trait RegistryCalls: Send + Sync + 'static {
         withdraw: &[Member],
     ) -> Result<SharedAdmit, StoreError>;
 
-    /// Pushes a registration in use to a full deadline from when the call is sent, if it is
-    /// still there; also reads the fence.
+    /// Pushes a registration in use to a full `renewal.ttl` from when the call is received, if
+    /// it is still there; also reads the fence.
     async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError>;
 
     /// Removes a registration from the store.
@@ -116,14 +120,14 @@ impl<C: RegistryCalls> SharedRegistry for Shared<C> {
         floor: Option<FenceToken>,
         register: bool,
         may_advance: bool,
-        deadline_ms: u64,
+        inflight_deadline_ms: u64,
     ) -> Result<SharedAdmit, StoreError> {
-        let ask = Ask { floor, may_advance, deadline_ms };
+        let bounds = InflightBounds::new(Duration::from_millis(inflight_deadline_ms));
+        let ask = Ask { floor, may_advance, ttl_ms: millis(bounds.registration_ttl()) };
         if !register {
             return self.calls.register(resource, token, &ask, None, &[]).await;
         }
-        let deadline = Duration::from_millis(deadline_ms);
-        let plan = self.registrations.begin(resource, token, deadline, Instant::now());
+        let plan = self.registrations.begin(resource, token, bounds, Instant::now());
         // Dropped before the answer (the store call failed or timed out, the client went
         // away): the call may have registered, so withdraw unless other writes use the
         // registration.
