@@ -11,9 +11,11 @@
 //!   commits nothing), while a call whose body was fully sent is never abandoned: it goes on in
 //!   the background holding the permit until the upstream answers;
 //! - a call that fails after its whole request may have reached the upstream (a connection
-//!   reset, a timeout) has an unknown outcome: its permit is held for the in-flight deadline,
-//!   the time fencegate assumes an upstream takes at most to commit a request it received
-//!   (`docs/design.md`, section 8), counted and logged as ambiguous.
+//!   reset, a timeout), and an answer that does not prove the write was not committed (500,
+//!   502, 503, 504: S3 says such a write may have succeeded, and a load balancer's 502 or 504
+//!   says nothing of its backend), have an unknown outcome: the permit is held for the in-flight
+//!   deadline, the time fencegate assumes an upstream takes at most to commit a request it
+//!   received (`docs/design.md`, section 3a), counted and logged as ambiguous.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -30,6 +32,22 @@ pub trait Delivery {
     /// `false` only when the request certainly never left fencegate (the connection could not
     /// be opened); any other failure after sending started may have been committed.
     fn maybe_delivered(&self) -> bool;
+}
+
+/// Whether an upstream's answer settles a write's outcome.
+pub trait Answer {
+    /// `false` when the write may still commit although the upstream answered: a server error
+    /// other than 501 (S3's own documentation says a 500 or 503 write may have succeeded; a
+    /// proxy's 502 or 504 says nothing of what its backend did). A success committed; a 4xx
+    /// or 501 is given before acting, and a failed precondition commits nothing.
+    fn outcome_known(&self) -> bool;
+}
+
+impl<B> Answer for http::Response<B> {
+    fn outcome_known(&self) -> bool {
+        let status = self.status();
+        !status.is_server_error() || status == http::StatusCode::NOT_IMPLEMENTED
+    }
 }
 
 /// What became of one upstream call of an admitted write.
@@ -123,7 +141,7 @@ where
 pub async fn bounded_call<T, E, F>(permits: &[Arc<Permit>], deadline: Instant, hold: Duration, call: F) -> Bounded<T, E>
 where
     F: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
+    T: Answer + Send + 'static,
     E: Delivery + std::fmt::Display + Send + 'static,
 {
     let Some(permit) = permits.first() else { return Bounded::Done(call.await) };
@@ -143,9 +161,7 @@ where
     };
     match result {
         Some(result) => {
-            if let Err(error) = &result {
-                hold_if_maybe_delivered(permits, error, hold);
-            }
+            hold_unless_settled(permits, &result, hold);
             Bounded::Done(result)
         }
         None if permit.cut_off_if_unsent() => {
@@ -167,10 +183,10 @@ where
                 // An upstream commits a request it received within `hold` or never (the design's
                 // one assumption): past that, the call is given up and the write released.
                 match tokio::time::timeout(hold, call).await {
-                    Ok(Ok(_)) => {
-                        tracing::info!(token = permits[0].token().0, "late upstream answer to an unknown outcome")
+                    Ok(result) => {
+                        tracing::info!(token = permits[0].token().0, "late upstream answer to an unknown outcome");
+                        hold_unless_settled(permits, &result, hold);
                     }
-                    Ok(Err(error)) => hold_if_maybe_delivered(permits, &error, hold),
                     Err(_) => {
                         metrics::ambiguous_outcome("abandoned");
                         tracing::warn!(
@@ -189,19 +205,41 @@ where
 /// How long a cut-off call may take to end before the client is answered anyway.
 const CUT_OFF_GRACE: Duration = Duration::from_secs(1);
 
-/// Keeps `permits` for `hold` after a failed call that may have reached the upstream whole.
-fn hold_if_maybe_delivered<E: Delivery + std::fmt::Display>(permits: Vec<Arc<Permit>>, error: &E, hold: Duration) {
+/// Keeps `permits` for `hold` after a call whose request may have reached the upstream whole
+/// and whose end does not say whether it committed: a failure after sending, or an answer
+/// that settles nothing (a 5xx).
+fn hold_unless_settled<T: Answer, E: Delivery + std::fmt::Display>(
+    permits: Vec<Arc<Permit>>,
+    result: &Result<T, E>,
+    hold: Duration,
+) {
     let Some(permit) = permits.first() else { return };
-    if !error.maybe_delivered() || !permit.body_sent() {
+    if !permit.body_sent() {
         return;
     }
-    metrics::ambiguous_outcome("failed_after_send");
-    tracing::warn!(
-        %error,
-        token = permit.token().0,
-        hold_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
-        "upstream call failed after the whole request was sent: outcome unknown, the write stays in flight"
-    );
+    let hold_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX);
+    match result {
+        Ok(answer) if answer.outcome_known() => return,
+        Err(error) if !error.maybe_delivered() => return,
+        Ok(_) => {
+            metrics::ambiguous_outcome("server_error");
+            tracing::warn!(
+                token = permit.token().0,
+                hold_ms,
+                "the upstream answered a write with a server error, which may still commit: outcome unknown, the \
+                 write stays in flight"
+            );
+        }
+        Err(error) => {
+            metrics::ambiguous_outcome("failed_after_send");
+            tracing::warn!(
+                %error,
+                token = permit.token().0,
+                hold_ms,
+                "upstream call failed after the whole request was sent: outcome unknown, the write stays in flight"
+            );
+        }
+    }
     hold_for(permits, hold);
 }
 
@@ -233,6 +271,13 @@ mod tests {
     impl Delivery for Failed {
         fn maybe_delivered(&self) -> bool {
             self.delivered
+        }
+    }
+
+    /// A call that answers nothing but its success.
+    impl Answer for () {
+        fn outcome_known(&self) -> bool {
+            true
         }
     }
 
@@ -349,5 +394,63 @@ mod tests {
         assert!(matches!(outcome, Bounded::Done(Err(_))));
         drop(permit);
         assert!(admitted_within(&gate, 7, Duration::from_millis(10)).await);
+    }
+
+    /// An upstream that answers a sent write with 500, 502, 503 or 504 may still commit it (S3
+    /// says so of its own 500 and 503; a load balancer's 502 or 504 says nothing of its
+    /// backend): the write stays in flight for the in-flight deadline, as after a reset. A
+    /// 4xx, a 501 and a success settle it at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_server_error_keeps_the_write_in_flight() {
+        let gate = gate();
+        let mut token = 5;
+        for status in [500, 502, 503, 504] {
+            let permit = Arc::new(gate.admit(&key(), FenceToken(token)).await.unwrap());
+            assert!(permit.mark_body_sent());
+            let answer = http::Response::builder().status(status).body(()).unwrap();
+            let call = async move { Ok::<_, Failed>(answer) };
+            let outcome =
+                bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(60), DEADLINE, call)
+                    .await;
+            assert!(matches!(outcome, Bounded::Done(Ok(_))));
+            drop(permit);
+            let waited = Instant::now();
+            assert!(!admitted_within(&gate, token + 1, DEADLINE - Duration::from_millis(5)).await, "{status}");
+            assert!(admitted_within(&gate, token + 1, DEADLINE).await, "{status}");
+            assert!(waited.elapsed() >= DEADLINE, "{status}: held for the whole in-flight deadline");
+            token += 2;
+        }
+        for status in [200, 404, 412, 501] {
+            let permit = Arc::new(gate.admit(&key(), FenceToken(token)).await.unwrap());
+            assert!(permit.mark_body_sent());
+            let answer = http::Response::builder().status(status).body(()).unwrap();
+            let call = async move { Ok::<_, Failed>(answer) };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let outcome = bounded_call(std::slice::from_ref(&permit), deadline, DEADLINE, call).await;
+            assert!(matches!(outcome, Bounded::Done(Ok(_))));
+            drop(permit);
+            assert!(admitted_within(&gate, token + 1, Duration::from_millis(10)).await, "{status} settles the write");
+            token += 2;
+        }
+    }
+
+    /// A 5xx answered late, after the write's deadline, holds the write the in-flight deadline
+    /// from that answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_server_error_holds_the_write_from_its_answer() {
+        let gate = gate();
+        let permit = Arc::new(gate.admit(&key(), FenceToken(5)).await.unwrap());
+        assert!(permit.mark_body_sent());
+        let call = async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok::<_, Failed>(http::Response::builder().status(503).body(()).unwrap())
+        };
+        let outcome =
+            bounded_call(std::slice::from_ref(&permit), Instant::now() + Duration::from_secs(1), DEADLINE, call).await;
+        assert!(matches!(outcome, Bounded::Unknown));
+        drop(permit);
+        // Answered at 2 s: held until 2 s + D.
+        assert!(!admitted_within(&gate, 6, DEADLINE + Duration::from_millis(500)).await);
+        assert!(admitted_within(&gate, 6, Duration::from_secs(2)).await);
     }
 }

@@ -9,8 +9,13 @@ forwarded unchanged, each only once it arrived whole), where a test can make it 
     hold.release()                             # now it goes to moto
 
 A held request is forwarded after its release even if its client (fencegate) hung up
-meanwhile, exactly like S3 committing a request whose client went away. A request whose body
-never arrived whole is not forwarded (S3 commits nothing for a truncated body).
+meanwhile, exactly like S3 committing a request whose client went away. A hold can also end by
+itself: `hold_next(..., commit_after_s=s)` forwards the request at its arrival + s (an upstream
+that commits what it received s later). `answer_then_commit(method, key, status, s)` answers
+the next matching request at once with an S3-style 5xx error, without forwarding it, and then
+forwards (commits) it at its arrival + s anyway: an ambiguous answer whose write still lands.
+A request whose body never arrived whole is not forwarded (S3 commits nothing for a truncated
+body).
 
 Writes (every method but GET, HEAD and OPTIONS, so also a non-standard `put`) are forwarded to
 moto under ONE lock, so the order of `writes()` (the requests moto answered, in forwarding order)
@@ -27,6 +32,7 @@ under `jobs/` of the bucket belongs to resource `job`.
 
 from __future__ import annotations
 
+import http
 import threading
 import time
 from dataclasses import dataclass
@@ -47,10 +53,12 @@ class Hold:
     """One registered hold: the next request with `method` whose path contains `key`
     (and whose query contains `query`, if given) is held after its whole body arrived."""
 
-    def __init__(self, method: str | None, key: str, query: str | None):
+    def __init__(self, method: str | None, key: str, query: str | None,
+                 commit_after_s: float | None = None):
         self.method = method
         self.key = key
         self.query = query
+        self.commit_after_s = commit_after_s  # if set: released by itself at arrival + this
         self.arrived = threading.Event()  # set when the matching request is held
         self.released = threading.Event()
         self.entry: dict | None = None  # the held request's log entry
@@ -82,6 +90,30 @@ class Refusal:
         self.refused = 0
 
 
+class LateCommit:
+    """One registered `answer_then_commit` rule: the next request with `method` whose path
+    contains `key` is answered `status` at once (unforwarded), then forwarded to moto at its
+    arrival + `commit_after_s` under the commit lock, and logged in `writes()` like any write."""
+
+    CODES = {500: "InternalError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+
+    def __init__(self, method: str, key: str, status: int, commit_after_s: float):
+        self.method, self.key, self.status, self.commit_after_s = method, key, status, commit_after_s
+        self.arrived = threading.Event()  # the request arrived whole (set before it is answered)
+        self.committed = threading.Event()  # moto answered the late forward
+        self.entry: dict | None = None
+
+    def matches(self, method: str, path: str) -> bool:
+        return method == self.method and self.key in path
+
+    def answer(self) -> Answer:
+        code = self.CODES.get(self.status, "InternalError")
+        body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                f"<Message>answered {self.status} by the test upstream</Message></Error>").encode()
+        return Answer(self.status, http.HTTPStatus(self.status).phrase,
+                      [("Content-Type", "application/xml")], body)
+
+
 PRECONDITION_FAILED = Answer(
     412, "Precondition Failed", [("Content-Type", "application/xml")],
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code>'
@@ -99,11 +131,14 @@ class HoldingUpstream(MotoProxy):
         self._writes: list = []
         self._holds: list = []
         self._refusals: list = []
+        self._late_commits: list = []
 
     # rules and log ----------------------------------------------------------------------
-    def hold_next(self, method: str | None, key: str, query: str | None = None) -> Hold:
-        """Hold the next request matching (method, path substring[, query substring])."""
-        hold = Hold(method, key, query)
+    def hold_next(self, method: str | None, key: str, query: str | None = None,
+                  commit_after_s: float | None = None) -> Hold:
+        """Hold the next request matching (method, path substring[, query substring]); with
+        `commit_after_s`, it is released by itself at its arrival + that many seconds."""
+        hold = Hold(method, key, query, commit_after_s)
         with self.lock:
             self._holds.append(hold)
         return hold
@@ -116,6 +151,15 @@ class HoldingUpstream(MotoProxy):
         with self.lock:
             self._refusals.append(refusal)
         return refusal
+
+    def answer_then_commit(self, method: str, key: str, status: int, commit_after_s: float) -> LateCommit:
+        """Answer the next `method` request whose path contains `key` with `status` (an S3-style
+        XML error) at once without forwarding it, then forward it to moto (commit it) at its
+        arrival + `commit_after_s`, under the commit lock; `wait_idle` waits for that forward."""
+        rule = LateCommit(method, key, status, commit_after_s)
+        with self.lock:
+            self._late_commits.append(rule)
+        return rule
 
     def release_all(self):
         with self.lock:
@@ -153,8 +197,9 @@ class HoldingUpstream(MotoProxy):
         entry = {
             "seq": None, "method": req.method, "path": req.path, "query": req.query,
             "token": req.h.get("x-amz-meta-fencing-token"), "status": None, "held": False,
-            "client_gone": False, "t_arrived": time.monotonic(), "t_forwarded": None,
-            "t_answered": None, "headers": req.logged_headers(), "body_bytes": len(req.body),
+            "client_gone": False, "t_arrived": time.monotonic(), "t_arrived_wall": time.time(),
+            "t_forwarded": None, "t_answered": None, "headers": req.logged_headers(),
+            "body_bytes": len(req.body),
         }
         with self.lock:
             refusal = next((r for r in self._refusals if r.method == req.method and r.header in req.h
@@ -163,6 +208,19 @@ class HoldingUpstream(MotoProxy):
                 refusal.refused += 1
         if refusal is not None:
             return self.respond(conn, req, PRECONDITION_FAILED, rest)
+        with self.lock:
+            late = next((r for r in self._late_commits if r.matches(req.method, req.path)), None)
+            if late is not None:
+                self._late_commits.remove(late)
+                self._requests.append(entry)
+                self.pending += 1  # until the late forward is answered (`_commit_late`)
+        if late is not None:
+            late.entry = entry
+            entry["answered_first"] = late.status
+            threading.Thread(target=self._commit_late, args=(req, entry, late), daemon=True,
+                             name="HoldingUpstream-late").start()
+            late.arrived.set()
+            return self.respond(conn, req, late.answer(), rest)
         with self.answering():
             with self.lock:
                 self._requests.append(entry)
@@ -181,14 +239,37 @@ class HoldingUpstream(MotoProxy):
                         self._writes.append(entry)
         return self.respond(conn, req, answer, rest)
 
+    def _commit_late(self, req: Request, entry: dict, late: LateCommit):
+        """The late forward of an `answer_then_commit` request (at its arrival + the delay)."""
+        try:
+            delay = entry["t_arrived"] + late.commit_after_s - time.monotonic()
+            if delay > 0:
+                time.sleep(min(delay, HOLD_MAX_S))
+            with self.commit_lock:
+                self._forward_logged(req, entry)
+                with self.lock:
+                    entry["seq"] = len(self._writes) + 1
+                    self._writes.append(entry)
+            late.committed.set()
+        finally:
+            with self.idle:
+                self.pending -= 1
+                self.idle.notify_all()
+
     @staticmethod
     def _hold(conn, hold: Hold, entry: dict):
-        """Until the test releases it (at most HOLD_MAX_S), watching whether fencegate hangs up."""
+        """Until the test releases it (at most HOLD_MAX_S; with `commit_after_s`, until the
+        request's arrival + that), watching whether fencegate hangs up."""
         entry["held"] = True
         hold.entry = entry
         hold.arrived.set()
         deadline = time.monotonic() + HOLD_MAX_S
-        while not hold.released.wait(0.05) and time.monotonic() < deadline:
+        if hold.commit_after_s is not None:
+            deadline = min(deadline, entry["t_arrived"] + hold.commit_after_s)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or hold.released.wait(min(0.05, left)):
+                break
             if not entry["client_gone"] and peer_closed(conn):
                 entry["client_gone"] = True
 
