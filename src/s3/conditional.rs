@@ -38,13 +38,20 @@ impl<'a> ObjectWrite<'a> {
     /// The request's object and the client's condition on it.
     pub(super) fn of(request: &'a Request, admitted: &'a Admitted) -> Result<Self, FrontError> {
         let object = request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-        Ok(Self {
-            target: &request.target,
-            object,
-            condition: ClientCondition::of(&request.headers),
-            admitted,
-            headers: &request.headers,
-        })
+        Ok(Self::for_key(&request.target, object, ClientCondition::of(&request.headers), admitted, &request.headers))
+    }
+
+    /// A write to `object` (`bucket/key`) at `target`, which need not be the request's (each
+    /// key of a DeleteObjects), under the client's `condition` on it; `headers` are what the
+    /// upstream judges besides the condition.
+    pub(super) fn for_key(
+        target: &'a Target,
+        object: String,
+        condition: ClientCondition,
+        admitted: &'a Admitted,
+        headers: &'a HeaderMap,
+    ) -> Self {
+        Self { target, object, condition, admitted, headers }
     }
 
     /// Whether the request carries a condition that the upstream judges and that fencegate's

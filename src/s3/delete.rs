@@ -1,6 +1,7 @@
 //! DeleteObject: conditional on the ETag of the version the token may delete. A DELETE of an
 //! object that is not there is answered 204 (as S3 does) without forwarding it: sent without a
-//! precondition, it could land after a newer token's write and delete it.
+//! precondition, it could land after a newer token's write and delete it. DeleteObjects
+//! deletes each of its keys this way too (`delete_objects.rs`).
 
 use http::{HeaderMap, Method, StatusCode};
 use s3s::{Body, S3Response};
@@ -21,11 +22,24 @@ impl Front {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
         let write = ObjectWrite::of(&request, &admitted)?;
+        self.delete_key(&write, versioned, &path, &headers).await
+    }
+
+    /// Deletes one object, conditional on the version the token may delete: `path` is what the
+    /// upstream is sent (with the version, if `versioned`), `headers` the request's less
+    /// fencegate's own.
+    pub(super) async fn delete_key(
+        &self,
+        write: &ObjectWrite<'_>,
+        versioned: bool,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<S3Response<Body>, FrontError> {
         let empty = || WriteBody::InMemory(Body::empty());
-        let (headers, path, object, target, admitted) = (&headers, &path, &write.object, write.target, &admitted);
+        let (object, target, admitted) = (&write.object, write.target, write.admitted);
         // A cached `Absent` is not trusted: another writer may have created the object since.
-        let state = self.starting_state(&write, Cached::PresentOnly).await?;
-        self.conditional_write(&write, state, move |state| {
+        let state = self.starting_state(write, Cached::PresentOnly).await?;
+        self.conditional_write(write, state, move |state| {
             Box::pin(async move {
                 let mut headers = headers.clone();
                 let ObjectState::Present { .. } = &state else {

@@ -1,27 +1,25 @@
-//! DeleteObjects: every key is checked against its own resource. Stale keys come back as
-//! per-key `<Error>` entries (`FencingTokenStale`); the others are forwarded in a rewritten
-//! request body, with a fresh `Content-MD5`, and the two results are merged.
+//! DeleteObjects: every key is checked against its own resource and deleted as a DeleteObject
+//! is, conditional on the version its token may delete (`delete.rs`). Refused keys come back as
+//! per-key `<Error>` entries (`FencingTokenStale`); the result is fencegate's own
+//! `<DeleteResult>`. One conditional call per key instead of one batch: a batch has no
+//! per-key precondition, so a DeleteObjects delivered twice (a retrying hop) could delete an
+//! object a newer token wrote in between.
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use base64::Engine;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
-use md5::Digest;
 use s3s::{Body, S3Response};
 use serde::Deserialize;
 
-use super::conditional::Cached;
+use super::conditional::ObjectWrite;
 use super::error::FrontError;
-use super::forward::{client_response, upstream_headers, upstream_request};
+use super::forward::upstream_headers;
 use super::objects::ClientCondition;
 use super::{Admitted, Front, Request, Target};
-use crate::config::millis;
-use crate::fence::outcome::{Bounded, bounded_call};
-use crate::fence::{AdmitError, FenceToken, Permit, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, ResourceKey};
 use crate::metrics;
 use crate::refusal::Refusal;
 
@@ -59,47 +57,9 @@ pub async fn read(body: s3s::Body) -> Result<DeleteRequest, FrontError> {
     quick_xml::de::from_str(text).map_err(|e| FrontError::MalformedXml(e.to_string()))
 }
 
-/// The body forwarded upstream: only the admitted keys.
-pub fn forwarded_body(objects: &[ObjectId], quiet: Option<bool>) -> Bytes {
-    let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?><Delete>");
-    for o in objects {
-        xml.push_str("<Object><Key>");
-        xml.push_str(&escape(&o.key));
-        xml.push_str("</Key>");
-        if let Some(v) = &o.version_id {
-            xml.push_str("<VersionId>");
-            xml.push_str(&escape(v));
-            xml.push_str("</VersionId>");
-        }
-        if let Some(e) = &o.etag {
-            xml.push_str("<ETag>");
-            xml.push_str(&escape(e));
-            xml.push_str("</ETag>");
-        }
-        xml.push_str("</Object>");
-    }
-    if let Some(q) = quiet {
-        xml.push_str(if q { "<Quiet>true</Quiet>" } else { "<Quiet>false</Quiet>" });
-    }
-    xml.push_str("</Delete>");
-    Bytes::from(xml)
-}
-
-/// Headers for the rewritten body: its own length and MD5; checksums of the old body dropped.
-pub fn rewrite_headers(headers: &mut HeaderMap, body: &Bytes) {
-    let stale: Vec<_> = headers.keys().filter(|n| n.as_str().starts_with("x-amz-checksum-")).cloned().collect();
-    for name in stale {
-        headers.remove(name);
-    }
-    headers.remove("x-amz-sdk-checksum-algorithm");
-    let md5 = base64::engine::general_purpose::STANDARD.encode(md5::Md5::digest(body));
-    headers.insert("content-md5", HeaderValue::from_str(&md5).expect("base64 is a valid header value"));
-    headers.insert(http::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-}
-
-/// One `<Error>` entry for a key refused by the gate.
-pub fn error_entry(object: &ObjectId, code: &str, message: &str) -> String {
-    let mut xml = String::from("<Error><Key>");
+/// An entry's opening: `<tag>`, the key and the version the request named.
+fn entry_start(tag: &str, object: &ObjectId) -> String {
+    let mut xml = format!("<{tag}><Key>");
     xml.push_str(&escape(&object.key));
     xml.push_str("</Key>");
     if let Some(v) = &object.version_id {
@@ -107,6 +67,12 @@ pub fn error_entry(object: &ObjectId, code: &str, message: &str) -> String {
         xml.push_str(&escape(v));
         xml.push_str("</VersionId>");
     }
+    xml
+}
+
+/// One `<Error>` entry for a key that was refused or failed.
+pub fn error_entry(object: &ObjectId, code: &str, message: &str) -> String {
+    let mut xml = entry_start("Error", object);
     xml.push_str("<Code>");
     xml.push_str(code);
     xml.push_str("</Code><Message>");
@@ -115,46 +81,76 @@ pub fn error_entry(object: &ObjectId, code: &str, message: &str) -> String {
     xml
 }
 
-/// Adds the refused keys' entries to the upstream's `<DeleteResult>` (or makes one when
-/// nothing was forwarded).
-pub fn merge(upstream: Option<&[u8]>, refused: &[String]) -> Result<Bytes, FrontError> {
-    let entries = refused.concat();
-    let Some(upstream) = upstream else {
-        return Ok(Bytes::from(format!(
-            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\
-             <DeleteResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">{entries}</DeleteResult>"
-        )));
-    };
-    let text = std::str::from_utf8(upstream).map_err(|_| FrontError::UpstreamStatus {
-        step: "DeleteObjects (a result that is not UTF-8)",
-        status: StatusCode::BAD_GATEWAY,
-    })?;
-    if let Some(end) = text.rfind("</DeleteResult>") {
-        return Ok(Bytes::from(format!("{}{entries}{}", &text[..end], &text[end..])));
-    }
-    if let Some(empty) = text.rfind("<DeleteResult") {
-        // `<DeleteResult .../>` with nothing in it.
-        if let Some(close) = text[empty..].find("/>") {
-            let open_tag = &text[empty..empty + close];
-            return Ok(Bytes::from(format!("{}{open_tag}>{entries}</DeleteResult>", &text[..empty])));
+/// One `<Deleted>` entry: the key, the version the request named, and the delete marker the
+/// upstream reported (`x-amz-delete-marker`, `x-amz-version-id`).
+pub fn deleted_entry(object: &ObjectId, answer: &HeaderMap) -> String {
+    let mut xml = entry_start("Deleted", object);
+    let marker = answer.get("x-amz-delete-marker").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    if marker {
+        xml.push_str("<DeleteMarker>true</DeleteMarker>");
+        if let Some(version) = answer.get("x-amz-version-id").and_then(|v| v.to_str().ok()) {
+            xml.push_str("<DeleteMarkerVersionId>");
+            xml.push_str(&escape(version));
+            xml.push_str("</DeleteMarkerVersionId>");
         }
     }
-    Err(FrontError::UpstreamStatus {
-        step: "DeleteObjects (no DeleteResult in the answer)",
-        status: StatusCode::BAD_GATEWAY,
-    })
+    xml.push_str("</Deleted>");
+    xml
+}
+
+/// The `<DeleteResult>` document of the entries, in the order given.
+pub fn result_document(entries: &[String]) -> Bytes {
+    let mut xml = String::from(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<DeleteResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">",
+    );
+    for entry in entries {
+        xml.push_str(entry);
+    }
+    xml.push_str("</DeleteResult>");
+    Bytes::from(xml)
+}
+
+/// An S3 error document's `<Code>` and `<Message>` (what a key's failed delete came back with).
+fn error_of(body: &[u8]) -> (String, String) {
+    let text = String::from_utf8_lossy(body);
+    let field = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let end = text[start..].find(&format!("</{name}>"))? + start;
+        quick_xml::escape::unescape(&text[start..end]).ok().map(|s| s.into_owned())
+    };
+    (field("Code").unwrap_or_else(|| "InternalError".into()), field("Message").unwrap_or_default())
 }
 
 fn escape(text: &str) -> String {
     quick_xml::escape::escape(text).into_owned()
 }
 
-/// Object heads read at once for the stamp checks of one DeleteObjects.
-const STAMP_CHECKS_CONCURRENT: usize = 16;
+/// Keys of one DeleteObjects deleted at once.
+const DELETES_CONCURRENT: usize = 16;
+
+/// Headers of a DeleteObjects that describe its body or condition, not each key's delete.
+const BATCH_ONLY_HEADERS: &[&str] = &[
+    "content-md5",
+    "content-type",
+    "content-length",
+    "content-encoding",
+    "x-amz-sdk-checksum-algorithm",
+    "if-match",
+    "if-none-match",
+    "if-modified-since",
+    "if-unmodified-since",
+];
+
+/// How much of a key's error answer is read for its code and message.
+const KEY_ERROR_BYTES_MAX: usize = 64 * 1024;
 
 impl Front {
-    /// DeleteObjects: each key against its own resource; stale keys become per-key errors.
-    /// `lease`: signed with a lease credential, whose resource every key must belong to.
+    /// DeleteObjects: each key against its own resource, then deleted as a DeleteObject is
+    /// (conditional on the version its token may delete, never forwarded for an absent key), so
+    /// that no key's delete can land after a newer token's write of it, even delivered twice.
+    /// Refused keys come back as per-key `<Error>` entries. `lease`: signed with a lease
+    /// credential, whose resource every key must belong to.
     pub(super) async fn delete_objects(
         &self,
         request: Request,
@@ -162,154 +158,121 @@ impl Front {
         lease: Option<ResourceKey>,
     ) -> Result<S3Response<Body>, FrontError> {
         let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
-        let path = request.path_and_query();
         let parsed = read(request.body).await?;
+        let quiet = parsed.quiet.unwrap_or(false);
         let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<ObjectId>> = Default::default();
-        let mut refused = Vec::new();
+        let mut entries = Vec::new();
         for object in parsed.objects {
             if let Err(error) = super::checks::check_key(&object.key) {
-                refused.push(error_entry(&object, error.code(), &error.to_string()));
+                entries.push(error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }
             if let Some(lease) = &lease
                 && let Err(error) = self.within_lease(lease, &bucket, &object.key)
             {
-                refused.push(error_entry(&object, error.code(), &error.to_string()));
+                entries.push(error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }
             match self.wire.resource(&request.headers, &bucket, &object.key) {
                 Ok(resource) => by_resource.entry(resource).or_default().push(object),
-                Err(error) => refused.push(error_entry(&object, error.code(), &error.to_string())),
+                Err(error) => entries.push(error_entry(&object, error.code(), &error.to_string())),
             }
         }
-        let mut permits = Vec::with_capacity(by_resource.len());
-        let mut checked = Vec::new();
+        let mut admitted = Vec::new();
         for (resource, objects) in by_resource {
             match self.gate.admit_write(&resource, token, self.writes_advance).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
-                    let permit = Arc::new(permit);
                     let deadline = tokio::time::Instant::now() + self.request_timeout;
-                    let admitted = Admitted { token, resource: resource.clone(), permit: permit.clone(), deadline };
-                    checked.extend(objects.into_iter().map(|object| (admitted.clone(), object)));
-                    permits.push((resource, permit));
+                    let write = Admitted { token, resource, permit: Arc::new(permit), deadline };
+                    admitted.extend(objects.into_iter().map(|object| (write.clone(), object)));
                 }
                 Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {
                     let error = FrontError::from(refusal);
                     metrics::decision(error.decision());
                     for object in &objects {
-                        refused.push(error_entry(object, error.code(), &error.to_string()));
+                        entries.push(error_entry(object, error.code(), &error.to_string()));
                     }
                 }
                 Err(other) => return Err(other.into()),
             }
         }
-        // Each key against its stamp, as any other object write (G4): a key stamped with a newer
-        // token is refused on its own.
-        let mut admitted = Vec::with_capacity(checked.len());
-        let stamps = futures_util::stream::iter(checked.into_iter().map(|(write, object)| {
-            let bucket = &bucket;
-            async move {
-                let target = Target {
-                    raw_path: format!("/{bucket}/{}", crate::percent::encode_key(&object.key)),
-                    bucket: Some(bucket.clone()),
-                    key: Some(object.key.clone()),
-                };
-                let name = format!("{bucket}/{}", object.key);
-                let mut checked = self.object_state(&target, &name, Cached::Any, &write).await;
-                if let (Ok(state), Some(etag)) = (&checked, &object.etag) {
-                    // The client's condition on this key, judged as on a single delete.
-                    let mut headers = HeaderMap::new();
-                    if let Ok(value) = HeaderValue::from_str(etag) {
-                        headers.insert(http::header::IF_MATCH, value);
-                    }
-                    let condition = ClientCondition::of(&headers);
-                    checked = self.client_condition(&condition, &target, &name, state.clone(), &write).await;
-                }
-                (object, checked)
-            }
-        }))
-        .buffer_unordered(STAMP_CHECKS_CONCURRENT)
-        .collect::<Vec<_>>()
-        .await;
-        for (object, checked) in stamps {
-            match checked {
-                Ok(_) => admitted.push(object),
-                Err(error) => {
-                    // Stale, or its head could not be read: that key alone is refused.
-                    if matches!(error, FrontError::Refused(Refusal::Stale { .. })) {
-                        metrics::decision("stale");
-                    }
-                    refused.push(error_entry(&object, error.code(), &error.to_string()));
-                }
-            }
-        }
-        let (status, mut headers, result) = if admitted.is_empty() {
-            (StatusCode::OK, HeaderMap::new(), merge(None, &refused)?)
-        } else {
-            let body = forwarded_body(&admitted, parsed.quiet);
-            let mut headers = upstream_headers(&request.headers, &self.wire);
-            rewrite_headers(&mut headers, &body);
-            let resp = self.send_batch(&permits, &path, headers, Body::from(body)).await?;
-            for object in &admitted {
-                self.etags.forget(&format!("{bucket}/{}", object.key));
-            }
-            let (resp, committed) =
-                self.read_write_xml(resp, &permits.iter().map(|(_, p)| p.clone()).collect::<Vec<_>>()).await?;
-            if !resp.status().is_success() || !committed {
-                return Ok(client_response(resp));
-            }
-            let (parts, body) = resp.into_parts();
-            let merged = merge(body.bytes().as_deref(), &refused)?;
-            (parts.status, parts.headers, merged)
-        };
-        drop(permits);
-        for name in ["content-length", "content-md5", "etag"] {
+        // Each delete carries the request's headers (`x-amz-bypass-governance-retention`,
+        // `x-amz-mfa`, the bucket owner, the client's own), less those of the batch's body.
+        let mut headers = upstream_headers(&request.headers, &self.wire);
+        let batch_only: Vec<_> = headers
+            .keys()
+            .filter(|n| BATCH_ONLY_HEADERS.contains(&n.as_str()) || n.as_str().starts_with("x-amz-checksum-"))
+            .cloned()
+            .collect();
+        for name in batch_only {
             headers.remove(name);
         }
+        let headers = &headers;
+        let deletes = futures_util::stream::iter(admitted.into_iter().map(|(write, object)| {
+            let bucket = &bucket;
+            async move {
+                let entry = self.delete_one(bucket, &object, &write, headers).await;
+                drop(write); // the permit goes with the key's outcome
+                entry
+            }
+        }))
+        .buffered(DELETES_CONCURRENT)
+        .collect::<Vec<_>>()
+        .await;
+        for entry in deletes {
+            match entry {
+                KeyOutcome::Deleted(_) if quiet => {}
+                KeyOutcome::Deleted(entry) | KeyOutcome::Error(entry) => entries.push(entry),
+            }
+        }
+        let mut headers = HeaderMap::new();
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
-        let mut resp = S3Response::with_headers(Body::from(result), headers);
-        resp.status = Some(status);
+        let mut resp = S3Response::with_headers(Body::from(result_document(&entries)), headers);
+        resp.status = Some(StatusCode::OK);
         Ok(resp)
     }
 
-    /// The upstream call of a DeleteObjects: its keys are not conditional, so the permits of
-    /// every resource it touches are held until its outcome is known (`fence::outcome`).
-    async fn send_batch(
-        &self,
-        admitted: &[(ResourceKey, Arc<Permit>)],
-        path_and_query: &str,
-        headers: HeaderMap,
-        body: Body,
-    ) -> Result<http::Response<Body>, FrontError> {
-        let deadline = tokio::time::Instant::now() + self.request_timeout;
-        for (resource, permit) in admitted {
-            if !permit.mark_body_sent() {
-                // Cut off by a newer token (or a lost registration) since admission.
-                let admitted =
-                    Admitted { token: permit.token(), resource: resource.clone(), permit: permit.clone(), deadline };
-                return Err(self.cut_off_error(&admitted).await);
-            }
+    /// One key of a DeleteObjects, deleted as a DeleteObject with the key's own `<ETag>` as the
+    /// client's `If-Match`.
+    async fn delete_one(&self, bucket: &str, object: &ObjectId, write: &Admitted, headers: &HeaderMap) -> KeyOutcome {
+        let raw_path = format!("/{bucket}/{}", crate::percent::encode_key(&object.key));
+        let mut path = raw_path.clone();
+        if let Some(version) = &object.version_id {
+            path.push_str("?versionId=");
+            path.extend(form_urlencoded::byte_serialize(version.as_bytes()));
         }
-        let permits: Vec<Arc<Permit>> = admitted.iter().map(|(_, p)| p.clone()).collect();
-        let req = upstream_request(Method::POST, path_and_query, headers, body)?;
-        let upstream = self.upstream.clone();
-        let started = Instant::now();
-        let call = async move { upstream.send(req).await };
-        match bounded_call(&permits, deadline, self.unknown_outcome_hold, call).await {
-            Bounded::Done(result) => {
-                metrics::upstream_call(
-                    "delete_objects",
-                    started.elapsed(),
-                    result.as_ref().ok().map(|r| r.status().as_u16()),
-                );
-                result.map_err(FrontError::Upstream)
+        let target = Target { raw_path, bucket: Some(bucket.to_owned()), key: Some(object.key.clone()) };
+        let mut conditions = HeaderMap::new();
+        if let Some(value) = object.etag.as_deref().and_then(|etag| HeaderValue::from_str(etag).ok()) {
+            conditions.insert(http::header::IF_MATCH, value);
+        }
+        let name = format!("{bucket}/{}", object.key);
+        let key = ObjectWrite::for_key(&target, name, ClientCondition::of(&conditions), write, headers);
+        match self.delete_key(&key, object.version_id.is_some(), &path, headers).await {
+            Ok(resp) if resp.status.is_none_or(|s| s.is_success()) => {
+                KeyOutcome::Deleted(deleted_entry(object, &resp.headers))
             }
-            Bounded::CutOff | Bounded::Unknown => {
-                Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) })
+            Ok(resp) => {
+                let body = http_body_util::Limited::new(resp.output, KEY_ERROR_BYTES_MAX).collect().await;
+                let (code, message) =
+                    body.map(|b| error_of(&b.to_bytes())).unwrap_or_else(|_| ("InternalError".into(), String::new()));
+                KeyOutcome::Error(error_entry(object, &code, &message))
+            }
+            Err(error) => {
+                if matches!(error, FrontError::Refused(Refusal::Stale { .. })) {
+                    metrics::decision("stale");
+                }
+                KeyOutcome::Error(error_entry(object, error.code(), &error.to_string()))
             }
         }
     }
+}
+
+/// What became of one key of a DeleteObjects: its entry in the result.
+enum KeyOutcome {
+    Deleted(String),
+    Error(String),
 }
 
 #[cfg(test)]
@@ -317,32 +280,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn requests_parse_and_rewrite() {
-        let xml = r#"<Delete xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Object><Key>a&amp;b</Key></Object><Object><Key>c</Key><VersionId>v1</VersionId></Object><Quiet>true</Quiet></Delete>"#;
+    fn requests_parse() {
+        let xml = r#"<Delete xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Object><Key>a&amp;b</Key></Object><Object><Key>c</Key><VersionId>v1</VersionId><ETag>"e"</ETag></Object><Quiet>true</Quiet></Delete>"#;
         let req: DeleteRequest = quick_xml::de::from_str(xml).unwrap();
         assert_eq!(req.objects.len(), 2);
         assert_eq!(req.objects[0].key, "a&b");
+        assert_eq!(req.objects[1].version_id.as_deref(), Some("v1"));
+        assert_eq!(req.objects[1].etag.as_deref(), Some("\"e\""));
         assert_eq!(req.quiet, Some(true));
-        let body = forwarded_body(&req.objects[1..], req.quiet);
-        let again: DeleteRequest = quick_xml::de::from_str(std::str::from_utf8(&body).unwrap()).unwrap();
-        assert_eq!(again.objects[0].key, "c");
-        assert_eq!(again.objects[0].version_id.as_deref(), Some("v1"));
     }
 
     #[test]
-    fn refused_keys_are_merged_into_the_result() {
-        let refused = vec![error_entry(
-            &ObjectId { key: "x<y".into(), version_id: None, etag: None },
-            "FencingTokenStale",
-            "old",
-        )];
-        let merged = merge(Some(b"<DeleteResult><Deleted><Key>a</Key></Deleted></DeleteResult>"), &refused).unwrap();
-        assert_eq!(
-            std::str::from_utf8(&merged).unwrap(),
-            "<DeleteResult><Deleted><Key>a</Key></Deleted><Error><Key>x&lt;y</Key><Code>FencingTokenStale</Code><Message>old</Message></Error></DeleteResult>"
-        );
-        let empty = merge(Some(b"<DeleteResult xmlns=\"n\"/>"), &refused).unwrap();
-        assert!(std::str::from_utf8(&empty).unwrap().starts_with("<DeleteResult xmlns=\"n\"><Error>"));
-        assert!(merge(None, &refused).unwrap().ends_with(b"</Error></DeleteResult>"));
+    fn the_result_lists_each_key_as_s3_does() {
+        let object = |key: &str, version: Option<&str>| ObjectId {
+            key: key.into(),
+            version_id: version.map(Into::into),
+            etag: None,
+        };
+        let mut marker = HeaderMap::new();
+        marker.insert("x-amz-delete-marker", HeaderValue::from_static("true"));
+        marker.insert("x-amz-version-id", HeaderValue::from_static("dm1"));
+        let entries = vec![
+            deleted_entry(&object("a", None), &HeaderMap::new()),
+            deleted_entry(&object("b", Some("v1")), &marker),
+            error_entry(&object("x<y", None), "FencingTokenStale", "old"),
+        ];
+        let doc = result_document(&entries);
+        let text = std::str::from_utf8(&doc).unwrap();
+        assert!(text.starts_with("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<DeleteResult xmlns="));
+        assert!(text.ends_with(
+            "<Deleted><Key>a</Key></Deleted><Deleted><Key>b</Key><VersionId>v1</VersionId><DeleteMarker>true</DeleteMarker>\
+             <DeleteMarkerVersionId>dm1</DeleteMarkerVersionId></Deleted><Error><Key>x&lt;y</Key>\
+             <Code>FencingTokenStale</Code><Message>old</Message></Error></DeleteResult>"
+        ));
+    }
+
+    #[test]
+    fn a_keys_error_answer_gives_its_code_and_message() {
+        let body = b"<?xml version=\"1.0\"?><Error><Code>AccessDenied</Code><Message>no &amp; never</Message></Error>";
+        assert_eq!(error_of(body), ("AccessDenied".into(), "no & never".into()));
+        assert_eq!(error_of(b"garbage"), ("InternalError".into(), String::new()));
     }
 }

@@ -195,12 +195,16 @@ class Transcript:
 # token mode; what fencegate answers instead is checked by the scenario's test.
 # A fenced copy whose x-amz-copy-source-if-match the source does not meet is fencegate's 412, as
 # from S3, where moto ignores the condition and copies (so the listing after it differs too).
-TOKEN_MODE_DIFFERS: set = {"copy if-match mismatch", "list after delete"}
+# A fenced DeleteObjects in quiet mode lists only the keys that failed, as S3 does; moto lists
+# the deleted keys too.
+TOKEN_MODE_DIFFERS: set = {"copy if-match mismatch", "list after delete", "delete objects quiet"}
 # A fenced DELETE of an absent object is answered 204 by fencegate itself, never forwarded
 # (sent without a precondition it could land after a newer write), and a fenced copy of an object
 # onto itself unchanged is refused by fencegate itself (its stamp would make it a change): same
-# status and error, without the upstream's own headers.
-TOKEN_MODE_OWN_HEADERS = {"delete missing", "copy onto itself (no change)"}
+# status and error, without the upstream's own headers. A fenced DeleteObjects deletes each key
+# as a conditional DeleteObject and answers with its own result (same entries, fencegate's
+# headers).
+TOKEN_MODE_OWN_HEADERS = {"delete missing", "copy onto itself (no change)", "delete objects"}
 
 
 def compare(direct: Transcript, via: Transcript):
@@ -536,6 +540,8 @@ def test_copy_tagging_acl_delete_objects(moto_server, transparent_gate, mode):
         refused = dict(via.steps)["copy if-match mismatch"]
         assert (refused["status"], refused["error"]["Code"]) == (412, "PreconditionFailed"), refused
         assert dict(via.steps)["list after delete"]["parsed"]["KeyCount"] == 0
+        quiet = dict(via.steps)["delete objects quiet"]
+        assert (quiet["status"], quiet["parsed"]) == (200, {}), quiet
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,0 +1,55 @@
+"""Proves that a DeleteObjects cannot be overtaken per object (G3, G4): fencegate deletes each
+of its keys as a conditional DeleteObject, so the request delivered again later (a hop between
+fencegate and S3 that retried it) cannot delete what a newer token wrote in between.
+
+One fencegate (embedded store) in front of a proxy in front of moto_server that keeps a copy of
+every write it forwarded and can forward the copies again, as a retrying hop would.
+"""
+
+from __future__ import annotations
+
+from holding_upstream import HELD_PREFIX, HoldingUpstream
+from moto_proxy import Request
+
+
+class ReplayingUpstream(HoldingUpstream):
+    """The holding proxy, keeping every write it forwarded; `replay` sends copies again."""
+
+    def __init__(self, moto_url: str):
+        super().__init__(moto_url)
+        self.kept: list[Request] = []
+
+    def handle(self, conn, req: Request, buf: bytes):
+        rest = super().handle(conn, req, buf)
+        if req.method.upper() not in ("GET", "HEAD", "OPTIONS"):
+            with self.lock:
+                self.kept.append(req)
+        return rest
+
+    def replay(self, requests: list) -> list:
+        """Forwards `requests` to moto again, in order, under the commit lock; their statuses."""
+        statuses = []
+        for req in requests:
+            with self.commit_lock:
+                statuses.append(self.forward(req).status)
+        return statuses
+
+
+def test_a_delete_objects_delivered_again_does_not_delete_a_newer_write(held_s3, moto_server):
+    up = ReplayingUpstream(moto_server.url).start()
+    env = held_s3(proxy=up, bucket_prefix="delobj")
+    key = f"{HELD_PREFIX}a"
+    env.fg.client(token=5).put_object(Bucket=env.bucket, Key=key, Body=b"A's data")
+
+    before = len(up.kept)
+    resp = env.fg.client(token=5).delete_objects(Bucket=env.bucket, Delete={"Objects": [{"Key": key}]})
+    assert [d["Key"] for d in resp.get("Deleted", [])] == [key] and not resp.get("Errors"), resp
+    delete_requests = up.kept[before:]
+    assert delete_requests, "the delete never reached the upstream"
+
+    env.fg.client(token=6).put_object(Bucket=env.bucket, Key=key, Body=b"B's data")
+    statuses = up.replay(delete_requests)
+
+    body = env.moto.get_object(Bucket=env.bucket, Key=key)["Body"].read()
+    assert body == b"B's data", f"token 5's DeleteObjects, delivered again ({statuses}), deleted token 6's write"
+    assert all(s == 412 for s in statuses), statuses
