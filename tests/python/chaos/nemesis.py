@@ -3,7 +3,8 @@
 Faults (each chosen at random among those the topology allows):
 - `kill9`: kill -9 a fencegate replica, restart it on the same data after a moment;
 - `stop_short` / `stop_long`: SIGSTOP a replica, SIGCONT it after 0.3-1.5 s, or after longer
-  than the in-flight deadline (a GC pause or VM suspend);
+  than a shared store keeps its registrations (11/8 of the in-flight deadline: a GC pause or VM
+  suspend the others outlive);
 - `redis_restart`: kill -9 redis-server and start it again (appendfsync always: no
   acknowledged write is lost);
 - `pubsub_kill`: `CLIENT KILL TYPE pubsub` (every replica loses its advance subscription, and
@@ -36,7 +37,7 @@ class Nemesis(threading.Thread):
         self.etcd = etcd
         self.weights = {k: w for k, w in weights.items() if w > 0}
         self.deadline = deadline
-        self.long_stop = inflight_deadline_s
+        self.long_stop = inflight_deadline_s * 11 / 8  # a registration's time to live (design.md 3a)
         self.rng = random.Random(seed)
         self.faults_max = faults_max
         self.log: list = []  # {kind, target, t_start, t_end, detail}

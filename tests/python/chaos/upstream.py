@@ -8,9 +8,12 @@ them. Each write is logged (`events`), with its position in that order (`seq`), 
 fencegate stamped on it, the writer's chaos id, moto's answer and the times it arrived, was
 forwarded and was answered.
 
-The fault it models: a held write is forwarded even if fencegate (its client here) hung up
-meanwhile, exactly like S3 committing a request whose client went away. A write whose body
-never arrived whole is not forwarded (S3 commits nothing for a truncated body).
+The faults it models: a held write is forwarded even if fencegate (its client here) hung up
+meanwhile, exactly like S3 committing a request whose client went away; and, for a fraction of
+the held writes (`early_fraction`), the answer comes first: fencegate is told 500, 502, 503 or
+504 at once, and the write still commits after its hold, as S3 does with a write it answered
+500 or 503, or a load balancer's backend after the balancer gave up (502, 504). A write whose
+body never arrived whole is not forwarded (S3 commits nothing for a truncated body).
 
 fencegate assumes that an upstream commits a request it received whole within
 `fencing.inflight_deadline_ms`, or never (README, "Guarantees and limits"). The wrapper keeps to
@@ -39,6 +42,13 @@ EXPIRED = Answer(503, "Slow Down", [("Content-Type", "application/xml")],
                  b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
                  b"<Message>chaos upstream: commit budget spent, not committed</Message></Error>")
 WRITE_METHODS = ("PUT", "POST", "DELETE")
+EARLY_ANSWERS = {
+    status: Answer(status, reason, [("Content-Type", "application/xml")],
+                   f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                   f"<Message>chaos upstream: answered before the commit</Message></Error>".encode())
+    for status, reason, code in ((500, "Internal Server Error", "InternalError"), (502, "Bad Gateway", "BadGateway"),
+                                 (503, "Slow Down", "SlowDown"), (504, "Gateway Timeout", "GatewayTimeout"))
+}
 
 
 def _s3_keys(xml: bytes, element: str) -> list:
@@ -71,11 +81,12 @@ class ChaosUpstream(MotoProxy):
     """The wrapper. `start()` listens on 127.0.0.1 (a free port); `url` is its endpoint."""
 
     def __init__(self, moto_url: str, bucket: str, hold_fraction: float, hold_range: tuple,
-                 commit_within: float | None = None, seed: int = 0):
+                 commit_within: float | None = None, seed: int = 0, early_fraction: float = 0.0):
         super().__init__(moto_url, backlog=256)
         self.bucket = bucket  # only writes into this bucket are held
         self.hold_fraction = hold_fraction
         self.hold_range = hold_range
+        self.early_fraction = early_fraction  # of held writes: a 5xx answered first, then the commit
         self.commit_within = commit_within  # seconds after the body arrived; None: no bound
         self.rng = random.Random(seed)
         self.rng_lock = threading.Lock()
@@ -106,6 +117,7 @@ class ChaosUpstream(MotoProxy):
                 "keys": [key] if op in ("put", "delete") else [], "committed_keys": [],
                 "status": None, "outcome": "truncated", "t_arrival": req.t_arrival, "t_body": None,
                 "t_fwd": None, "t_done": None, "hold": 0.0, "client_gone": False, "late": False,
+                "early": None,
                 "headers": req.logged_headers(),
             }
             with self.lock:
@@ -122,15 +134,39 @@ class ChaosUpstream(MotoProxy):
         with self.rng_lock:
             held = bucket == self.bucket and self.rng.random() < self.hold_fraction
             hold = self.rng.uniform(*self.hold_range) if held else 0.0
+            early = self.rng.choice(sorted(EARLY_ANSWERS)) if held and self.rng.random() < self.early_fraction else None
+        if early:
+            # Answered now, committed after the hold: pending (for `wait_idle`) until then.
+            event["early"] = early
+            with self.lock:
+                self.pending += 1
+            kept = self.respond(conn, req, EARLY_ANSWERS[early], rest)
+            threading.Thread(target=self._commit_late, args=(conn, req, event, hold), daemon=True).start()
+            return kept
+        answer = self._commit(conn, req, event, hold)
+        return self.respond(conn, req, answer, rest)
+
+    def _commit_late(self, conn, req: Request, event: dict, hold: float):
+        try:
+            self._commit(conn, req, event, hold)
+        finally:
+            with self.idle:
+                self.pending -= 1
+                self.idle.notify_all()
+
+    def _commit(self, conn, req: Request, event: dict, hold: float) -> Answer:
+        """Holds the write `hold` seconds, then forwards it to moto under the commit lock
+        (unless its commit budget is spent) and logs what moto answered."""
         if hold:
             event["hold"] = hold
             time.sleep(hold)  # the slow commit (a fault): whether or not fencegate is still there
         with self.commit_lock:
-            event["client_gone"] = peer_closed(conn)
+            if not event["early"]:  # the connection is fencegate's again once it was answered
+                event["client_gone"] = peer_closed(conn)
             budget = self.commit_within
             if budget is not None and time.monotonic() - event["t_body"] > budget - MOTO_MARGIN_S:
                 event["outcome"], event["status"] = "expired", 503
-                return self.respond(conn, req, EXPIRED, rest)
+                return EXPIRED
             with self.lock:
                 self.seq += 1
                 event["seq"] = self.seq
@@ -139,6 +175,7 @@ class ChaosUpstream(MotoProxy):
             event["t_done"] = time.monotonic()
         event["late"] = budget is not None and event["t_done"] - event["t_body"] > budget
         event["status"] = answer.status
+        key = event["key"]
         if answer.status is None:
             event["outcome"] = "unknown"
         elif 200 <= answer.status < 300:
@@ -149,4 +186,4 @@ class ChaosUpstream(MotoProxy):
                 event["committed_keys"] = [key] if event["op"] != "other" else []
         else:
             event["outcome"] = "refused"
-        return self.respond(conn, req, answer, rest)
+        return answer
