@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 
 use crate::admin::Admin;
 use crate::config::{Config, ProbeMode, StoreKind, ms};
-use crate::fence::{Gate, GateLimits, Store};
+use crate::fence::{Gate, GateLimits, InflightBounds, Store};
 use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::server::{self, ConnectionLimits};
@@ -83,7 +83,8 @@ impl App {
                 let wait = (config.store.wait_replicas > 0)
                     .then(|| Wait { replicas: config.store.wait_replicas, timeout: ms(config.store.wait_timeout_ms) });
                 let threads = config.server.serving_threads();
-                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait, threads)
+                let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
+                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait, threads, quiet)
                     .await
                     .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
                 Arc::new(store)
@@ -348,6 +349,33 @@ impl App {
 }
 
 /// `<host name>-<pid>`: unique among replicas on one store unless two hosts share a name.
+/// `fencegate init-store`: marks a new shared store as new, so that its first writes need not
+/// wait out the quiet period of a store that lost its state (docs/design.md, section 6).
+/// Returns what was done, for the operator.
+pub async fn init_store(config: &Config) -> anyhow::Result<String> {
+    match config.store.kind {
+        StoreKind::Embedded | StoreKind::Etcd => Ok(format!(
+            "store.kind = {:?}: nothing to initialise (only a Redis store carries epoch marks)",
+            config.store.kind
+        )),
+        StoreKind::Redis => {
+            let urls = match &config.store.url {
+                Some(url) => vec![url.clone()],
+                None => config.store.cluster_urls.clone(),
+            };
+            let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
+            let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), "init".into(), None, 0, quiet)
+                .await
+                .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+            let marked = store.init().await.context("marking the store's slots")?;
+            Ok(match marked {
+                0 => "the store was already marked: nothing changed".to_owned(),
+                n => format!("marked {n} slots of the store as new"),
+            })
+        }
+    }
+}
+
 fn default_replica_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
     let host = if host.is_empty() { "fencegate".to_owned() } else { host };

@@ -50,7 +50,7 @@ pub mod upstream;
 
 mod app;
 
-pub use app::{App, Bound};
+pub use app::{App, Bound, init_store};
 
 /// The size of the future `f` returns, found without calling it: for tests of what a future
 /// carries in every request or connection.

@@ -43,6 +43,14 @@ enum Command {
         #[arg(long, short, default_value = "config/fencegate.toml")]
         config: PathBuf,
     },
+    /// Mark a new Redis fence store as new, once, before its first use. A store found without
+    /// its marks is taken as one that lost its state (flushed, restarted empty), and admits no
+    /// write for the in-flight registrations' time to live. Never run it on a store that lost
+    /// its state: that is what the quiet period protects.
+    InitStore {
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
     /// Check that the configured upstream enforces If-Match / If-None-Match, then exit.
     Probe {
         #[arg(long, short, default_value = "config/fencegate.toml")]
@@ -59,6 +67,11 @@ fn main() -> ExitCode {
             for risk in c.risks() {
                 println!("risk: {risk}");
             }
+        }),
+        Command::InitStore { config } => load(&config).and_then(|c| {
+            let done = runtime()?.block_on(fencegate::init_store(&c))?;
+            println!("{done}");
+            Ok(())
         }),
         Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))),
         Command::Probe { config } => load(&config).and_then(|c| {

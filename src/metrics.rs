@@ -50,6 +50,10 @@ fn describe_and_register() {
         ("fencegate_lease_events_total", "Lease service events"),
         ("fencegate_registrations_revoked_total", "Registrations of in-flight writes a replica could not keep"),
         ("fencegate_store_rollbacks_repaired_total", "Times a shared store was found below this replica's mark"),
+        (
+            "fencegate_store_state_lost_total",
+            "Times a shared store's epoch mark changed under this replica (it lost its state)",
+        ),
         ("fencegate_idempotency_records_evicted_total", "Idempotency records dropped before their time"),
         ("fencegate_store_wait_failures_total", "Changes fewer Redis replicas confirmed than store.wait_replicas"),
         ("fencegate_gateway_requests_total", "Requests through the HTTP API gateway, by mode and outcome"),
@@ -74,6 +78,7 @@ fn describe_and_register() {
         "fencegate_inflight_cancelled_total",
         "fencegate_registrations_revoked_total",
         "fencegate_store_rollbacks_repaired_total",
+        "fencegate_store_state_lost_total",
         "fencegate_store_wait_failures_total",
     ] {
         counter!(name).absolute(0);
@@ -197,6 +202,11 @@ pub fn registration_revoked() {
 
 pub fn store_rollback_repaired() {
     counter!("fencegate_store_rollbacks_repaired_total").increment(1);
+}
+
+/// A shared store's epoch mark changed under this replica: it lost its state.
+pub fn store_state_lost() {
+    counter!("fencegate_store_state_lost_total").increment(1);
 }
 
 /// Idempotency records dropped before their time (`store.idempotency_records_max`).

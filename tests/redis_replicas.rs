@@ -124,7 +124,12 @@ async fn redis_failures_fail_closed_and_heal() {
         "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
         dir.path().join("objects").display()
     );
-    let fg = Fencegate::setup(dir.path()).store(&redis_store_toml(&redis.url(), "solo")).upstream(&local).start().await;
+    let fg = Fencegate::setup(dir.path())
+        .store(&redis_store_toml(&redis.url(), "solo"))
+        .upstream(&local)
+        .extra(SHORT_DEADLINE)
+        .start()
+        .await;
     let c = client(&fg);
     c.create_bucket().bucket(BUCKET).send().await.unwrap();
     put(&c, "doc", 12, b"twelve".to_vec()).await.unwrap();
@@ -147,6 +152,7 @@ async fn redis_failures_fail_closed_and_heal() {
     assert!(resumed, "writes resume once Redis is back");
 
     redis.restart_empty().await;
+    let lost_at = Instant::now();
     let mut refused = None;
     for _ in 0..50 {
         match put(&c, "doc", 12, b"stale".to_vec()).await {
@@ -159,8 +165,20 @@ async fn redis_failures_fail_closed_and_heal() {
         }
     }
     assert_eq!(refused, Some(("FencingTokenStale".to_owned(), Some("13".to_owned()))));
-    // A newer writer repairs the store: Redis holds 14 again afterwards.
-    put(&c, "doc", 14, b"fourteen".to_vec()).await.unwrap();
+    // Redis lost its in-flight registrations with its data: nothing is admitted until writes
+    // they covered can no longer commit (a registration's time to live, 11/8 of the in-flight
+    // deadline), then a newer writer repairs the store: Redis holds 14 again afterwards.
+    // (The SDK retries a 503 by itself: what is asserted is when the write got in.)
+    let mut admitted = None;
+    for _ in 0..100 {
+        if put(&c, "doc", 14, b"fourteen".to_vec()).await.is_ok() {
+            admitted = Some(lost_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admitted = admitted.expect("writes resume after the quiet period");
+    assert!(admitted >= Duration::from_millis(1375), "admitted {admitted:?} after the loss, inside the quiet period");
     let stored: String = redis::cmd("GET")
         .arg("fg:{shared/doc}:fence")
         .query_async(&mut redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap())
@@ -298,6 +316,7 @@ async fn a_replica_mark_outlives_a_redis_that_lost_its_data() {
     let a = Fencegate::setup(dir_a.path())
         .store(&redis_store_toml(&redis.url(), "a"))
         .upstream(&moto.upstream_toml(BUCKET))
+        .extra(SHORT_DEADLINE)
         .start()
         .await;
     let credentials = Credentials::new(common::ACCESS_KEY, common::SECRET_KEY, None, None, "test");
@@ -316,6 +335,7 @@ async fn a_replica_mark_outlives_a_redis_that_lost_its_data() {
     let b = Fencegate::setup(dir_b.path())
         .store(&redis_store_toml(&redis.url(), "b"))
         .upstream(&moto.upstream_toml(BUCKET))
+        .extra(SHORT_DEADLINE)
         .start()
         .await;
     // The stale holder writes through a: refused from a's mark, which raises Redis back (a
@@ -360,6 +380,9 @@ async fn put_on(
         .map(|_| ())
         .map_err(|e| error_of(&e))
 }
+
+/// An in-flight deadline of 1 s: a Redis that lost its state admits nothing for 1.375 s.
+const SHORT_DEADLINE: &str = "[fencing]\ninflight_deadline_ms = 1000\n";
 
 /// Acquires `name` once Redis answers again (it was just restarted); the granted token.
 async fn acquire_eventually(leases: &fencegate_client::LeaseClient, name: &str, holder: &str) -> u64 {

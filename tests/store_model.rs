@@ -70,12 +70,18 @@ struct Redis {
     prefix: String,
 }
 
+/// A Redis store on a Redis marked new (`fencegate init-store`).
+async fn redis_store(url: &str, timeout: std::time::Duration, threads: usize) -> RedisStore {
+    let quiet = std::time::Duration::from_secs(30);
+    let store = RedisStore::connect(&[url.to_owned()], timeout, "model".into(), None, threads, quiet).await.unwrap();
+    store.init().await.unwrap();
+    store
+}
+
 impl Harness for Redis {
     type Store = RedisStore;
     async fn open(&self) -> RedisStore {
-        RedisStore::connect(std::slice::from_ref(&self.url), std::time::Duration::from_secs(5), "model".into(), None, 0)
-            .await
-            .unwrap()
+        redis_store(&self.url, std::time::Duration::from_secs(5), 0).await
     }
     fn prefix(&self) -> &str {
         &self.prefix
@@ -313,10 +319,7 @@ async fn both_stores_keep_the_idempotency_record_contract() {
     let embedded = fencegate::store::EmbeddedStore::open(dir.path()).unwrap();
     record_contract(&embedded, "embedded").await;
     let redis = common::RedisServer::start().await;
-    let shared =
-        fencegate::store::RedisStore::connect(&[redis.url()], std::time::Duration::from_secs(2), "t".into(), None, 0)
-            .await
-            .unwrap();
+    let shared = redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await;
     record_contract(&shared, "redis").await;
     record_contract(&fencegate::store::MemoryStore::default(), "memory").await;
     #[cfg(feature = "etcd")]
@@ -402,8 +405,7 @@ async fn each_serving_thread_calls_redis_on_a_connection_of_its_own() {
         commands.sort();
         commands
     }
-    let store =
-        Arc::new(RedisStore::connect(&[redis.url()], Duration::from_secs(2), "t".into(), None, 2).await.unwrap());
+    let store = Arc::new(redis_store(&redis.url(), Duration::from_secs(2), 2).await);
     let threads = fencegate::threads::ServingThreads::start(2).unwrap();
     let resource = ResourceKey::new("b/k").unwrap();
     store.advance(&resource, FenceToken(7)).await.unwrap();

@@ -28,6 +28,10 @@ pub enum StoreError {
     Poisoned,
     #[error("fence store is shut down")]
     Closed,
+    #[error(
+        "the fence store lost its state (flushed, restarted empty, or failed over): nothing is admitted for {retry_after_ms} ms more, until writes that were in flight before can no longer commit"
+    )]
+    Recovering { retry_after_ms: u64 },
 }
 
 /// Durable, monotonic per-resource fences.

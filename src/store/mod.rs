@@ -1,6 +1,7 @@
 //! Fence stores: where fences live durably.
 
 mod embedded;
+mod epoch;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod memory;

@@ -26,6 +26,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
 
+use super::epoch::{self, KnownEpochs};
 use super::registrations::{Member, Renewal, Withdrawal};
 use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 
@@ -39,7 +40,11 @@ use crate::metrics;
 /// The channel advances are announced on.
 pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
 
-/// Compares decimal u64 strings without leading zeros (shared by every script).
+/// Shared by every script: compares decimal u64 strings without leading zeros; Redis's clock;
+/// the slot's epoch mark (`super::epoch`): `epoch_gate` answers nil when the caller knows the
+/// slot's mark and no quiet period runs (or `quiet_applies` is false), else {'epoch', mark,
+/// quiet ms} (the caller knew another mark, or none yet) or {'quiet', mark, quiet ms}. A slot
+/// without its mark lost its data, or is new: the mark is written and the quiet period starts.
 const LUA_LT: &str = r"
 local function lt(a, b)
   if #a ~= #b then return #a < #b end
@@ -49,24 +54,45 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+local function epoch_gate(ekey, qkey, known, fresh, quiet_ms, quiet_applies)
+  local mark = redis.call('GET', ekey)
+  if not mark then
+    mark = fresh
+    redis.call('SET', ekey, mark)
+    redis.call('SET', qkey, '1', 'PX', quiet_ms)
+  end
+  local quiet = redis.call('PTTL', qkey)
+  if quiet < 0 then quiet = 0 end
+  if mark ~= known then return {'epoch', mark, quiet} end
+  if quiet_applies and quiet > 0 then return {'quiet', mark, quiet} end
+  return nil
+end
 ";
 
-/// KEYS: fence. ARGV: token, channel, resource. Returns {advanced 0|1, previous or ''}.
+/// KEYS: fence, epoch, quiet. ARGV: token, channel, resource, known epoch, fresh epoch,
+/// quiet ms. Returns {advanced 0|1, previous or ''}, or the epoch gate's {-1, mark, quiet ms}
+/// / {-2, mark, quiet ms}.
 const LUA_ADVANCE: &str = r"
+local g = epoch_gate(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], true)
+if g then return {g[1] == 'epoch' and -1 or -2, g[2], g[3]} end
 local cur = redis.call('GET', KEYS[1])
-if cur and not lt(cur, ARGV[1]) then return {0, cur} end
+if cur and not lt(cur, ARGV[1]) then return {0, cur, 0} end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[2], ARGV[1] .. ' ' .. ARGV[3])
-return {1, cur or ''}
+return {1, cur or '', 0}
 ";
 
-/// KEYS: fence, inflight. ARGV: token, floor or '', member or '', ttl_ms, channel,
-/// resource, may advance '1' | '0', then members of this replica to withdraw first. Returns
-/// {outcome, advanced 0|1, current fence or '', repaired 0|1, what the store had or ''}:
-/// outcome 'ok' | 'stale' | 'unregistered' (a token above the fence that may not raise it;
-/// nothing changed but a repair) | 'wait'.
+/// KEYS: fence, inflight, epoch, quiet. ARGV: token, floor or '', member or '', ttl_ms,
+/// channel, resource, may advance '1' | '0', known epoch, fresh epoch, then members of this
+/// replica to withdraw first. Returns {outcome, advanced 0|1, current fence or '', repaired
+/// 0|1, what the store had or ''}: outcome 'ok' | 'stale' | 'unregistered' (a token above the
+/// fence that may not raise it; nothing changed but a repair) | 'wait'; or the epoch gate's
+/// {'epoch' | 'quiet', quiet ms, mark, 0, ''}. The quiet period is the registrations' time to
+/// live (`ttl_ms`).
 const LUA_ADMIT: &str = r"
-if #ARGV > 7 then redis.call('ZREM', KEYS[2], unpack(ARGV, 8)) end
+local g = epoch_gate(KEYS[3], KEYS[4], ARGV[8], ARGV[9], ARGV[4], true)
+if g then return {g[1], g[3], g[2], 0, ''} end
+if #ARGV > 9 then redis.call('ZREM', KEYS[2], unpack(ARGV, 10)) end
 local cur = redis.call('GET', KEYS[1])
 local repaired, had = 0, ''
 if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
@@ -95,9 +121,13 @@ end
 return {'ok', advanced, ARGV[1], repaired, had}
 ";
 
-/// KEYS: fence, inflight. ARGV: member, ttl_ms. Pushes a registration in use to a full
-/// time to live from now, if it is still there. Returns {renewed 0|1, fence or ''}.
+/// KEYS: fence, inflight, epoch, quiet. ARGV: member, ttl_ms, known epoch, fresh epoch. Pushes
+/// a registration in use to a full time to live from now, if it is still there. Returns
+/// {renewed 0|1, fence or ''}, or {2, mark} when the slot's epoch mark is not the one the
+/// replica knew (the store lost its state: the registration is gone).
 const LUA_RENEW: &str = r"
+local g = epoch_gate(KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[2], false)
+if g then return {2, g[2]} end
 local now = now_ms()
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 local cur = redis.call('GET', KEYS[1]) or ''
@@ -107,11 +137,12 @@ redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) * 2)
 return {1, cur}
 ";
 
-/// KEYS: fence, lease. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder, ttl_ms,
-/// channel, resource, floor or ''. Implements `fence::apply_lease` with Redis's clock; a grant
-/// is above the stored fence and the floor. Returns {outcome, holder, lease_id, token, ttl_ms,
-/// expires_at_ms or remaining_ms}, and for a grant {..., fence the store had or '', repaired
-/// 0|1}.
+/// KEYS: fence, lease, epoch, quiet. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder,
+/// ttl_ms, channel, resource, floor or '', and for a grant known epoch, fresh epoch, quiet ms.
+/// Implements `fence::apply_lease` with Redis's clock; a grant is above the stored fence and
+/// the floor, and passes the epoch gate first ({'epoch' | 'quiet', mark, '', '', '', quiet ms}).
+/// Returns {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}, and for
+/// a grant {..., fence the store had or '', repaired 0|1}.
 const LUA_LEASE: &str = r"
 local function incr(s)
   if s == '18446744073709551615' then return nil end
@@ -130,6 +161,8 @@ local l = redis.call('HMGET', KEYS[2], 'holder', 'lease_id', 'token', 'ttl_ms', 
 local live = l[1] and tonumber(l[5]) > now
 local op = ARGV[1]
 if op == 'acquire' then
+  local g = epoch_gate(KEYS[3], KEYS[4], ARGV[8], ARGV[9], ARGV[10], true)
+  if g then return {g[1], g[2], '', '', '', tostring(g[3])} end
   if live then return {'held', l[1], '', '', '', tostring(tonumber(l[5]) - now)} end
   local cur = redis.call('GET', KEYS[1])
   local had, repaired = cur or '', '0'
@@ -439,6 +472,10 @@ impl Changes {
 
 pub struct RedisStore {
     connection: Connection,
+    /// The epoch mark this replica last saw per slot, shared with the registry's calls.
+    epochs: Arc<KnownEpochs>,
+    /// How long a slot that lost its state admits nothing: a registration's time to live.
+    quiet_ms: u64,
     advance: Script,
     lease: Script,
     idempotency_begin: Script,
@@ -450,6 +487,7 @@ pub struct RedisStore {
 /// The registry's calls on Redis.
 struct RedisCalls {
     connection: Connection,
+    epochs: Arc<KnownEpochs>,
     admit: Script,
     renew: Script,
     replica_id: String,
@@ -460,13 +498,16 @@ impl RedisStore {
     /// Connects to one Redis (`urls` has one entry) or a Redis Cluster (several seed nodes),
     /// and starts listening for advance announcements. With `wait`, every change waits for
     /// that many Redis replicas. With one Redis, each of `serving_threads` (if any) opens a
-    /// connection of its own when it first calls ([`crate::threads`]).
+    /// connection of its own when it first calls ([`crate::threads`]). `quiet` is how long a
+    /// slot found without its epoch mark admits nothing (a registration's time to live,
+    /// `InflightBounds::registration_ttl`).
     pub async fn connect(
         urls: &[String],
         response_timeout: Duration,
         replica_id: String,
         wait: Option<Wait>,
         serving_threads: usize,
+        quiet: Duration,
     ) -> anyhow::Result<Self> {
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(response_timeout))
@@ -489,8 +530,10 @@ impl RedisStore {
             (Connection { shared: Link::Cluster(client.get_async_connection().await?), threads: None }, changes)
         };
         let changes = Arc::new(changes);
+        let epochs = Arc::new(KnownEpochs::default());
         let calls = RedisCalls {
             connection: connection.clone(),
+            epochs: epochs.clone(),
             admit: script(LUA_ADMIT),
             renew: script(LUA_RENEW),
             replica_id,
@@ -500,6 +543,8 @@ impl RedisStore {
         tokio::spawn(listen_for_announcements(urls[0].clone(), shared.announcements()));
         Ok(Self {
             connection,
+            epochs,
+            quiet_ms: millis(quiet),
             advance: script(LUA_ADVANCE),
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
@@ -507,6 +552,26 @@ impl RedisStore {
             changes,
             shared,
         })
+    }
+
+    /// Marks every slot of a new store with one epoch (`fencegate init-store`), so that its
+    /// first writes need not wait out the quiet period of a store that lost its state. Slots
+    /// already marked keep their mark. Returns how many slots were marked now.
+    pub async fn init(&self) -> Result<usize, StoreError> {
+        let mark = epoch::new_epoch();
+        let mut marked = 0;
+        for slots in (0..epoch::SLOTS).collect::<Vec<_>>().chunks(512) {
+            let calls = slots.iter().map(|&slot| {
+                let (key, _) = epoch::keys_of_slot(u16::try_from(slot).expect("a slot fits u16"));
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(key).arg(&mark).arg("NX");
+                async move { self.connection.query::<Option<String>>(&cmd).await }
+            });
+            for set in futures_util::future::join_all(calls).await {
+                marked += usize::from(set.map_err(backend)?.is_some());
+            }
+        }
+        Ok(marked)
     }
 }
 
@@ -557,24 +622,44 @@ impl RegistryCalls for RedisCalls {
         withdraw: &[Member],
     ) -> Result<SharedAdmit, StoreError> {
         let Ask { floor, may_advance, ttl_ms } = *ask;
-        let mut inv = self.admit.key(key(resource, "fence"));
-        inv.key(key(resource, "inflight"));
-        inv.arg(token.0.to_string())
-            .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
-            .arg(member.map(|m| member_of(&self.replica_id, m)).unwrap_or_default())
-            .arg(ttl_ms)
-            .arg(ANNOUNCE_CHANNEL)
-            .arg(resource.as_str())
-            .arg(if may_advance { "1" } else { "0" });
-        for old in withdraw {
-            inv.arg(member_of(&self.replica_id, *old));
-        }
-        let (outcome, advanced, value, repaired, had): (String, i64, String, i64, String) = self
-            .changes
-            .run(&self.connection, &self.admit, &inv, |(outcome, ..): &(String, i64, String, i64, String)| {
-                outcome == "ok"
-            })
-            .await?;
+        let marked = EpochKeys::of(resource);
+        let fresh = epoch::new_epoch();
+        let mut gate_answers = 0;
+        let (outcome, advanced, value, repaired, had) = loop {
+            let mut inv = self.admit.key(key(resource, "fence"));
+            inv.key(key(resource, "inflight")).key(&marked.epoch).key(&marked.quiet);
+            inv.arg(token.0.to_string())
+                .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
+                .arg(member.map(|m| member_of(&self.replica_id, m)).unwrap_or_default())
+                .arg(ttl_ms)
+                .arg(ANNOUNCE_CHANNEL)
+                .arg(resource.as_str())
+                .arg(if may_advance { "1" } else { "0" })
+                .arg(self.epochs.get(marked.slot))
+                .arg(&fresh);
+            for old in withdraw {
+                inv.arg(member_of(&self.replica_id, *old));
+            }
+            let answer: (String, i64, String, i64, String) = self
+                .changes
+                .run(&self.connection, &self.admit, &inv, |(outcome, ..): &(String, i64, String, i64, String)| {
+                    outcome == "ok"
+                })
+                .await?;
+            match answer.0.as_str() {
+                "epoch" | "quiet" => {
+                    marked.gate(
+                        &self.epochs,
+                        resource,
+                        &answer.0,
+                        &answer.2,
+                        u64::try_from(answer.1).unwrap_or(0),
+                        &mut gate_answers,
+                    )?;
+                }
+                _ => break answer,
+            }
+        };
         let advanced = advanced == 1;
         let repaired_from = if repaired == 1 { Some(parse_token(&had)?) } else { None };
         Ok(match outcome.as_str() {
@@ -589,14 +674,24 @@ impl RegistryCalls for RedisCalls {
     }
 
     async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {
+        let marked = EpochKeys::of(&renewal.resource);
         let mut inv = self.renew.key(key(&renewal.resource, "fence"));
-        inv.key(key(&renewal.resource, "inflight"));
-        inv.arg(member_of(&self.replica_id, renewal.member)).arg(millis(renewal.ttl));
+        inv.key(key(&renewal.resource, "inflight")).key(&marked.epoch).key(&marked.quiet);
+        inv.arg(member_of(&self.replica_id, renewal.member))
+            .arg(millis(renewal.ttl))
+            .arg(self.epochs.get(marked.slot))
+            .arg(epoch::new_epoch());
         // A renewal lost in a failover would let the registration expire before this replica
         // revokes it: it waits for replicas like any change.
-        let (renewed, fence): (i64, String) =
+        let (renewed, value): (i64, String) =
             self.changes.run(&self.connection, &self.renew, &inv, |(renewed, _)| *renewed == 1).await?;
-        Ok(Renewed { still_there: renewed == 1, fence: parse_token(&fence).ok().flatten() })
+        if renewed == 2 {
+            // The slot's mark is not the one this replica registered under: the registration
+            // went with the store's state.
+            self.epochs.learned(marked.slot, &value, &renewal.resource);
+            return Ok(Renewed { still_there: false, fence: None });
+        }
+        Ok(Renewed { still_there: renewed == 1, fence: parse_token(&value).ok().flatten() })
     }
 
     async fn withdraw(&self, withdrawal: &Withdrawal) -> Result<(), StoreError> {
@@ -613,8 +708,53 @@ fn member_of(replica_id: &str, member: Member) -> String {
     format!("{replica_id}:{}:{}", member.id, member.token.0)
 }
 
+/// A resource's slot and the slot's epoch and quiet keys (`super::epoch`).
+struct EpochKeys {
+    slot: u16,
+    epoch: String,
+    quiet: String,
+}
+
+impl EpochKeys {
+    fn of(resource: &ResourceKey) -> Self {
+        let slot = epoch::slot_of(&hash_tag(resource));
+        let (epoch, quiet) = epoch::keys_of_slot(slot);
+        Self { slot, epoch, quiet }
+    }
+
+    /// What a script's epoch gate said: a mark this replica did not know is learned (and a
+    /// changed one reported as a lost state), and the script runs again; a quiet period fails
+    /// closed. A mark that changes again at once is an error.
+    fn gate(
+        &self,
+        epochs: &KnownEpochs,
+        resource: &ResourceKey,
+        answer: &str,
+        mark: &str,
+        quiet_ms: u64,
+        answers: &mut u32,
+    ) -> Result<(), StoreError> {
+        *answers += 1;
+        if answer == "quiet" {
+            return Err(StoreError::Recovering { retry_after_ms: quiet_ms });
+        }
+        epochs.learned(self.slot, mark, resource);
+        if *answers > 2 {
+            return Err(StoreError::Backend("the store's epoch mark kept changing".into()));
+        }
+        Ok(())
+    }
+}
+
 fn script(body: &str) -> Script {
     Script::new(&format!("{LUA_LT}{body}"))
+}
+
+/// The hash tag of a resource's keys: its name with the characters that would end the tag
+/// escaped.
+fn hash_tag(resource: &ResourceKey) -> String {
+    let key = key(resource, "");
+    key["fg:{".len()..key.len() - "}:".len()].to_owned()
 }
 
 /// `fg:{<resource>}:<suffix>`, with the characters that would end the hash tag escaped.
@@ -686,10 +826,22 @@ impl FenceStore for RedisStore {
     }
 
     async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
-        let mut inv = self.advance.key(key(resource, "fence"));
-        inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
-        let (advanced, previous): (i64, String) =
-            self.changes.run(&self.connection, &self.advance, &inv, |_| true).await?;
+        let marked = EpochKeys::of(resource);
+        let fresh = epoch::new_epoch();
+        let mut gate_answers = 0;
+        let (advanced, previous) = loop {
+            let mut inv = self.advance.key(key(resource, "fence"));
+            inv.key(&marked.epoch).key(&marked.quiet);
+            inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+            inv.arg(self.epochs.get(marked.slot)).arg(&fresh).arg(self.quiet_ms);
+            let (advanced, previous, quiet_ms): (i64, String, u64) =
+                self.changes.run(&self.connection, &self.advance, &inv, |_| true).await?;
+            match advanced {
+                -1 => marked.gate(&self.epochs, resource, "epoch", &previous, quiet_ms, &mut gate_answers)?,
+                -2 => marked.gate(&self.epochs, resource, "quiet", &previous, quiet_ms, &mut gate_answers)?,
+                _ => break (advanced, previous),
+            }
+        };
         let previous = parse_token(&previous)?;
         Ok(match (advanced, previous) {
             (1, previous) => AdvanceOutcome::Advanced { previous },
@@ -728,26 +880,47 @@ impl LeaseStore for RedisStore {
             LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new(), None),
             LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new(), None),
         };
-        let mut inv = self.lease.key(key(resource, "fence"));
-        inv.key(key(resource, "lease"));
-        inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
-        inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
+        let marked = EpochKeys::of(resource);
+        let fresh = epoch::new_epoch();
+        let mut gate_answers = 0;
         let granted =
             |reply: &Vec<Value>| matches!(reply.first().map(as_string).as_deref(), Some("granted" | "renewed"));
-        let reply: Vec<Value> = match self.changes.run(&self.connection, &self.lease, &inv, granted).await {
-            Ok(reply) => reply,
-            Err(e) => {
-                if op == "acquire" {
-                    // A grant answered 503 must not hold the lease until its TTL: nobody
-                    // knows its id. Released at once (best effort: it may not replicate
-                    // either, and then only expiry frees it).
-                    let mut release = self.lease.key(key(resource, "fence"));
-                    release.key(key(resource, "lease"));
-                    release.arg("release").arg(&lease_id).arg("").arg("").arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
-                    release.arg("");
-                    let _: redis::RedisResult<Vec<Value>> = self.connection.invoke(&release).await;
+        let reply: Vec<Value> = loop {
+            let mut inv = self.lease.key(key(resource, "fence"));
+            inv.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
+            inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
+            inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
+            inv.arg(self.epochs.get(marked.slot)).arg(&fresh).arg(self.quiet_ms);
+            match self.changes.run(&self.connection, &self.lease, &inv, granted).await {
+                Ok(reply) => {
+                    let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
+                    match field(0).as_str() {
+                        gate @ ("epoch" | "quiet") => {
+                            let quiet_ms = field(5).parse().unwrap_or(self.quiet_ms);
+                            marked.gate(&self.epochs, resource, gate, &field(1), quiet_ms, &mut gate_answers)?;
+                        }
+                        _ => break reply,
+                    }
                 }
-                return Err(e);
+                Err(e) => {
+                    if op == "acquire" {
+                        // A grant answered 503 must not hold the lease until its TTL: nobody
+                        // knows its id. Released at once (best effort: it may not replicate
+                        // either, and then only expiry frees it).
+                        let mut release = self.lease.key(key(resource, "fence"));
+                        release.key(key(resource, "lease"));
+                        release
+                            .arg("release")
+                            .arg(&lease_id)
+                            .arg("")
+                            .arg("")
+                            .arg(ANNOUNCE_CHANNEL)
+                            .arg(resource.as_str());
+                        release.arg("");
+                        let _: redis::RedisResult<Vec<Value>> = self.connection.invoke(&release).await;
+                    }
+                    return Err(e);
+                }
             }
         };
         let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();

@@ -664,6 +664,9 @@ impl Setup {
         let mut config = Config::from_toml(&toml).expect("test config is valid");
         // The tests read the token that wrote an object through fencegate.
         config.fencing.show_stamp = true;
+        // A Redis store is marked new, as an operator does once when making it (a test of a
+        // store that lost its state restarts Redis empty afterwards).
+        fencegate::init_store(&config).await.expect("the store initialises");
         let app = match clock {
             Some(clock) => App::build_with_clock(config, clock).await,
             None => App::build(config).await,

@@ -165,6 +165,9 @@ class FenceGate:
     admin_addr: tuple = ("127.0.0.1", 0)
     starts: int = 0
     logs: list = field(default_factory=list)
+    # A Redis store is marked new (`fencegate init-store`) before each start, as an operator
+    # does once when making it; a test of a store that lost its state turns this off.
+    init_store: bool = True
 
     @property
     def config_path(self) -> Path:
@@ -193,6 +196,11 @@ class FenceGate:
         env.setdefault("RUST_BACKTRACE", "1")
         env.setdefault("NO_COLOR", "1")
         env.update(self.env)
+        if self.init_store and self.config.get("store", {}).get("kind") == "redis":
+            init = subprocess.run([str(binary), "init-store", "--config", str(self.config_path)], env=env,
+                                  cwd=str(self.workdir), capture_output=True, timeout=READY_TIMEOUT_S)
+            if init.returncode != 0:
+                raise AssertionError(f"fencegate init-store failed: {init.stderr.decode(errors='replace')[-2000:]}")
         with open(log, "wb") as logf:
             self.proc = subprocess.Popen(
                 [str(binary), "serve", "--config", str(self.config_path)],
@@ -885,6 +893,88 @@ class RedisServer:
 
     def log_tail(self) -> str:
         return log_since(self.log_path)[-2000:]
+
+
+def redis_version() -> tuple:
+    """The installed redis-server's version, e.g. (7, 0, 15); (0,) if it says none."""
+    if shutil.which("redis-server") is None:
+        return (0,)
+    out = subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True, text=True,
+                         timeout=10).stdout
+    m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(g) for g in m.groups()) if m else (0,)
+
+
+class RespError(Exception):
+    """An error reply (`-ERR ...`) from Redis."""
+
+
+class RespClient:
+    """A RESP client on one connection to 127.0.0.1:`port`; every read is bounded by `timeout`.
+    `call()` sends a command and returns its decoded reply (an error reply raises RespError);
+    `send()` and `read()` split the two, for a command that blocks Redis (DEBUG SLEEP)."""
+
+    def __init__(self, port: int, timeout: float = 5.0):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send(self, *args):
+        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        self.sock.sendall(b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
+
+    def call(self, *args):
+        self.send(*args)
+        return self.read()
+
+    def _fill(self):
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("redis closed the connection")
+        self.buf += chunk
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, _, self.buf = self.buf.partition(b"\r\n")
+        return line
+
+    def read(self):
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise RespError(rest.decode())
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            while len(self.buf) < n + 2:
+                self._fill()
+            data, self.buf = self.buf[:n], self.buf[n + 2:]
+            return data.decode()
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.read() for _ in range(n)]
+        raise AssertionError(f"unexpected RESP line {line!r}")
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def redis_call(port: int, *args, timeout: float = 5.0):
+    """One command on a fresh connection to 127.0.0.1:`port`; its decoded reply."""
+    client = RespClient(port, timeout=timeout)
+    try:
+        return client.call(*args)
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------------------------

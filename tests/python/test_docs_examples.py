@@ -282,10 +282,11 @@ def test_readme_replica_configs_pass_check_config(tmp_path):
     assert "Etcd" in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
 
 
+@runs("README.md", "init-store")
 def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):
     """The README's replicas file, as it is, runs two replicas sharing Redis (what a real
     deployment differs in comes from the environment: addresses, certificates, the upstream's
-    key), and they share the fence."""
+    key), once the Redis is marked new as the README says, and they share the fence."""
     file = replicas_file(tmp_path)
     doc = tomllib.loads(file.read_text())
     try:
@@ -299,6 +300,11 @@ def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_fi
         "FENCEGATE_UPSTREAM__ACCESS_KEY_ID": "testing",
         "FENCEGATE_UPSTREAM__SECRET_ACCESS_KEY": "testing",
     }
+    command = block("README.md", "init-store").code.strip().split()
+    assert command[:2] == ["fencegate", "init-store"] and command[-1] == "fencegate.toml", command
+    init = subprocess.run([str(bin_path()), *command[1:-1], str(file)], cwd=tmp_path, capture_output=True, text=True,
+                          env=example_env(tmp_path, env), timeout=60)
+    assert init.returncode == 0 and "marked 16384 slots" in init.stdout, (init.stdout, init.stderr)
     replicas = []
     try:
         for n in range(2):
