@@ -8,7 +8,8 @@
 #                                       bucket made first)
 #   fencegate_config STORE [SERVER]     fencegate's config for the measurements, in
 #                                       $work/fencegate.toml: STORE is the [store] table,
-#                                       SERVER extra lines of [server]
+#                                       SERVER extra lines of [server]; a Redis store is
+#                                       marked new with `$bin init-store`
 # Everything listens on 127.0.0.1 ports of its own choosing. Needs `bench` set.
 
 work=$(mktemp -d)
@@ -82,4 +83,6 @@ resource = "bench:lease"
 [log]
 level = "warn"
 EOF
+  # A shared store is marked new, as an operator does once when making it.
+  "${bin:-target/release/fencegate}" init-store --config "$work/fencegate.toml" >/dev/null
 }

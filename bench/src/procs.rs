@@ -133,6 +133,16 @@ pub fn spawn_fencegate(
     let config = fencegate_config(dir, upstream);
     let config_path = dir.join("fencegate.toml");
     std::fs::write(&config_path, config)?;
+    // A shared store is marked new first, as an operator does once when making it (else its
+    // first writes wait out the quiet period of a store that lost its state).
+    let init = Command::new(binary)
+        .args(["init-store", "--config"])
+        .arg(&config_path)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} init-store", binary.display()))?;
+    anyhow::ensure!(init.status.success(), "init-store failed: {}", String::from_utf8_lossy(&init.stderr));
     let mut child = Command::new(binary)
         .args(["serve", "--config"])
         .arg(&config_path)
