@@ -235,3 +235,37 @@ async fn a_grant_on_one_replica_fences_the_other_and_a_lost_quorum_fails_closed(
     a.stop().await;
     b.stop().await;
 }
+
+/// An etcd that lost what it acknowledged (its one member restarted on an empty data directory,
+/// against etcd's rules) answers from an older history than the replica saw: the replica does
+/// not trust it. Its writes fail closed (503) and the loss is counted, instead of being admitted
+/// on a store that no longer knows the fence or the registrations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_that_lost_acknowledged_data_is_not_trusted() {
+    let mut etcd = EtcdCluster::start(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let local = format!(
+        "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
+        dir.path().join("objects").display()
+    );
+    let fg = Fencegate::setup(dir.path()).store(&etcd.store_toml("a")).upstream(&local).start().await;
+    let c = client(&fg);
+    c.create_bucket().bucket(BUCKET).send().await.unwrap();
+    for token in [5, 6] {
+        put(&c, "doc", token).await.unwrap();
+    }
+    etcd.restart_empty_single().await;
+    // Writes are refused for as long as the test watches (the SDK retries a 503 by itself).
+    for token in [6, 7] {
+        let (code, status, _) = put(&c, "doc", token).await.unwrap_err();
+        assert_eq!((code.as_deref(), status), (Some("FenceStoreUnavailable"), 503), "token {token}");
+    }
+    let metrics = common::http_get(fg.admin, "/metrics", Duration::from_secs(10)).await;
+    let lost: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("fencegate_store_state_lost_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the counter is exported");
+    assert!(lost >= 1.0, "the loss was not counted:\n{metrics}");
+    fg.stop().await;
+}

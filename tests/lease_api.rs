@@ -201,7 +201,7 @@ async fn background_renewal_keeps_a_short_lease_alive() {
 
     // In-process, fencegate's Prometheus recorder is the global one: the client's metrics
     // show up on its /metrics.
-    let metrics = http_get(fg.admin, "/metrics").await;
+    let metrics = common::http_get(fg.admin, "/metrics", EVENT_WAIT_MAX).await;
     for name in ["lease_acquired", "heartbeat_latency"] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
@@ -210,14 +210,4 @@ async fn background_renewal_keeps_a_short_lease_alive() {
     lease.release().await.unwrap();
     assert!(lost.is_cancelled());
     c.try_acquire("job:bg", "b", ttl).await.expect("released: free at once");
-}
-
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    tokio::time::timeout(EVENT_WAIT_MAX, stream.read_to_string(&mut response)).await.unwrap().unwrap();
-    response
 }

@@ -169,6 +169,7 @@ fn decide_admission(
 
 pub struct EtcdStore {
     client: Client,
+    history: Arc<History>,
     timeout: Duration,
     shared: Shared<EtcdCalls>,
 }
@@ -176,6 +177,7 @@ pub struct EtcdStore {
 /// The registry's calls on etcd.
 struct EtcdCalls {
     client: Client,
+    history: Arc<History>,
     timeout: Duration,
     replica_id: String,
     /// The etcd lease each registration of this replica is attached to.
@@ -195,11 +197,14 @@ impl EtcdStore {
         let client = tokio::time::timeout(timeout * 2, Client::connect(endpoints, Some(options)))
             .await
             .map_err(|_| anyhow::anyhow!("no etcd member answered within {} ms", timeout.as_millis() * 2))??;
+        let history = Arc::new(History::default());
         let store = Self {
             client: client.clone(),
+            history: history.clone(),
             timeout,
             shared: Shared::start(Arc::new(EtcdCalls {
                 client: client.clone(),
+                history,
                 timeout,
                 replica_id,
                 leases: Mutex::new(HashMap::new()),
@@ -212,7 +217,7 @@ impl EtcdStore {
 
     /// Runs `txn` within the store's timeout (`read_only`: see [`txn_on`]).
     async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
-        txn_on(&self.client, self.timeout, txn, read_only).await
+        self.history.check(txn_on(&self.client, self.timeout, txn, read_only).await?)
     }
 
     /// Reads `keys` in one linearizable transaction.
@@ -502,6 +507,37 @@ fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
     read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("idempotency record"))).transpose()
 }
 
+/// The highest revision of etcd's history this replica has seen. Transactions are
+/// linearizable, so an answer from an older revision means a member answered from a history that
+/// lost what this replica saw acknowledged (a member restarted on an empty data directory and let
+/// back in against etcd's rules, a restore from an old snapshot): such an answer is never
+/// trusted, and the call fails closed.
+#[derive(Default)]
+struct History {
+    seen: std::sync::atomic::AtomicI64,
+}
+
+impl History {
+    fn check(&self, resp: etcd_client::TxnResponse) -> Result<etcd_client::TxnResponse, StoreError> {
+        use std::sync::atomic::Ordering;
+        let Some(revision) = resp.header().map(|h| h.revision()) else { return Ok(resp) };
+        let seen = self.seen.fetch_max(revision, Ordering::AcqRel);
+        if revision < seen {
+            crate::metrics::store_state_lost();
+            tracing::error!(
+                revision,
+                seen,
+                "etcd answered from an older history than this replica saw: a member lost acknowledged data (it must \
+                 be removed and added back, never restarted on an empty data directory); failing closed"
+            );
+            return Err(StoreError::Backend(
+                format!("etcd answered at revision {revision}, below {seen} seen before").into(),
+            ));
+        }
+        Ok(resp)
+    }
+}
+
 /// Runs `txn` within `timeout`. A transaction of reads only (`read_only`: no compare, no put or
 /// delete) changes nothing, so it is sent again after any connection failure; one that may
 /// change something only when etcd certainly did not apply it.
@@ -537,7 +573,7 @@ fn revoke_in_background(client: &Client, lease: i64) {
 
 impl EtcdCalls {
     async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
-        txn_on(&self.client, self.timeout, txn, read_only).await
+        self.history.check(txn_on(&self.client, self.timeout, txn, read_only).await?)
     }
 
     fn lease_of(&self, resource: &ResourceKey, member: Member) -> Option<i64> {

@@ -568,6 +568,19 @@ impl EtcdCluster {
         }
     }
 
+    /// Starts the only member of a one-member cluster again on an empty data directory, as a
+    /// new cluster: what etcd's rules forbid, and what loses everything it acknowledged.
+    pub async fn restart_empty_single(&mut self) {
+        assert_eq!(self.members.len(), 1, "only a one-member cluster can start over on its own");
+        self.kill(0);
+        std::fs::remove_dir_all(self.dir.path().join(&self.members[0].name)).unwrap();
+        self.spawn(0, "new");
+        if let Err(status) = self.wait_for_members().await {
+            panic!("the etcd member did not start again ({status})");
+        }
+        self.wait_for_leader().await;
+    }
+
     /// Starts member `i` again on its data.
     pub async fn restart(&mut self, i: usize) {
         self.kill(i);
@@ -831,4 +844,16 @@ pub fn s3_client_on(
         .force_path_style(path_style)
         .credentials_provider(Credentials::new(access_key, secret_key, None, None, "test"))
         .http_client(http)
+}
+
+/// `GET path` on `addr` over plain HTTP/1.1 (the admin listener's `/metrics`): the whole raw
+/// response, read within `wait_max`.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str, wait_max: std::time::Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(wait_max, stream.read_to_string(&mut response)).await.unwrap().unwrap();
+    response
 }
