@@ -165,8 +165,8 @@ class FenceGate:
     admin_addr: tuple = ("127.0.0.1", 0)
     starts: int = 0
     logs: list = field(default_factory=list)
-    # A Redis store is marked new (`fencegate init-store`) before each start, as an operator
-    # does once when making it; a test of a store that lost its state turns this off.
+    # A Redis store is marked new (`fencegate init-store`) before the first start, as an
+    # operator does once when making it.
     init_store: bool = True
 
     @property
@@ -196,7 +196,9 @@ class FenceGate:
         env.setdefault("RUST_BACKTRACE", "1")
         env.setdefault("NO_COLOR", "1")
         env.update(self.env)
-        if self.init_store and self.config.get("store", {}).get("kind") == "redis":
+        # Once, at the first start: a restart (after a store lost its state, say) must not mark
+        # the store new again, as no operator would.
+        if self.init_store and self.starts == 1 and self.config.get("store", {}).get("kind") == "redis":
             init = subprocess.run([str(binary), "init-store", "--config", str(self.config_path)], env=env,
                                   cwd=str(self.workdir), capture_output=True, timeout=READY_TIMEOUT_S)
             if init.returncode != 0:
