@@ -123,6 +123,19 @@ impl Refusal {
         }
     }
 
+    /// When a retry may succeed (`Retry-After`, whole seconds), for refusals a retry can help:
+    /// at once for a busy resource or a store that did not answer, when the quiet period ends
+    /// for a store that lost its state.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            Self::StoreUnavailable(StoreError::Recovering { retry_after_ms }) => {
+                Some(retry_after_ms.div_ceil(1000).max(1))
+            }
+            _ if self.fault() == Fault::Client => None,
+            _ => Some(1),
+        }
+    }
+
     /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
     pub fn current_fence(&self) -> Option<FenceToken> {
         match self {
@@ -160,6 +173,9 @@ mod tests {
         let store = Refusal::StoreUnavailable(StoreError::Backend("down".into()));
         assert_eq!((store.fault(), store.s3_code()), (Fault::Store, "FenceStoreUnavailable"));
         assert_eq!(Refusal::Unregistered { presented: FenceToken(5), current: None }.current_fence(), None);
+        assert_eq!((stale.retry_after_s(), busy.retry_after_s(), store.retry_after_s()), (None, Some(1), Some(1)));
+        let quiet = Refusal::StoreUnavailable(StoreError::Recovering { retry_after_ms: 41_250 });
+        assert_eq!((quiet.status(), quiet.retry_after_s()), (StatusCode::SERVICE_UNAVAILABLE, Some(42)));
     }
 
     #[test]

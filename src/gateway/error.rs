@@ -137,8 +137,13 @@ impl GatewayError {
         if let Some(current) = current {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
-        if status == StatusCode::SERVICE_UNAVAILABLE || matches!(self, Self::RequestInFlight) {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        let retry_after = match &self {
+            Self::Refused(refusal) => refusal.retry_after_s(),
+            Self::RequestInFlight => Some(1),
+            _ => (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1),
+        };
+        if let Some(seconds) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         resp
     }

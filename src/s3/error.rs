@@ -173,8 +173,12 @@ impl FrontError {
         if let Some(current) = self.current_fence() {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            headers.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        let retry_after = match &self {
+            Self::Refused(refusal) => refusal.retry_after_s(),
+            _ => (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1),
+        };
+        if let Some(seconds) = retry_after {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         if let Ok(id) = HeaderValue::from_str(request_id) {
             headers.insert(crate::amz::X_AMZ_REQUEST_ID, id);

@@ -96,6 +96,8 @@ def test_a_store_that_lost_its_state_admits_nothing_until_older_writes_are_settl
                 break
             except ClientError as exc:
                 refusals.append((status_of(exc), code_of(exc)))
+                retry_after = int(exc.response["ResponseMetadata"]["HTTPHeaders"].get("retry-after", "0"))
+                assert 1 <= retry_after <= -(-QUIET_S // 1), f"Retry-After {retry_after} s: not the quiet period's"
                 assert (status_of(exc), code_of(exc)) == (503, "FenceStoreUnavailable"), refusals
             time.sleep(0.05)
         t.join(timeout=20)
