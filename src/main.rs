@@ -173,13 +173,29 @@ fn init_tracing(config: &Config) {
     let filter = filter.add_directive("s3s::service=off".parse().expect("a static directive"));
     let filter = filter.add_directive("s3s::ops=off".parse().expect("a static directive"));
     use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::prelude::*;
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         // Colour codes only for a person at a terminal, never in a file or a log collector.
         .with_ansi(std::io::stderr().is_terminal());
+    // Directives more specific than the ones above (`RUST_LOG=s3s::ops::signature=debug`) win
+    // over them in an env filter: the library's cap is a filter of its own, which no directive
+    // lifts.
+    let registry = tracing_subscriber::registry().with(filter).with(tracing_subscriber::filter::filter_fn(library_cap));
     match config.log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Json => registry.with(fmt.json()).init(),
+        LogFormat::Text => registry.with(fmt).init(),
     }
+}
+
+/// What the S3 library may log, whatever the level asked for: nothing of its services and
+/// operations (their errors are fencegate's to log), and nothing below `info` elsewhere (at
+/// `debug` it prints the signature it expected).
+fn library_cap(meta: &tracing::Metadata<'_>) -> bool {
+    let target = meta.target();
+    if target != "s3s" && !target.starts_with("s3s::") {
+        return true;
+    }
+    let quiet = ["s3s::service", "s3s::ops"].iter().any(|m| target == *m || target.starts_with(&format!("{m}::")));
+    !quiet && *meta.level() <= tracing::Level::INFO
 }
