@@ -26,6 +26,10 @@ use crate::refusal::Refusal;
 /// S3 allows 1000 keys per request; the XML for them stays well under this.
 pub const REQUEST_BYTES_MAX: usize = 2 * 1024 * 1024;
 
+/// The most keys S3 takes in one DeleteObjects (more is `MalformedXML`, as from S3): each key is
+/// a fence check, possibly an advance made durable, and an upstream call.
+pub const KEYS_MAX: usize = 1000;
+
 #[derive(Debug, Deserialize)]
 pub struct DeleteRequest {
     #[serde(rename = "Object", default)]
@@ -54,7 +58,14 @@ pub async fn read(body: s3s::Body) -> Result<DeleteRequest, FrontError> {
         .map_err(|_| FrontError::MalformedXml("the DeleteObjects body is unreadable or too large".into()))?
         .to_bytes();
     let text = std::str::from_utf8(&bytes).map_err(|_| FrontError::MalformedXml("the body is not UTF-8".into()))?;
-    quick_xml::de::from_str(text).map_err(|e| FrontError::MalformedXml(e.to_string()))
+    let request: DeleteRequest = quick_xml::de::from_str(text).map_err(|e| FrontError::MalformedXml(e.to_string()))?;
+    match request.objects.len() {
+        0 => Err(FrontError::MalformedXml("a DeleteObjects request names no key".into())),
+        n if n > KEYS_MAX => Err(FrontError::MalformedXml(format!(
+            "a DeleteObjects request names {n} keys; at most {KEYS_MAX} are allowed"
+        ))),
+        _ => Ok(request),
+    }
 }
 
 /// An entry's opening: `<tag>`, the key and the version the request named.

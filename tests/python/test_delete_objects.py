@@ -8,6 +8,10 @@ every write it forwarded and can forward the copies again, as a retrying hop wou
 
 from __future__ import annotations
 
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import code_of, status_of
 from holding_upstream import HELD_PREFIX, HoldingUpstream
 from moto_proxy import Request
 
@@ -53,3 +57,18 @@ def test_a_delete_objects_delivered_again_does_not_delete_a_newer_write(held_s3,
     body = env.moto.get_object(Bucket=env.bucket, Key=key)["Body"].read()
     assert body == b"B's data", f"token 5's DeleteObjects, delivered again ({statuses}), deleted token 6's write"
     assert all(s == 412 for s in statuses), statuses
+
+
+def test_a_delete_objects_names_at_most_1000_keys_as_in_s3(fg, bucket):
+    """More than 1000 keys (or none) is S3's 400 MalformedXML, and nothing is deleted: each key
+    costs a fence check, maybe an advance made durable, and an upstream call."""
+    client = fg.client(token=5)
+    client.put_object(Bucket=bucket, Key="kept", Body=b"kept")
+    too_many = [{"Key": "kept"}] + [{"Key": f"k{i}"} for i in range(1000)]
+    for objects in (too_many, []):
+        with pytest.raises(ClientError) as refused:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+        assert (status_of(refused.value), code_of(refused.value)) == (400, "MalformedXML"), refused.value.response
+    assert client.get_object(Bucket=bucket, Key="kept")["Body"].read() == b"kept"
+    done = client.delete_objects(Bucket=bucket, Delete={"Objects": too_many[:1000]})
+    assert len(done["Deleted"]) == 1000 and not done.get("Errors"), done.get("Errors")
