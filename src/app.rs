@@ -9,7 +9,7 @@ use anyhow::Context;
 use hyper::service::service_fn;
 use tokio::net::TcpListener;
 
-use crate::admin::Admin;
+use crate::admin::{Admin, ServedHosts};
 use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{Gate, GateLimits, InflightBounds, Store};
 use crate::gateway::Gateway;
@@ -285,10 +285,12 @@ impl App {
                 Ok(resp)
             }
         });
+        let hosts = ServedHosts::new(admin_listener.local_addr()?, self.config.server.admin_host_names.clone());
         let admin = Arc::new(Admin::new(
             self.gate.clone(),
             metrics,
             self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
+            hosts,
         ));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 

@@ -93,6 +93,11 @@ pub struct ServerConfig {
     /// Open admin connections at most (probes and metrics scrapes need few).
     #[serde(default = "defaults::admin_connections_max")]
     pub admin_connections_max: usize,
+    /// Host names the admin listener answers to besides the address it listens on (and
+    /// `localhost` on a loopback or unspecified address): any other `Host` gets 421, so that a
+    /// web page whose name was rebound to this address cannot reach the admin API.
+    #[serde(default)]
+    pub admin_host_names: Vec<String>,
     /// Threads serving the main listener's connections, each with a runtime and upstream
     /// connections of its own (`crate::threads`); 0: one per CPU.
     #[serde(default)]
@@ -244,6 +249,9 @@ pub enum Role {
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
 pub struct Secret(String);
+
+/// The shortest `server.admin_token` accepted.
+pub const ADMIN_TOKEN_BYTES_MIN: usize = 16;
 
 impl Secret {
     pub fn new(value: impl Into<String>) -> Self {
@@ -627,6 +635,19 @@ impl Config {
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
         check_log_level(&self.log.level).map_err(|e| ("log.level", e))?;
+        if let Some(token) = &self.server.admin_token
+            && token.expose().len() < ADMIN_TOKEN_BYTES_MIN
+        {
+            // An empty one comes from an unset shell variable (FENCEGATE_SERVER__ADMIN_TOKEN=$X),
+            // and "Bearer " then opened the admin API; a short one can be guessed.
+            return Err((
+                "server.admin_token",
+                format!(
+                    "must be at least {ADMIN_TOKEN_BYTES_MIN} bytes (it is {}): whoever guesses it can raise every fence",
+                    token.expose().len()
+                ),
+            ));
+        }
         if !self.server.admin_listen.ip().is_loopback() && self.server.admin_token.is_none() {
             // Whoever reaches the admin API can raise any fence to 2^64-1 and lock it for good.
             return Err((
@@ -877,13 +898,25 @@ mod tests {
         let dev = MINIMAL.replace("access_key_id = \"k\"", "access_key_id = \"fencegate-dev\"\nrole = \"issuer\"");
         let risks = Config::from_toml(&dev).unwrap().risks();
         assert!(risks.len() == 1 && risks[0].contains("development credential") && risks[0].contains("grant leases"));
-        let open = MINIMAL
-            .replace("listen = \"127.0.0.1:9000\"", "listen = \"0.0.0.0:9000\"")
-            .replace("admin_listen = \"127.0.0.1:9001\"", "admin_listen = \"0.0.0.0:9001\"\nadmin_token = \"t\"");
+        let open = MINIMAL.replace("listen = \"127.0.0.1:9000\"", "listen = \"0.0.0.0:9000\"").replace(
+            "admin_listen = \"127.0.0.1:9001\"",
+            "admin_listen = \"0.0.0.0:9001\"\nadmin_token = \"a-token-of-16-bytes\"",
+        );
         let risks = Config::from_toml(&open).unwrap().risks();
         assert_eq!(risks.len(), 2, "{risks:?}");
         assert!(risks.iter().any(|r| r.starts_with("server.admin_listen")));
         assert!(risks.iter().any(|r| r.starts_with("server.listen") && r.contains("without TLS")));
+    }
+
+    #[test]
+    fn an_admin_token_shorter_than_16_bytes_is_refused() {
+        for token in ["", "t", "fifteen-bytes!!"] {
+            let short = MINIMAL.replace("[server]", &format!("[server]\nadmin_token = {token:?}"));
+            let Err(e) = Config::from_toml(&short) else { panic!("{token:?} accepted") };
+            assert!(e.to_string().contains("server.admin_token"), "{e}");
+        }
+        let ok = MINIMAL.replace("[server]", "[server]\nadmin_token = \"sixteen-bytes!!!\"");
+        assert!(Config::from_toml(&ok).is_ok());
     }
 
     #[test]

@@ -21,6 +21,42 @@ pub struct Admin {
     metrics: PrometheusHandle,
     /// `Bearer <token>` expected in `Authorization`, when configured.
     bearer: Option<String>,
+    /// Who the listener answers to (`Host`): a page whose name was rebound to this address
+    /// (DNS rebinding) gets 421.
+    hosts: ServedHosts,
+}
+
+/// The `Host` values the admin listener answers to: the address it listens on (any address
+/// when that is unspecified), `localhost` on a loopback or unspecified address, and the names
+/// configured (`server.admin_host_names`); with the listener's port or none.
+pub struct ServedHosts {
+    listen: std::net::SocketAddr,
+    names: Vec<String>,
+}
+
+impl ServedHosts {
+    pub fn new(listen: std::net::SocketAddr, names: Vec<String>) -> Self {
+        Self { listen, names }
+    }
+
+    /// Whether a request naming `authority` (its `Host`, or its URI's authority on HTTP/2) is
+    /// for this listener. A request that names none is not a browser's: it is served.
+    fn serves(&self, authority: Option<&str>) -> bool {
+        let Some(authority) = authority else { return true };
+        let Ok(authority) = authority.parse::<http::uri::Authority>() else { return false };
+        if authority.port_u16().is_some_and(|port| port != self.listen.port()) {
+            return false;
+        }
+        let host = authority.host();
+        let ip = self.listen.ip();
+        if let Ok(asked) = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
+            return ip.is_unspecified() || asked == ip;
+        }
+        if host.eq_ignore_ascii_case("localhost") {
+            return ip.is_loopback() || ip.is_unspecified();
+        }
+        self.names.iter().any(|name| name.eq_ignore_ascii_case(host))
+    }
 }
 
 #[derive(Deserialize)]
@@ -38,11 +74,23 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 }
 
 impl Admin {
-    pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>) -> Self {
-        Self { gate, metrics, bearer: admin_token }
+    pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>, hosts: ServedHosts) -> Self {
+        Self { gate, metrics, bearer: admin_token, hosts }
     }
 
     pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
+        let authority = req
+            .uri()
+            .authority()
+            .map(|a| a.as_str())
+            .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()));
+        if !self.hosts.serves(authority) {
+            return Ok(problem(
+                StatusCode::MISDIRECTED_REQUEST,
+                "MisdirectedRequest",
+                "this admin listener answers only to the address it listens on (and server.admin_host_names)",
+            ));
+        }
         // Probes of liveness and readiness need no token; everything else does, when one is set.
         let probe = req.method() == Method::GET && matches!(req.uri().path(), "/healthz" | "/readyz");
         if let Some(expected) = &self.bearer
@@ -155,6 +203,29 @@ fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A DNS-rebinding page names its own host: refused. The listener's own address, with its
+    /// port or none, `localhost` on loopback, and configured names are served.
+    #[test]
+    fn only_the_listeners_own_names_are_served() {
+        let on = |listen: &str, names: &[&str]| {
+            ServedHosts::new(listen.parse().unwrap(), names.iter().map(|n| (*n).to_owned()).collect())
+        };
+        let loopback = on("127.0.0.1:9001", &[]);
+        for ok in [None, Some("127.0.0.1:9001"), Some("127.0.0.1"), Some("localhost:9001"), Some("LOCALHOST")] {
+            assert!(loopback.serves(ok), "{ok:?}");
+        }
+        for refused in ["evil.example:9001", "evil.example", "127.0.0.1:80", "10.0.0.1:9001", "[::1]:9001", "a b"] {
+            assert!(!loopback.serves(Some(refused)), "{refused}");
+        }
+        let any = on("0.0.0.0:9001", &["admin.internal"]);
+        for ok in ["10.1.2.3:9001", "[fd00::1]:9001", "localhost", "Admin.Internal:9001"] {
+            assert!(any.serves(Some(ok)), "{ok}");
+        }
+        assert!(!any.serves(Some("evil.example:9001")));
+        let v6 = on("[::1]:9001", &[]);
+        assert!(v6.serves(Some("[::1]:9001")) && v6.serves(Some("localhost")) && !v6.serves(Some("127.0.0.1:9001")));
+    }
 
     #[test]
     fn resources_are_percent_decoded() {

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import code_of, head_status, header_of, metric, metric_samples, status_of, wait_until
+from fencegate_testlib import (
+    base_config,
+    bin_path,
+    code_of,
+    head_status,
+    header_of,
+    metric,
+    metric_samples,
+    status_of,
+    to_toml,
+    wait_until,
+)
 
 
 def test_health_and_ready(fg):
@@ -83,27 +97,27 @@ def test_bad_registration_body(fg, body):
 
 
 def test_admin_token(fencegate):
-    fg = fencegate(config={"server": {"admin_token": "secret"}})
+    fg = fencegate(config={"server": {"admin_token": "secret-of-16-bytes"}})
     assert fg.admin("GET", "/v1/fences/job%3Ax").status_code == 401
     assert fg.admin("GET", "/v1/fences/job%3Ax", token="wrong").status_code == 401
-    r = fg.admin("GET", "/v1/fences/job%3Ax", headers={"Authorization": "Basic c2VjcmV0"})
+    r = fg.admin("GET", "/v1/fences/job%3Ax", headers={"Authorization": "Basic c2VjcmV0LW9mLTE2LWJ5dGVz"})
     assert r.status_code == 401
-    assert fg.admin("GET", "/v1/fences/job%3Ax", token="secret").status_code == 404
+    assert fg.admin("GET", "/v1/fences/job%3Ax", token="secret-of-16-bytes").status_code == 404
 
     assert fg.put_fence("job:x", 5).status_code == 401
     assert fg.put_fence("job:x", 5, token="wrong").status_code == 401
-    assert fg.get_fence("job:x", token="secret").status_code == 404  # nothing was registered
-    r = fg.put_fence("job:x", 5, token="secret")
+    assert fg.get_fence("job:x", token="secret-of-16-bytes").status_code == 404  # nothing was registered
+    r = fg.put_fence("job:x", 5, token="secret-of-16-bytes")
     assert r.status_code == 200, r.text
-    assert fg.get_fence("job:x", token="secret").json()["token"] == 5
+    assert fg.get_fence("job:x", token="secret-of-16-bytes").json()["token"] == 5
 
     # The scheme is case-insensitive; probes need no token; metrics do.
-    r = fg.admin("GET", "/v1/fences/job%3Ax", headers={"Authorization": "bearer secret"})
+    r = fg.admin("GET", "/v1/fences/job%3Ax", headers={"Authorization": "bearer secret-of-16-bytes"})
     assert r.status_code == 200, r.text
     assert fg.admin("GET", "/healthz").status_code == 200
     assert fg.admin("GET", "/readyz").status_code == 200
     assert fg.admin("GET", "/metrics").status_code == 401
-    assert fg.admin("GET", "/metrics", token="secret").status_code == 200
+    assert fg.admin("GET", "/metrics", token="secret-of-16-bytes").status_code == 200
 
 
 DECISIONS = ("accepted", "stale", "missing_token", "invalid_token")
@@ -169,3 +183,34 @@ def test_metrics_count_decisions(fg):
     before = _counts(fg)
     assert fg.client().get_object(Bucket=bucket, Key="k")["Body"].read() == b"12 again"
     _assert_counted(fg, before, {})
+
+
+@pytest.mark.parametrize("token", ["", "short", "fifteen-bytes!!"])
+def test_an_admin_token_shorter_than_16_bytes_is_refused(tmp_path, token):
+    """An unset shell variable (`FENCEGATE_SERVER__ADMIN_TOKEN=$UNSET`) gives an empty token, and
+    `Authorization: Bearer ` then opened the admin API; a short one can be guessed: refused at
+    start, naming the key."""
+    cfg = tmp_path / "fg.toml"
+    cfg.write_text(to_toml(base_config(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCEGATE_")}
+    env["FENCEGATE_SERVER__ADMIN_TOKEN"] = token
+    for command in ("check-config", "serve"):
+        p = subprocess.run([str(bin_path()), command, "--config", str(cfg)], capture_output=True, text=True,
+                           timeout=30, stdin=subprocess.DEVNULL, env=env)
+        assert p.returncode != 0 and "server.admin_token" in p.stderr and "16 bytes" in p.stderr, p.stderr
+
+
+def test_the_admin_listener_answers_only_to_its_own_names(fencegate):
+    """A page whose name was rebound to the admin address (DNS rebinding) names its own host:
+    421, before any token is looked at; the listener's address, localhost and the names in
+    `server.admin_host_names` are served."""
+    fg = fencegate(config={"server": {"admin_host_names": ["fencegate-admin.internal"]}})
+    port = fg.admin_addr[1]
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", "10.0.0.1"):
+        r = fg.admin("GET", "/v1/fences/job%3Ax", headers={"Host": host})
+        assert r.status_code == 421, (host, r.status_code, r.text)
+        assert fg.admin("PUT", "/v1/fences/job%3Ax", json={"token": 5}, headers={"Host": host}).status_code == 421
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"fencegate-admin.internal:{port}"):
+        assert fg.admin("GET", "/v1/fences/job%3Ax", headers={"Host": host}).status_code == 404, host
+    assert fg.get_fence("job:x").status_code == 404, "nothing was registered through a refused host"
+

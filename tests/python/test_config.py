@@ -31,9 +31,9 @@ def test_environment_overrides_config_file(fencegate):
 
 
 def test_environment_sets_admin_token(fencegate):
-    fg = fencegate(env={"FENCEGATE_SERVER__ADMIN_TOKEN": "from-env"})
+    fg = fencegate(env={"FENCEGATE_SERVER__ADMIN_TOKEN": "from-the-environment"})
     assert fg.get_fence("job:e").status_code == 401
-    assert fg.get_fence("job:e", token="from-env").status_code == 404
+    assert fg.get_fence("job:e", token="from-the-environment").status_code == 404
 
 
 def test_an_open_admin_listener_needs_a_token(tmp_path):
