@@ -217,7 +217,8 @@ impl EtcdStore {
 
     /// Runs `txn` within the store's timeout (`read_only`: see [`txn_on`]).
     async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
-        self.history.check(txn_on(&self.client, self.timeout, txn, read_only).await?)
+        let floor = self.history.floor();
+        self.history.check(floor, txn_on(&self.client, self.timeout, txn, read_only).await?)
     }
 
     /// Reads `keys` in one linearizable transaction.
@@ -508,21 +509,29 @@ fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
 }
 
 /// The highest revision of etcd's history this replica has seen. Transactions are
-/// linearizable, so an answer from an older revision means a member answered from a history that
-/// lost what this replica saw acknowledged (a member restarted on an empty data directory and let
-/// back in against etcd's rules, a restore from an old snapshot): such an answer is never
-/// trusted, and the call fails closed.
+/// linearizable: one sent after another's answer is ordered after it, so its answer's revision
+/// is at least the revision seen before it was sent (calls in flight together may answer in any
+/// order). An answer below that means a member answered from a history that lost what this
+/// replica saw acknowledged (a member restarted on an empty data directory and let back in
+/// against etcd's rules, a restore from an old snapshot): such an answer is never trusted, and
+/// the call fails closed.
 #[derive(Default)]
 struct History {
     seen: std::sync::atomic::AtomicI64,
 }
 
 impl History {
-    fn check(&self, resp: etcd_client::TxnResponse) -> Result<etcd_client::TxnResponse, StoreError> {
+    /// The revision a call sent now must not answer below.
+    fn floor(&self) -> i64 {
+        self.seen.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn check(&self, floor: i64, resp: etcd_client::TxnResponse) -> Result<etcd_client::TxnResponse, StoreError> {
         use std::sync::atomic::Ordering;
         let Some(revision) = resp.header().map(|h| h.revision()) else { return Ok(resp) };
-        let seen = self.seen.fetch_max(revision, Ordering::AcqRel);
-        if revision < seen {
+        self.seen.fetch_max(revision, Ordering::AcqRel);
+        if revision < floor {
+            let seen = floor;
             crate::metrics::store_state_lost();
             tracing::error!(
                 revision,
@@ -573,7 +582,8 @@ fn revoke_in_background(client: &Client, lease: i64) {
 
 impl EtcdCalls {
     async fn txn(&self, txn: Txn, read_only: bool) -> Result<etcd_client::TxnResponse, StoreError> {
-        self.history.check(txn_on(&self.client, self.timeout, txn, read_only).await?)
+        let floor = self.history.floor();
+        self.history.check(floor, txn_on(&self.client, self.timeout, txn, read_only).await?)
     }
 
     fn lease_of(&self, resource: &ResourceKey, member: Member) -> Option<i64> {
