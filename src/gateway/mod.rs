@@ -488,6 +488,11 @@ impl Gateway {
         req: http::Request<Body>,
     ) -> Result<http::Response<Incoming>, SendError> {
         let started = Instant::now();
+        // An empty body is handed over with the request's head: the HTTP client does not poll
+        // it, so it never marks the write sent itself.
+        if http_body::Body::size_hint(req.body()).exact() == Some(0) && !permit.mark_body_sent() {
+            return Err(SendError::CutOff);
+        }
         let call = route.client.send_unbounded(req);
         let permits = std::slice::from_ref(permit);
         let result = match bounded_call(permits, deadline, self.inflight_deadline, call).await {

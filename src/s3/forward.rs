@@ -73,6 +73,14 @@ impl Front {
         body: WriteBody,
     ) -> Result<http::Response<Body>, FrontError> {
         let body = match body {
+            // An empty body is handed over with the request's head: the HTTP client writes a
+            // `Content-Length: 0` request without polling its body, so the body never marks it.
+            WriteBody::Streamed(body) if http_body::Body::size_hint(&body).exact() == Some(0) => {
+                if !admitted.permit.mark_body_sent() {
+                    return Err(self.cut_off_error(admitted).await);
+                }
+                body
+            }
             WriteBody::Streamed(body) => body,
             WriteBody::InMemory(body) => {
                 if !admitted.permit.mark_body_sent() {
