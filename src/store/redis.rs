@@ -45,6 +45,10 @@ pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
 /// slot's mark and no quiet period runs (or `quiet_applies` is false), else {'epoch', mark,
 /// quiet ms} (the caller knew another mark, or none yet) or {'quiet', mark, quiet ms}. A slot
 /// without its mark lost its data, or is new: the mark is written and the quiet period starts.
+/// A mark other than the one a replica knew means the same (the store was marked anew after
+/// a loss, by `init-store` run at the wrong time): the quiet period starts too, unless one
+/// already runs or ran for this mark. The quiet period's end is a value (`until` on Redis's
+/// clock), not a key's time to live: no eviction policy may end it early.
 const LUA_LT: &str = r"
 local function lt(a, b)
   if #a ~= #b then return #a < #b end
@@ -55,13 +59,21 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function epoch_gate(ekey, qkey, known, fresh, quiet_ms, quiet_applies)
+  local now = now_ms()
   local mark = redis.call('GET', ekey)
   if not mark then
     mark = fresh
     redis.call('SET', ekey, mark)
-    redis.call('SET', qkey, '1', 'PX', quiet_ms)
+    redis.call('SET', qkey, mark .. ' ' .. (now + tonumber(quiet_ms)))
   end
-  local quiet = redis.call('PTTL', qkey)
+  local q = redis.call('GET', qkey)
+  local q_mark, q_until = nil, 0
+  if q then q_mark, q_until = string.match(q, '^(%S+) (%d+)$') end
+  if known ~= '' and mark ~= known and q_mark ~= mark then
+    q_until = now + tonumber(quiet_ms)
+    redis.call('SET', qkey, mark .. ' ' .. q_until)
+  end
+  local quiet = tonumber(q_until or 0) - now
   if quiet < 0 then quiet = 0 end
   if mark ~= known then return {'epoch', mark, quiet} end
   if quiet_applies and quiet > 0 then return {'quiet', mark, quiet} end
@@ -116,7 +128,6 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
 end
 if ARGV[3] ~= '' then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 2)
 end
 return {'ok', advanced, ARGV[1], repaired, had}
 ";
@@ -133,7 +144,6 @@ local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 local cur = redis.call('GET', KEYS[1]) or ''
 if not score or tonumber(score) <= now then return {0, cur} end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) * 2)
 return {1, cur}
 ";
 

@@ -16,13 +16,14 @@ and in moto's commit order no token-5 write comes after a token-6 write.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import code_of, merge, metric_samples, signed_raw_request, status_of, unique
+from fencegate_testlib import bin_path, code_of, merge, metric_samples, signed_raw_request, status_of, unique
 from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HoldingUpstream
 
 D_MS = 2000
@@ -39,9 +40,14 @@ def start_replica(fencegate, redis_server, up, moto_server, bucket, name):
     return fencegate(config=config, upstream=upstream)
 
 
-def lose_everything(redis_server, how: str):
-    if how == "flushall":
+def lose_everything(redis_server, how: str, replica):
+    if how in ("flushall", "flushall_then_init_store"):
         assert redis_server.command(b"FLUSHALL").startswith(b"+OK")
+        if how == "flushall_then_init_store":
+            # The operator's mistake: the store is marked anew after the loss. The replicas knew
+            # another mark: the quiet period starts all the same.
+            subprocess.run([str(bin_path()), "init-store", "--config", str(replica.config_path)], check=True,
+                           capture_output=True, timeout=60)
         return
     redis_server.kill9()  # and it comes back without its append-only file
     for path in redis_server.dir.iterdir():
@@ -60,7 +66,7 @@ def committed(up: HoldingUpstream, bucket: str) -> list:
             if w["status"] is not None and 200 <= w["status"] < 300 and w["token"] is not None]
 
 
-@pytest.mark.parametrize("how", ["flushall", "restart_empty"])
+@pytest.mark.parametrize("how", ["flushall", "restart_empty", "flushall_then_init_store"])
 def test_a_store_that_lost_its_state_admits_nothing_until_older_writes_are_settled(
         fencegate, redis_server, moto_server, how):
     up = HoldingUpstream(moto_server.url).start()
@@ -83,7 +89,7 @@ def test_a_store_that_lost_its_state_admits_nothing_until_older_writes_are_settl
         t.start()
         assert hold.wait_arrived(10), "token 5's body never reached the upstream"
         arrived = time.monotonic()
-        lose_everything(redis_server, how)
+        lose_everything(redis_server, how, b)
 
         client = b.client(token=6, read_timeout=30)
         refusals = []
