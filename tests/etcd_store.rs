@@ -260,6 +260,13 @@ async fn an_etcd_that_lost_acknowledged_data_is_not_trusted() {
         let (code, status, _) = put(&c, "doc", token).await.unwrap_err();
         assert_eq!((code.as_deref(), status), (Some("FenceStoreUnavailable"), 503), "token {token}");
     }
+    // The lost history grows past what the replica saw: still not trusted.
+    let mut direct = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
+    for i in 0..100 {
+        direct.put(format!("other/{i}"), "x", None).await.unwrap();
+    }
+    let (code, status, _) = put(&c, "doc", 8).await.unwrap_err();
+    assert_eq!((code.as_deref(), status), (Some("FenceStoreUnavailable"), 503), "after the history grew back");
     let metrics = common::http_get(fg.admin, "/metrics", Duration::from_secs(10)).await;
     let lost: f64 = metrics
         .lines()

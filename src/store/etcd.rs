@@ -514,10 +514,13 @@ fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
 /// order). An answer below that means a member answered from a history that lost what this
 /// replica saw acknowledged (a member restarted on an empty data directory and let back in
 /// against etcd's rules, a restore from an old snapshot): such an answer is never trusted, and
-/// the call fails closed.
+/// the call fails closed, and so does every call after it until the replica is restarted (a
+/// lost history that grows past what was seen is no sounder for it).
 #[derive(Default)]
 struct History {
     seen: std::sync::atomic::AtomicI64,
+    /// An answer came from a history that lost what this replica saw.
+    lost: std::sync::atomic::AtomicBool,
 }
 
 impl History {
@@ -528,9 +531,13 @@ impl History {
 
     fn check(&self, floor: i64, resp: etcd_client::TxnResponse) -> Result<etcd_client::TxnResponse, StoreError> {
         use std::sync::atomic::Ordering;
+        if self.lost.load(Ordering::Acquire) {
+            return Err(StoreError::Backend("etcd lost acknowledged data earlier; restart this replica".into()));
+        }
         let Some(revision) = resp.header().map(|h| h.revision()) else { return Ok(resp) };
         self.seen.fetch_max(revision, Ordering::AcqRel);
         if revision < floor {
+            self.lost.store(true, Ordering::Release);
             let seen = floor;
             crate::metrics::store_state_lost();
             tracing::error!(
