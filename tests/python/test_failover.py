@@ -3,10 +3,10 @@ a real replica whose replication is frozen before the last advances, `kill -9` o
 `REPLICAOF NO ONE` on the replica, and fencegate's Redis address repointed at it. Upstream:
 moto_server (a versioned bucket, so "nothing committed" is counted in object versions).
 
-How the loss is made deterministic: the replica replicates through a TCP forwarder that the
-test freezes (no byte passes either way once `freeze()` returned); fencegate reaches Redis
-through a second forwarder, repointed at the promoted replica after the kill (new connections
-go there, open ones are closed, as a Sentinel-driven client would see it). Before freezing,
+How the loss is made deterministic: the replica replicates through a TCP link (tcp_link.py) that
+the test cuts (no byte passes either way once `cut()` returned); fencegate reaches Redis
+through a second link, repointed at the promoted replica after the kill (new connections
+go there, open ones are closed, as a Sentinel-driven client would see it). Before the cut,
 the test waits until no in-flight registration is left on the primary and the replica's offset
 equals the primary's; after it, it checks that the primary has the lost advances and the
 replica does not.
@@ -76,9 +76,7 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import statistics
-import threading
 import time
 
 import pytest
@@ -88,11 +86,13 @@ from fencegate_testlib import (
     RedisServer,
     code_of,
     header_of,
+    redis_call,
     signed_raw_request,
     status_of,
     unique,
     wait_until,
 )
+from tcp_link import TcpLink
 
 STORE_TIMEOUT_MS = 2500
 INFLIGHT_DEADLINE_MS = 5000
@@ -107,62 +107,8 @@ LATENCY: dict = {}  # (request, wait_replicas) -> (n, median ms, p99 ms, non-2xx
 
 
 # --------------------------------------------------------------------------------------------
-# Redis: a RESP client, the processes
+# Redis: the processes
 # --------------------------------------------------------------------------------------------
-
-
-class RedisReplyError(Exception):
-    pass
-
-
-def redis_call(port: int, *args, timeout: float = 5.0):
-    """One command on a fresh connection to 127.0.0.1:port; the decoded RESP reply."""
-    parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
-    out = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(out)
-        reader = _RespReader(sock)
-        return reader.read()
-
-
-class _RespReader:
-    def __init__(self, sock):
-        self.sock, self.buf = sock, b""
-
-    def _fill(self):
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("redis closed the connection")
-        self.buf += chunk
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self.buf:
-            self._fill()
-        line, _, self.buf = self.buf.partition(b"\r\n")
-        return line
-
-    def _exact(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            self._fill()
-        data, self.buf = self.buf[:n], self.buf[n:]
-        return data
-
-    def read(self):
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"+":
-            return rest.decode()
-        if kind == b"-":
-            raise RedisReplyError(rest.decode())
-        if kind == b":":
-            return int(rest)
-        if kind == b"$":
-            n = int(rest)
-            return None if n < 0 else self._exact(n + 2)[:-2].decode()
-        if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.read() for _ in range(n)]
-        raise AssertionError(f"unexpected RESP line {line!r}")
 
 
 class RedisProc(RedisServer):
@@ -188,125 +134,6 @@ class RedisProc(RedisServer):
 
 
 # --------------------------------------------------------------------------------------------
-# a TCP forwarder that can be frozen and repointed
-# --------------------------------------------------------------------------------------------
-
-
-class _Pair:
-    def __init__(self, client: socket.socket, upstream: socket.socket):
-        self.client, self.upstream = client, upstream
-        self.dead = False
-
-    def close(self):
-        self.dead = True
-        for s in (self.client, self.upstream):
-            try:
-                s.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in recv
-            except OSError:
-                pass
-            s.close()
-
-
-class Forwarder:
-    """Connections to 127.0.0.1:`port` are piped to 127.0.0.1:`target`.
-
-    `freeze()`: from its return no byte is passed in either direction; what is held is never
-    delivered (dropped when its connection closes). `repoint(target)`: new connections go to
-    `target`, the open ones are closed.
-    """
-
-    def __init__(self, target: int, name: str):
-        self.name = name
-        self.target = target
-        self.lock = threading.Lock()
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.closed = False
-        self.pairs: list[_Pair] = []
-        self.threads: list[threading.Thread] = []
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.listener.settimeout(0.1)
-        self.port = self.listener.getsockname()[1]
-        self._spawn(self._accept_loop)
-
-    def _spawn(self, fn, *args):
-        t = threading.Thread(target=fn, args=args, daemon=True, name=f"fwd-{self.name}")
-        t.start()
-        self.threads.append(t)
-
-    def _accept_loop(self):
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            with self.lock:
-                target = self.target
-            try:
-                upstream = socket.create_connection(("127.0.0.1", target), timeout=2)
-            except OSError:
-                client.close()
-                continue
-            client.settimeout(None)
-            upstream.settimeout(None)
-            for s in (client, upstream):
-                # Without it Nagle's algorithm here meets the peer's delayed ACK: every WAIT
-                # then waits ~40 ms more for the replica's REPLCONF ACK (measured: median
-                # advancing write 59 ms instead of 9 ms with store.wait_replicas = 1).
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pair = _Pair(client, upstream)
-            with self.lock:
-                if self.closed or target != self.target:
-                    pair.close()
-                    continue
-                self.pairs.append(pair)
-            self._spawn(self._pump, pair, client, upstream)
-            self._spawn(self._pump, pair, upstream, client)
-
-    def _pump(self, pair: _Pair, src: socket.socket, dst: socket.socket):
-        try:
-            while not pair.dead:
-                data = src.recv(65536)
-                if not data:
-                    break
-                while not self.flowing.wait(0.05):
-                    if pair.dead or self.closed:
-                        return  # frozen data is dropped, never delivered late
-                if pair.dead:
-                    return
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            pair.close()
-
-    def freeze(self):
-        self.flowing.clear()
-
-    def repoint(self, target: int):
-        with self.lock:
-            self.target = target
-            pairs, self.pairs = self.pairs, []
-        for pair in pairs:
-            pair.close()
-
-    def close(self):
-        self.closed = True
-        with self.lock:
-            pairs, self.pairs = self.pairs, []
-        for pair in pairs:
-            pair.close()
-        self.listener.close()
-        for t in list(self.threads):
-            t.join(timeout=2)
-
-
-# --------------------------------------------------------------------------------------------
 # the failover
 # --------------------------------------------------------------------------------------------
 
@@ -326,7 +153,7 @@ def wait_acknowledging(primary):
 
 
 class Failover:
-    """A primary, a replica replicating through a freezable forwarder, and the forwarder that
+    """A primary, a replica replicating through a link the test cuts, and the link that
     fencegate is given as its Redis address."""
 
     def __init__(self, workdir):
@@ -338,10 +165,10 @@ class Failover:
         """Each part is kept as soon as it exists, so that `close()` ends it if a later step fails."""
         self.primary = RedisProc(self.workdir, "primary")
         self.primary.start()
-        self.replication = Forwarder(self.primary.port, "replication")
+        self.replication = TcpLink(self.primary.port, "replication")
         self.replica = RedisProc(self.workdir, "replica")
         self.replica.start("--replicaof", "127.0.0.1", str(self.replication.port))
-        self.store = Forwarder(self.primary.port, "store")
+        self.store = TcpLink(self.primary.port, "store")
 
         def online():
             # Both sides: the replica's link is up and the primary counts it online (what WAIT
@@ -360,7 +187,7 @@ class Failover:
 
     def settle_and_freeze(self, resources):
         """Waits until no registration is left in flight on the primary and the replica has
-        every byte of it, then freezes replication."""
+        every byte of it, then cuts replication."""
 
         def settled():
             if any(self.primary.call("ZCARD", f"fg:{{{r}}}:inflight") for r in resources):
@@ -370,7 +197,7 @@ class Failover:
             return rep.get("master_link_status") == "up" and rep.get("slave_repl_offset") == offset
 
         wait_until(settled, timeout=15, interval=0.05, what="registrations withdrawn and the replica caught up")
-        self.replication.freeze()
+        self.replication.cut()
 
     def fail_over(self, fencegates):
         """kill -9 of the primary, REPLICAOF NO ONE on the replica, fencegate's address repointed
@@ -402,9 +229,9 @@ class Failover:
         return self.second
 
     def close(self):
-        for fwd in (self.store, self.replication):
-            if fwd is not None:
-                fwd.close()
+        for link in (self.store, self.replication):
+            if link is not None:
+                link.close()
         for r in (self.primary, self.replica, self.second):
             if r is not None:
                 r.kill9()
