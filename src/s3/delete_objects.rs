@@ -47,6 +47,12 @@ pub struct ObjectId {
     /// The client's own condition on this key (S3's conditional delete): kept and forwarded.
     #[serde(rename = "ETag", default)]
     pub etag: Option<String>,
+    /// S3's other per-key conditions, which fencegate cannot judge: a key that carries one is
+    /// refused, never deleted without its condition.
+    #[serde(rename = "LastModifiedTime", default)]
+    pub last_modified_time: Option<String>,
+    #[serde(rename = "Size", default)]
+    pub size: Option<String>,
 }
 
 /// Reads and parses the request body. A broken body is the client's fault (400), and nothing
@@ -174,6 +180,11 @@ impl Front {
         let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<ObjectId>> = Default::default();
         let mut entries = Vec::new();
         for object in parsed.objects {
+            if object.last_modified_time.is_some() || object.size.is_some() {
+                let message = "a per-key LastModifiedTime or Size condition is not supported here; nothing was deleted";
+                entries.push(error_entry(&object, "NotImplemented", message));
+                continue;
+            }
             if let Err(error) = super::checks::check_key(&object.key) {
                 entries.push(error_entry(&object, error.code(), &error.to_string()));
                 continue;
@@ -307,6 +318,8 @@ mod tests {
             key: key.into(),
             version_id: version.map(Into::into),
             etag: None,
+            last_modified_time: None,
+            size: None,
         };
         let mut marker = HeaderMap::new();
         marker.insert("x-amz-delete-marker", HeaderValue::from_static("true"));
