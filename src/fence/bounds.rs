@@ -132,8 +132,8 @@ mod tests {
         }
     }
 
-    /// The split that was (hand over until 3D/4 of a registration the store keeps D) left the
-    /// upstream D/4; without the drift margin only clocks that agree exactly are covered.
+    /// Handing over until 3D/4 of a registration the store keeps D leaves the upstream D/4;
+    /// without the drift margin only clocks that agree exactly are covered.
     #[test]
     fn the_check_refuses_what_breaks_the_inequality() {
         let d = Duration::from_secs(30);

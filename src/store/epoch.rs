@@ -58,11 +58,6 @@ fn tags() -> &'static [String] {
     })
 }
 
-/// The slot of resource `r`'s keys (`fg:{r}:...`, with `r` escaped as the store escapes it).
-pub fn slot_of(escaped_tag: &str) -> u16 {
-    slot_of_tag(escaped_tag)
-}
-
 /// The epoch key and the quiet key of `slot`.
 pub fn keys_of_slot(slot: u16) -> (String, String) {
     let tag = &tags()[usize::from(slot)];
@@ -74,18 +69,29 @@ pub fn new_epoch() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
-/// The epoch this replica last saw on each slot (`""`: none yet).
+/// The epoch this replica last saw on each slot (`""`: none yet), and the marks it offers a
+/// slot found without one.
 pub struct KnownEpochs {
     by_slot: Mutex<Vec<String>>,
+    /// This process's own prefix of the marks it offers (random, made once: not per call).
+    offer_base: String,
+    offers: std::sync::atomic::AtomicU64,
 }
 
 impl Default for KnownEpochs {
     fn default() -> Self {
-        Self { by_slot: Mutex::new(vec![String::new(); SLOTS]) }
+        Self { by_slot: Mutex::new(vec![String::new(); SLOTS]), offer_base: new_epoch(), offers: Default::default() }
     }
 }
 
 impl KnownEpochs {
+    /// A mark no other process and no earlier call of this one offered, for a script to write
+    /// if it finds its slot without one.
+    pub fn offer(&self) -> String {
+        let n = self.offers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{}.{n}", self.offer_base)
+    }
+
     pub fn get(&self, slot: u16) -> String {
         self.by_slot.lock().expect("epochs lock")[usize::from(slot)].clone()
     }
@@ -142,5 +148,7 @@ mod tests {
         assert!(known.learned(7, "b", &r), "it changed");
         assert_eq!(known.get(7), "b");
         assert_eq!(known.get(8), "");
+        assert_ne!(known.offer(), known.offer());
+        assert_ne!(known.offer(), KnownEpochs::default().offer());
     }
 }

@@ -632,11 +632,12 @@ impl RegistryCalls for RedisCalls {
         withdraw: &[Member],
     ) -> Result<SharedAdmit, StoreError> {
         let Ask { floor, may_advance, ttl_ms } = *ask;
-        let marked = EpochKeys::of(resource);
-        let fresh = epoch::new_epoch();
+        let fence = key(resource, "fence");
+        let marked = EpochKeys::of(&fence);
+        let fresh = self.epochs.offer();
         let mut gate_answers = 0;
         let (outcome, advanced, value, repaired, had) = loop {
-            let mut inv = self.admit.key(key(resource, "fence"));
+            let mut inv = self.admit.key(&fence);
             inv.key(key(resource, "inflight")).key(&marked.epoch).key(&marked.quiet);
             inv.arg(token.0.to_string())
                 .arg(floor.map(|f| f.0.to_string()).unwrap_or_default())
@@ -684,13 +685,14 @@ impl RegistryCalls for RedisCalls {
     }
 
     async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {
-        let marked = EpochKeys::of(&renewal.resource);
-        let mut inv = self.renew.key(key(&renewal.resource, "fence"));
+        let fence = key(&renewal.resource, "fence");
+        let marked = EpochKeys::of(&fence);
+        let mut inv = self.renew.key(&fence);
         inv.key(key(&renewal.resource, "inflight")).key(&marked.epoch).key(&marked.quiet);
         inv.arg(member_of(&self.replica_id, renewal.member))
             .arg(millis(renewal.ttl))
             .arg(self.epochs.get(marked.slot))
-            .arg(epoch::new_epoch());
+            .arg(self.epochs.offer());
         // A renewal lost in a failover would let the registration expire before this replica
         // revokes it: it waits for replicas like any change.
         let (renewed, value): (i64, String) =
@@ -726,8 +728,10 @@ struct EpochKeys {
 }
 
 impl EpochKeys {
-    fn of(resource: &ResourceKey) -> Self {
-        let slot = epoch::slot_of(&hash_tag(resource));
+    /// Of the slot of `key`, one of a resource's keys (`fg:{<tag>}:<suffix>`).
+    fn of(key: &str) -> Self {
+        let tag = key.strip_prefix("fg:{").and_then(|rest| rest.rsplit_once("}:")).map_or(key, |(tag, _)| tag);
+        let slot = epoch::slot_of_tag(tag);
         let (epoch, quiet) = epoch::keys_of_slot(slot);
         Self { slot, epoch, quiet }
     }
@@ -758,13 +762,6 @@ impl EpochKeys {
 
 fn script(body: &str) -> Script {
     Script::new(&format!("{LUA_LT}{body}"))
-}
-
-/// The hash tag of a resource's keys: its name with the characters that would end the tag
-/// escaped.
-fn hash_tag(resource: &ResourceKey) -> String {
-    let key = key(resource, "");
-    key["fg:{".len()..key.len() - "}:".len()].to_owned()
 }
 
 /// `fg:{<resource>}:<suffix>`, with the characters that would end the hash tag escaped.
@@ -836,11 +833,12 @@ impl FenceStore for RedisStore {
     }
 
     async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
-        let marked = EpochKeys::of(resource);
-        let fresh = epoch::new_epoch();
+        let fence = key(resource, "fence");
+        let marked = EpochKeys::of(&fence);
+        let fresh = self.epochs.offer();
         let mut gate_answers = 0;
         let (advanced, previous) = loop {
-            let mut inv = self.advance.key(key(resource, "fence"));
+            let mut inv = self.advance.key(&fence);
             inv.key(&marked.epoch).key(&marked.quiet);
             inv.arg(token.0.to_string()).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
             inv.arg(self.epochs.get(marked.slot)).arg(&fresh).arg(self.quiet_ms);
@@ -890,13 +888,14 @@ impl LeaseStore for RedisStore {
             LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new(), None),
             LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new(), None),
         };
-        let marked = EpochKeys::of(resource);
-        let fresh = epoch::new_epoch();
+        let fence = key(resource, "fence");
+        let marked = EpochKeys::of(&fence);
+        let fresh = self.epochs.offer();
         let mut gate_answers = 0;
         let granted =
             |reply: &Vec<Value>| matches!(reply.first().map(as_string).as_deref(), Some("granted" | "renewed"));
         let reply: Vec<Value> = loop {
-            let mut inv = self.lease.key(key(resource, "fence"));
+            let mut inv = self.lease.key(&fence);
             inv.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
             inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
             inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
@@ -1072,6 +1071,18 @@ mod tests {
         assert_eq!(key(&r, "inflight"), "fg:{job:{a%7D%7D%25}:inflight");
         let k = IdempotencyKey::new(r, b"request");
         assert_eq!(idempotency_key(&k), format!("fg:{{job:{{a%7D%7D%25}}:idem:{}", k.request_digest()));
+    }
+
+    /// The slot's epoch keys are on the slot Redis Cluster puts the resource's keys on: the
+    /// hash tag is the text between the key's first `{` and the next `}`.
+    #[test]
+    fn a_resources_epoch_keys_share_its_slot() {
+        let r = ResourceKey::new("job:{a}}%").unwrap();
+        let marked = EpochKeys::of(&key(&r, "fence"));
+        assert_eq!(marked.slot, epoch::slot_of_tag("job:{a%7D%7D%25"));
+        let tag = |k: &str| k.split_once('{').unwrap().1.split_once('}').unwrap().0.to_owned();
+        assert_eq!(epoch::slot_of_tag(&tag(&marked.epoch)), marked.slot);
+        assert_eq!(epoch::slot_of_tag(&tag(&marked.quiet)), marked.slot);
     }
 
     /// Copying in runs escapes exactly what escaping each character does.

@@ -21,7 +21,7 @@ Here every late commit lands at D minus 50 ms after the upstream received the re
    token-5 registration reached A and checks (a) S >= a + D, (b) no token-5 write commits after
    a token-6 write, (c) A hands its last body byte over where the bound allows it (at the
    fault + H - 30 ms) and not where it does not:
-     - A's link to Redis cut both ways; and, x_old, the last byte just inside the old window 3D/4;
+     - A's link to Redis cut both ways; and, x_old, the last byte just inside 3D/4, past the window;
      - only Redis's answers to A lost (A's renewals still land, so S moves on; A never learns);
      - A's link delayed 2 s each way from that renewal on; and delayed from before A's admission
        (every answer is then older than H when it comes: nothing is handed over);
@@ -177,7 +177,7 @@ DELAY_S = 2.0  # the delayed link: every chunk, each way
 # inside the hand-over window.
 LATE_ANSWERS_TIMEOUT_MS = int(2 * DELAY_S * 1000 + 1000)
 # CLIENT PAUSE: past D, and over before the upstream's late commit of a body handed over at the
-# edge of the old window (fault + ~0.5 s + D - 50 ms), which the old E = D does not cover.
+# hand-over at 3D/4 (fault + ~0.5 s + D - 50 ms), which a store keeping registrations D would not cover.
 PAUSE_MS = D_MS + 100
 SLEEP_S = (E_MS + 250) / 1000  # DEBUG SLEEP: past E, Redis wakes with A's registration past its deadline
 INFLIGHT_KEY = f"fg:{{{HELD_RESOURCE}}}:inflight"  # docs/design.md section 6
@@ -233,13 +233,13 @@ class ScoreWatch:
 
 
 def start_replica(fencegate, redis_url: str, up: HoldingUpstream, moto_server, bucket: str, name: str,
-                  store_timeout_ms: int = 200):
+                  store_timeout_ms: int = 200, env: dict | None = None):
     rule = {"bucket": bucket, "prefix": HELD_PREFIX, "resource": HELD_RESOURCE}
     upstream = dict(moto_server.upstream_config(), endpoint=up.url, probe_bucket=bucket)
     # store.timeout_ms: a renewal (every D/8) that fails must fail inside the hand-over window.
     store = {"kind": "redis", "url": redis_url, "path": None, "replica_id": name, "timeout_ms": store_timeout_ms}
-    return fencegate(upstream=upstream, config=merge({"store": store},
-                                                     {"fencing": {"inflight_deadline_ms": D_MS, "rules": [rule]}}))
+    return fencegate(upstream=upstream, env=env,
+                     config=merge({"store": store}, {"fencing": {"inflight_deadline_ms": D_MS, "rules": [rule]}}))
 
 
 @dataclass
@@ -545,7 +545,7 @@ def test_the_latest_handover_leaves_the_upstream_the_inflight_deadline(
     A's latest hand-over, and the hand-over window is D/4, not 3D/4.
 
     The last byte of A's token-5 PUT arrives at cut + `window` (x_new: just inside the new
-    hand-over window D/4; x_old: just inside the old one, 3D/4), while replica B retries token 6
+    hand-over window D/4; x_old: just inside 3D/4, which the window must not reach), while replica B retries token 6
     on another key. Nothing reaches Redis from A after the cut, so S = r' + E and
 
         x_new:  h = cut + H - 30 ms < r + H, and
@@ -627,7 +627,7 @@ def test_a_paused_redis_leaves_the_upstream_the_inflight_deadline(fencegate, red
         S >= r' + E >= r + E > (h - H) + E = h + D + D/8 >= a + D     (a - h <= D/8: loopback)
 
     The last byte arrives at the pause + H - 30 ms: A hands over; no token-5 write commits after
-    a token-6 write (with the old E = D, B was admitted when the pause ended, before the
+    a token-6 write (a store keeping registrations D would admit B when the pause ended, before the
     upstream's commit at h + D - 50 ms)."""
 
     def pause(bench: Bench):

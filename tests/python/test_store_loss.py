@@ -23,21 +23,11 @@ import time
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import bin_path, code_of, merge, metric_samples, signed_raw_request, status_of, unique
-from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HoldingUpstream
+from fencegate_testlib import bin_path, code_of, metric_samples, signed_raw_request, status_of, unique
+from holding_upstream import HELD_PREFIX, HoldingUpstream
+from test_bounds import COMMIT_AFTER_S, D_MS, committed, start_replica
 
-D_MS = 2000
-COMMIT_AFTER_S = (D_MS - 50) / 1000
 QUIET_S = D_MS * 11 / 8 / 1000  # a registration's time to live: how long nothing is admitted
-
-
-def start_replica(fencegate, redis_server, up, moto_server, bucket, name):
-    rule = {"bucket": bucket, "prefix": HELD_PREFIX, "resource": HELD_RESOURCE}
-    upstream = dict(moto_server.upstream_config(), endpoint=up.url, probe_bucket=bucket)
-    config = merge({"store": {"kind": "redis", "url": redis_server.url, "path": None, "replica_id": name,
-                              "timeout_ms": 200}},
-                   {"fencing": {"inflight_deadline_ms": D_MS, "rules": [rule]}})
-    return fencegate(config=config, upstream=upstream)
 
 
 def lose_everything(redis_server, how: str, replica):
@@ -61,11 +51,6 @@ def lose_everything(redis_server, how: str, replica):
     redis_server.start()
 
 
-def committed(up: HoldingUpstream, bucket: str) -> list:
-    return [(w["seq"], w["path"].split("/", 2)[2], int(w["token"])) for w in up.writes(f"/{bucket}/{HELD_PREFIX}")
-            if w["status"] is not None and 200 <= w["status"] < 300 and w["token"] is not None]
-
-
 @pytest.mark.parametrize("how", ["flushall", "restart_empty", "flushall_then_init_store"])
 def test_a_store_that_lost_its_state_admits_nothing_until_older_writes_are_settled(
         fencegate, redis_server, moto_server, how):
@@ -73,8 +58,8 @@ def test_a_store_that_lost_its_state_admits_nothing_until_older_writes_are_settl
     try:
         bucket = unique("loss")
         moto_server.client().create_bucket(Bucket=bucket)
-        a = start_replica(fencegate, redis_server, up, moto_server, bucket, "a")
-        b = start_replica(fencegate, redis_server, up, moto_server, bucket, "b")
+        a = start_replica(fencegate, redis_server.url, up, moto_server, bucket, "a")
+        b = start_replica(fencegate, redis_server.url, up, moto_server, bucket, "b")
         b.client(token=4).put_object(Bucket=bucket, Key=f"{HELD_PREFIX}c", Body=b"four")
 
         hold = up.hold_next("PUT", f"/{bucket}/{HELD_PREFIX}a", commit_after_s=COMMIT_AFTER_S)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from fencegate_testlib import build_head, connect, merge, read_response, sign_headers, wait_until
-from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HoldingUpstream
+from fencegate_testlib import build_head, connect, read_response, sign_headers, wait_until
+from holding_upstream import HELD_PREFIX, HoldingUpstream
+from test_bounds import D_MS, committed, start_replica
 
-D_MS = 2000  # fencing.inflight_deadline_ms
 TTL_S = D_MS * 11 / 8 / 1000  # how long Redis keeps a registration after a renewal
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 
@@ -36,15 +36,6 @@ def faketime_missing() -> str:
     if not LIBFAKETIME.exists():
         return f"{LIBFAKETIME} is missing (Debian's libfaketime; scripts/test installs it)"
     return ""
-
-
-def start_replica(fencegate, redis_server, up: HoldingUpstream, moto_server, bucket: str, name: str,
-                  env: dict | None = None):
-    rule = {"bucket": bucket, "prefix": HELD_PREFIX, "resource": HELD_RESOURCE}
-    upstream = dict(moto_server.upstream_config(), endpoint=up.url, probe_bucket=bucket)
-    config = merge({"store": {"kind": "redis", "url": redis_server.url, "path": None, "replica_id": name}},
-                   {"fencing": {"inflight_deadline_ms": D_MS, "rules": [rule]}})
-    return fencegate(config=config, upstream=upstream, env=env)
 
 
 def start_put(fg, bucket: str, key: str, token: int, body: bytes, hold_back: int) -> socket.socket:
@@ -65,12 +56,6 @@ def live_members(redis_server) -> bytes:
     return redis_server.command(f"ZRANGEBYSCORE fg:{{job}}:inflight ({now_ms} +inf".encode())
 
 
-def committed(up: HoldingUpstream, bucket: str) -> list:
-    """(key, token) of every write moto answered 2xx under the bucket's `jobs/`, commit order."""
-    return [(w["path"].split("/", 2)[2], w["token"]) for w in up.writes(f"/{bucket}/{HELD_PREFIX}")
-            if w["status"] is not None and 200 <= w["status"] < 300]
-
-
 @pytest.mark.skipif(bool(faketime_missing()), reason=faketime_missing())
 def test_a_replica_whose_clock_skipped_a_suspension_hands_nothing_over(
         fencegate, redis_server, moto_server, tmp_path):
@@ -81,8 +66,8 @@ def test_a_replica_whose_clock_skipped_a_suspension_hands_nothing_over(
         offset = tmp_path / "faketime-offset"
         offset.write_text("+0\n")
         faked = {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME_TIMESTAMP_FILE": str(offset), "FAKETIME_NO_CACHE": "1"}
-        a = start_replica(fencegate, redis_server, up, moto_server, bucket, "a", env=faked)
-        b = start_replica(fencegate, redis_server, up, moto_server, bucket, "b")
+        a = start_replica(fencegate, redis_server.url, up, moto_server, bucket, "a", store_timeout_ms=2000, env=faked)
+        b = start_replica(fencegate, redis_server.url, up, moto_server, bucket, "b", store_timeout_ms=2000)
 
         body = b"x" * 4096
         sock = start_put(a, bucket, f"{HELD_PREFIX}a", 5, body, hold_back=1)
@@ -112,7 +97,7 @@ def test_a_replica_whose_clock_skipped_a_suspension_hands_nothing_over(
 
         assert resp.status == 503, (resp.status, resp.body[:300])
         assert resp.code() == "FenceStoreUnavailable", resp.body[:300]
-        assert committed(up, bucket) == [(f"{HELD_PREFIX}b", "6")], (
+        assert [(key, token) for _, key, token in committed(up, bucket)] == [(f"{HELD_PREFIX}b", 6)], (
             "token 5 was handed over after Redis dropped its registration", up.writes())
     finally:
         up.close()
