@@ -24,11 +24,12 @@ class ReplayingUpstream(HoldingUpstream):
         self.kept: list[Request] = []
 
     def handle(self, conn, req: Request, buf: bytes):
-        rest = super().handle(conn, req, buf)
+        # Kept before it is answered (fencegate may answer its client at once after); its body
+        # is read into the same object by the holding proxy.
         if req.method.upper() not in ("GET", "HEAD", "OPTIONS"):
             with self.lock:
                 self.kept.append(req)
-        return rest
+        return super().handle(conn, req, buf)
 
     def replay(self, requests: list) -> list:
         """Forwards `requests` to moto again, in order, under the commit lock; their statuses."""
