@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::threads::ServingThreads;
@@ -23,6 +23,10 @@ use crate::threads::ServingThreads;
 /// How long an accept loop waits after a failed accept (out of file descriptors and the like)
 /// before it tries again, instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// A connection idle for less than a tenth of the header read timeout, and at most this, keeps
+/// its slot when the listener is full (see [`run`]).
+const EVICT_AFTER_MAX: Duration = Duration::from_secs(1);
 
 /// Request headers about the hop to fencegate (RFC 9110 hop-by-hop fields, the host it was
 /// addressed as, and `Expect`, which fencegate itself answers): never forwarded upstream.
@@ -84,6 +88,8 @@ pub async fn run<S, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let permits = Arc::new(Semaphore::new(limits.connections_max));
+    let open = Arc::new(OpenConnections::default());
+    let evict_after = (limits.header_read_timeout / 10).min(EVICT_AFTER_MAX);
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(Streams(threads.clone()));
     builder
@@ -96,10 +102,6 @@ pub async fn run<S, B>(
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {
-        let permit = tokio::select! {
-            _ = &mut shutdown => break,
-            permit = permits.clone().acquire_owned() => permit.expect("semaphore never closed"),
-        };
         let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
@@ -112,6 +114,28 @@ pub async fn run<S, B>(
                 }
             },
         };
+        // A slot for it. When every slot is taken, the connection that has been without a
+        // request the longest gives its slot up (a silent socket, one that only pings), so idle
+        // connections cannot keep a client with a request out; one idle for less than
+        // `evict_after` keeps it, so that a connection is not closed before it could send its
+        // request, and connections opened again at once cannot close each other faster than
+        // that. When no connection may give its slot up, the new one waits.
+        let permit = loop {
+            if let Ok(permit) = permits.clone().try_acquire_owned() {
+                break permit;
+            }
+            // When none could be closed now: when the longest idle one can be (far in the future
+            // when every connection has a request in flight; a slot freed first ends the wait).
+            let retry_at = match open.evict_longest_idle(evict_after) {
+                Ok(()) => None,
+                Err(at) => Some(at.unwrap_or_else(|| tokio::time::Instant::now() + evict_after)),
+            };
+            tokio::select! {
+                _ = &mut shutdown => return drain(listener, graceful, drain_for).await,
+                permit = permits.clone().acquire_owned() => break permit.expect("semaphore never closed"),
+                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {}
+            }
+        };
         let _ = stream.set_nodelay(true);
         // Taken off this runtime's reactor, to be registered with the serving thread's.
         let stream = match stream.into_std() {
@@ -121,10 +145,12 @@ pub async fn run<S, B>(
                 continue;
             }
         };
-        let accepted_at = tokio::time::Instant::now();
         let (builder, service, tls, watcher) = (builder.clone(), service.clone(), tls.clone(), graceful.watcher());
+        let requests = open.insert();
+        let open = open.clone();
         let connection = async move {
             let _permit = permit;
+            let _registered = Registered { open, requests: requests.clone() };
             let stream = match TcpStream::from_std(stream) {
                 Ok(stream) => stream,
                 Err(error) => return tracing::warn!(%peer, %error, "cannot serve an accepted connection"),
@@ -134,19 +160,20 @@ pub async fn run<S, B>(
             let idle = idle_watch(activity, limits.idle_timeout);
             // Timed from accept, whatever protocol the connection turns out to speak: hyper's
             // own header timeout starts only once it has told HTTP/1 from HTTP/2, and a client
-            // that sends nothing, or half an HTTP/2 preface, never gets that far.
-            let seen = Arc::new(AtomicBool::new(false));
-            let first = first_request_watch(seen.clone(), accepted_at + limits.header_read_timeout);
-            let service = FirstRequest { inner: service, seen };
+            // that sends nothing, or half an HTTP/2 preface, never gets that far. Then, on
+            // HTTP/2 as on HTTP/1, a connection with no request in flight for that long is
+            // closed: PINGs and SETTINGS are not requests.
+            let unused = requests.clone().unused_for(limits.header_read_timeout);
+            let service = Counted { inner: service, requests };
             match tls {
-                None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, first, peer).await,
+                None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, unused, peer).await,
                 // Boxed: the handshake's and a TLS connection's futures are about twice a plain
                 // connection's, and every connection's task, plain or not, would hold them.
                 Some(acceptor) => {
                     Box::pin(async move {
                         match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
                             Ok(Ok(stream)) => {
-                                serve(&builder, TokioIo::new(stream), service, watcher, idle, first, peer).await;
+                                serve(&builder, TokioIo::new(stream), service, watcher, idle, unused, peer).await;
                             }
                             Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                             Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -158,6 +185,11 @@ pub async fn run<S, B>(
         };
         spawn(threads.as_deref(), connection);
     }
+    drain(listener, graceful, drain_for).await;
+}
+
+/// Stops accepting, and lets open requests finish for at most `drain_for`.
+async fn drain(listener: TcpListener, graceful: GracefulShutdown, drain_for: Duration) {
     drop(listener);
     if tokio::time::timeout(drain_for, graceful.shutdown()).await.is_err() {
         tracing::warn!(drain_ms = drain_for.as_millis() as u64, "connections still open after the drain period");
@@ -191,44 +223,198 @@ fn spawn(threads: Option<&ServingThreads>, task: impl Future<Output = ()> + Send
     }
 }
 
-/// Resolves at `deadline` if no request head was complete by then; never otherwise.
-async fn first_request_watch(seen: Arc<AtomicBool>, deadline: tokio::time::Instant) {
-    tokio::time::sleep_until(deadline).await;
-    if seen.load(Ordering::Relaxed) {
-        std::future::pending::<()>().await;
+/// The open connections of one listener, each with its requests in flight.
+#[derive(Default)]
+struct OpenConnections {
+    next: AtomicU64,
+    by_id: std::sync::Mutex<std::collections::HashMap<u64, Arc<Requests>>>,
+}
+
+impl OpenConnections {
+    fn insert(&self) -> Arc<Requests> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let requests = Arc::new(Requests::new(id));
+        self.by_id.lock().expect("connections lock").insert(id, requests.clone());
+        requests
+    }
+
+    /// Closes the connection that has had no request in flight the longest, if it has had
+    /// none for `at_least`. Otherwise, when that one could be closed (`None`: every connection
+    /// has a request in flight).
+    fn evict_longest_idle(&self, at_least: Duration) -> Result<(), Option<tokio::time::Instant>> {
+        let mut by_id = self.by_id.lock().expect("connections lock");
+        let Some((since, id)) = by_id.values().filter_map(|r| r.idle_since().map(|since| (since, r.id))).min() else {
+            return Err(None);
+        };
+        if tokio::time::Instant::now() < since + at_least {
+            return Err(Some(since + at_least));
+        }
+        if let Some(requests) = by_id.remove(&id) {
+            requests.evicted.notify_one();
+        }
+        Ok(())
     }
 }
 
-/// The connection's service, noting that a request head arrived.
-#[derive(Clone)]
-struct FirstRequest<S> {
-    inner: S,
-    seen: Arc<AtomicBool>,
+/// Removes a connection from [`OpenConnections`] when its task ends.
+struct Registered {
+    open: Arc<OpenConnections>,
+    requests: Arc<Requests>,
 }
 
-impl<S, R> Service<R> for FirstRequest<S>
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.open.by_id.lock().expect("connections lock").remove(&self.requests.id);
+    }
+}
+
+/// One connection's requests in flight (a request is in flight until its response body has
+/// been sent, or dropped), and since when it has had none.
+struct Requests {
+    id: u64,
+    opened: tokio::time::Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds from `opened` to the moment the last request in flight ended.
+    idle_since_ms: AtomicU64,
+    evicted: Notify,
+}
+
+impl Requests {
+    fn new(id: u64) -> Self {
+        Self {
+            id,
+            opened: tokio::time::Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            idle_since_ms: AtomicU64::new(0),
+            evicted: Notify::new(),
+        }
+    }
+
+    /// Since when no request has been in flight; `None` while one is.
+    fn idle_since(&self) -> Option<tokio::time::Instant> {
+        // `idle_since_ms` is written before the count goes down (`RequestGuard::drop`): a
+        // count of 0 read here comes with the time it reached 0.
+        (self.in_flight.load(Ordering::Acquire) == 0)
+            .then(|| self.opened + Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire)))
+    }
+
+    fn start(self: &Arc<Self>) -> RequestGuard {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        RequestGuard(self.clone())
+    }
+
+    /// Resolves once the connection has had no request in flight for `limit` (from its
+    /// opening, for a connection that never sent one), or was evicted.
+    async fn unused_for(self: Arc<Self>, limit: Duration) {
+        let mut deadline = self.opened + limit;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => {}
+                () = self.evicted.notified() => return,
+            }
+            match self.idle_since() {
+                Some(since) if tokio::time::Instant::now() >= since + limit => return,
+                Some(since) => deadline = since + limit,
+                None => deadline = tokio::time::Instant::now() + limit,
+            }
+        }
+    }
+}
+
+/// A request in flight, until dropped (with its response body).
+struct RequestGuard(Arc<Requests>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let since = self.0.opened.elapsed().as_millis() as u64;
+        self.0.idle_since_ms.fetch_max(since, Ordering::AcqRel);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The connection's service, counting its requests in flight.
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    requests: Arc<Requests>,
+}
+
+impl<S, R, B> Service<R> for Counted<S>
 where
-    S: Service<R>,
+    S: Service<R, Response = http::Response<B>>,
 {
-    type Response = S::Response;
+    type Response = http::Response<CountedBody<B>>;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = CountedFuture<S::Future>;
 
     fn call(&self, req: R) -> Self::Future {
-        self.seen.store(true, Ordering::Relaxed);
-        self.inner.call(req)
+        let guard = self.requests.start();
+        CountedFuture { inner: self.inner.call(req), guard: Some(guard) }
     }
 }
 
-/// Serves one connection until it ends, goes idle, sends no complete request head in time
-/// (`first`), or shutdown drains it.
+pin_project_lite::pin_project! {
+    /// A request's response future, its request counted in flight.
+    struct CountedFuture<F> {
+        #[pin]
+        inner: F,
+        guard: Option<RequestGuard>,
+    }
+}
+
+impl<F, B, E> Future for CountedFuture<F>
+where
+    F: Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = Result<http::Response<CountedBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let result = std::task::ready!(this.inner.poll(cx));
+        // The guard moves into the response body: the request stays in flight until it is sent.
+        let guard = this.guard.take();
+        Poll::Ready(result.map(|resp| resp.map(|inner| CountedBody { inner, _guard: guard })))
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body whose request stays counted in flight until it is dropped.
+    pub struct CountedBody<B> {
+        #[pin]
+        inner: B,
+        _guard: Option<RequestGuard>,
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for CountedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves one connection until it ends, goes idle, has no request in flight for the header
+/// read timeout or is evicted (`unused`), or shutdown drains it.
 async fn serve<I, S, B>(
     builder: &auto::Builder<Streams>,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
     idle: impl Future<Output = ()>,
-    first: impl Future<Output = ()>,
+    unused: impl Future<Output = ()>,
     peer: std::net::SocketAddr,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -242,9 +428,9 @@ async fn serve<I, S, B>(
     let conn = watcher.watch(builder.serve_connection_with_upgrades(io, service).into_owned());
     tokio::pin!(conn);
     tokio::pin!(idle);
-    tokio::pin!(first);
+    tokio::pin!(unused);
     tokio::select! {
-        () = &mut first => tracing::debug!(%peer, "closing a connection that sent no complete request head in time"),
+        () = &mut unused => tracing::debug!(%peer, "closing a connection without a request in flight"),
         result = conn.as_mut() => {
             if let Err(error) = result {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");
