@@ -98,6 +98,11 @@ pub struct ServerConfig {
     /// web page whose name was rebound to this address cannot reach the admin API.
     #[serde(default)]
     pub admin_host_names: Vec<String>,
+    /// Accept SigV2 signatures (off by default, as S3 in every region opened since 2014). SigV2
+    /// signs neither the body nor the fencing headers: a SigV2 request never raises a fence,
+    /// grants a lease or registers a token, and its `Date` must be within 15 minutes.
+    #[serde(default)]
+    pub sigv2: bool,
     /// Threads serving the main listener's connections, each with a runtime and upstream
     /// connections of its own (`crate::threads`); 0: one per CPU.
     #[serde(default)]

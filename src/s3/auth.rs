@@ -22,10 +22,18 @@ use super::lean::LeanPath;
 pub struct Service {
     pub(super) inner: S3Service,
     pub(super) lean: Option<Arc<LeanPath>>,
+    pub(super) front: Arc<super::Front>,
 }
 
 impl Service {
     pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
+        if super::signed::is_form_upload(req.method(), req.headers()) {
+            // The library reads a form's fields before it knows who signed it: a body dribbled
+            // a byte at a time would hold its connection. fencegate fences no form upload, so
+            // none is read.
+            metrics::s3_protocol_refusal(501);
+            return Ok(self.front.refuse_http(super::FrontError::NotSupported("POST Object (a browser form upload)")));
+        }
         let req = match &self.lean {
             Some(lean) => match lean.take(req) {
                 Ok(verified) => return Ok(lean.call(verified).await),

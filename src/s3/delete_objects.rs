@@ -202,7 +202,7 @@ impl Front {
         }
         let mut admitted = Vec::new();
         for (resource, objects) in by_resource {
-            match self.gate.admit_write(&resource, token, self.writes_advance).await {
+            match self.gate.admit_write(&resource, token, request.may_advance).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
                     let deadline = tokio::time::Instant::now() + self.request_timeout;

@@ -14,8 +14,21 @@ pub enum FrontError {
     /// The fencing protocol's own refusals, shared with the API gateway.
     #[error(transparent)]
     Refused(#[from] Refusal),
-    #[error("a presigned request's {0} header counts only if the signature covers it: list it in X-Amz-SignedHeaders")]
-    UnsignedOnPresigned(String),
+    #[error("the {0} header counts only if the request's SigV4 signature covers it: sign it (SignedHeaders)")]
+    Unsigned(String),
+    #[error("There were headers present in the request which were not signed: {0}")]
+    HeadersNotSigned(String),
+    #[error(
+        "The authorization mechanism you have provided is not supported. Please use AWS4-HMAC-SHA256. \
+         (SigV2 is off unless server.sigv2 = true)"
+    )]
+    SigV2Off,
+    #[error("AWS authentication requires a valid Date or x-amz-date header")]
+    SigV2Date,
+    #[error("The difference between the request time and the current time is too large.")]
+    RequestTimeTooSkewed,
+    #[error("a request signed with SigV2 may not {0}: sign it with SigV4")]
+    SigV2Refused(&'static str),
     #[error("X-Amz-Expires must be at most 604800 seconds (7 days)")]
     PresignTooLong,
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
@@ -96,7 +109,7 @@ impl FrontError {
     pub fn decision(&self) -> &'static str {
         match self {
             Self::Refused(refusal) => refusal.decision(),
-            Self::TokenMismatch { .. } | Self::UnsignedOnPresigned(_) | Self::PresignTooLong => "invalid_token",
+            Self::TokenMismatch { .. } | Self::Unsigned(_) | Self::PresignTooLong => "invalid_token",
             Self::LeaseTokenMismatch { .. } => "invalid_token",
             Self::LeaseResourceMismatch { .. } => "invalid_resource",
             Self::LeaseExpired => "lease_expired",
@@ -109,7 +122,10 @@ impl FrontError {
         use StatusCode as S;
         match self {
             Self::Refused(refusal) => (refusal.status(), refusal.s3_code()),
-            Self::TokenMismatch { .. } | Self::UnsignedOnPresigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::TokenMismatch { .. } | Self::Unsigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::HeadersNotSigned(_) | Self::SigV2Date | Self::SigV2Refused(_) => (S::FORBIDDEN, "AccessDenied"),
+            Self::SigV2Off => (S::BAD_REQUEST, "InvalidRequest"),
+            Self::RequestTimeTooSkewed => (S::FORBIDDEN, "RequestTimeTooSkewed"),
             Self::PresignTooLong => (S::BAD_REQUEST, "AuthorizationQueryParametersError"),
             Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),
             Self::PreconditionRace => (S::SERVICE_UNAVAILABLE, "SlowDown"),

@@ -26,6 +26,7 @@ mod objects;
 mod put;
 mod scopes;
 mod service;
+mod signed;
 mod wire;
 
 use std::sync::Arc;
@@ -103,6 +104,9 @@ struct Request {
     body: Body,
     trailers: Option<s3s::TrailingHeaders>,
     content_length: Option<u64>,
+    /// Whether this write may raise its fence: `fencing.advance = "write"`, and signed with
+    /// SigV4 (SigV2 signs neither the body nor the token header).
+    may_advance: bool,
 }
 
 impl Request {
@@ -154,7 +158,24 @@ impl Front {
         })
     }
 
-    async fn handle(self: Arc<Self>, req: S3Request<Body>, lease: Option<Claims>) -> S3Result<S3Response<Body>> {
+    /// A request refused before it reaches the front's route (how it was signed), rendered as
+    /// the route renders its refusals.
+    fn refuse(&self, error: FrontError) -> S3Response<Body> {
+        client_response(self.refuse_http(error))
+    }
+
+    fn refuse_http(&self, error: FrontError) -> http::Response<Body> {
+        let request_id = self.request_ids.next();
+        tracing::info!(request_id = %request_id, code = error.code(), %error, "refused");
+        error.into_response(request_id.text().as_str())
+    }
+
+    async fn handle(
+        self: Arc<Self>,
+        req: S3Request<Body>,
+        lease: Option<Claims>,
+        signature: signed::Signature,
+    ) -> S3Result<S3Response<Body>> {
         let request_id = self.request_ids.next();
         let span = tracing::info_span!(
             "s3",
@@ -175,7 +196,7 @@ impl Front {
         let mut decided = false;
         // Boxed: the route's state machine is kilobytes, and this future, the library's and
         // hyper's around it would each hold it inline and copy it at every move.
-        let result = Box::pin(self.route(req, lease, &mut decided)).instrument(span.clone()).await;
+        let result = Box::pin(self.route(req, lease, signature, &mut decided)).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -212,6 +233,7 @@ impl Front {
         self: Arc<Self>,
         req: S3Request<Body>,
         lease: Option<Claims>,
+        signature: signed::Signature,
         decided: &mut bool,
     ) -> Result<S3Response<Body>, FrontError> {
         if !S3_METHODS.contains(&req.method) {
@@ -219,7 +241,7 @@ impl Front {
             // unfenced: an upstream may treat `put` as PUT.
             return Err(FrontError::MethodNotAllowed(req.method.to_string()));
         }
-        self.wire.check_presigned(req.uri.query(), &req.headers)?;
+        self.wire.check_signed(&signature, &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         if let Some(key) = target.key.as_deref() {
             checks::check_key(key)?;
@@ -245,14 +267,25 @@ impl Front {
         {
             return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
         }
+        let body = if announced_exactly(&req.headers) {
+            req.input
+        } else {
+            // A length nobody holds the client to (no `Content-Length`, or a decoded length an
+            // aws-chunked body may not keep): the body is cut at the limit as it streams.
+            Body::http_body(http_body_util::Limited::new(
+                req.input,
+                usize::try_from(self.body_bytes_max).unwrap_or(usize::MAX),
+            ))
+        };
         let request = Request {
             method: req.method,
             query: forwarded_query(req.uri.query()),
             target,
             headers: req.headers,
-            body: req.input,
+            body,
             trailers: req.trailing_headers,
             content_length,
+            may_advance: self.writes_advance && !signature.is_sigv2(),
         };
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
@@ -337,7 +370,7 @@ impl Front {
         token: FenceToken,
         admitted: &mut bool,
     ) -> Result<S3Response<Body>, FrontError> {
-        let permit = Arc::new(self.gate.admit_write(&resource, token, self.writes_advance).await?);
+        let permit = Arc::new(self.gate.admit_write(&resource, token, request.may_advance).await?);
         metrics::decision("accepted");
         tracing::Span::current().record("decision", "accepted");
         *admitted = true;
@@ -383,6 +416,19 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
     let decoded = headers.get(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH);
     let raw = decoded.or_else(|| headers.get(http::header::CONTENT_LENGTH))?;
     raw.to_str().ok()?.parse().ok()
+}
+
+/// Whether the body's length is held to what its head announced: a `Content-Length` (which
+/// hyper holds the client to) and nothing that makes the body another length (aws-chunked
+/// framing, its `x-amz-decoded-content-length`).
+fn announced_exactly(headers: &HeaderMap) -> bool {
+    headers.contains_key(http::header::CONTENT_LENGTH)
+        && !headers.contains_key(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH)
+        && !headers.contains_key(http::header::TRANSFER_ENCODING)
+        && !headers
+            .get_all(http::header::CONTENT_ENCODING)
+            .iter()
+            .any(|v| v.as_bytes().windows(11).any(|w| w.eq_ignore_ascii_case(b"aws-chunked")))
 }
 
 /// The stamp every object write carries (G4).

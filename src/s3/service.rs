@@ -3,6 +3,7 @@
 //! endpoints to the lease service and every other request to the S3 front.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use http::{HeaderMap, Method};
 use s3s::route::S3Route;
@@ -10,7 +11,8 @@ use s3s::service::S3ServiceBuilder;
 use s3s::{Body, S3Request, S3Response, S3Result};
 
 use super::auth::{self, Service};
-use super::{Front, lean, wire};
+use super::signed::Signature;
+use super::{Front, FrontError, lean};
 use crate::config::Config;
 use crate::fence::Gate;
 use crate::lease::LeaseService;
@@ -37,7 +39,9 @@ pub fn service(
     // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
     front.upload_ids_tied_to_keys =
         enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
-    let route = FencegateRoute { front: Arc::new(front), leases, issuers: issuers.clone() };
+    let route_front = Arc::new(front);
+    let route =
+        FencegateRoute { front: route_front.clone(), leases, issuers: issuers.clone(), sigv2: config.server.sigv2 };
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
     let lean = config.server.domain.is_none().then(|| {
         Arc::new(lean::LeanPath {
@@ -53,7 +57,7 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(auth::Service { inner: builder.build(), lean })
+    Ok(auth::Service { inner: builder.build(), lean, front: route_front })
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
@@ -97,6 +101,8 @@ pub(super) struct FencegateRoute {
     pub(super) leases: Arc<LeaseService>,
     /// The issuers (`role = "issuer"`), whose secrets make lease credentials.
     pub(super) issuers: Arc<Issuers>,
+    /// `server.sigv2`: whether SigV2 signatures are accepted at all.
+    pub(super) sigv2: bool,
 }
 
 /// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
@@ -116,23 +122,34 @@ impl S3Route for FencegateRoute {
 
     async fn call(&self, mut req: S3Request<Body>) -> S3Result<S3Response<Body>> {
         auth::routed();
+        let signature = match Signature::of(&req.method, req.uri.query(), &req.headers)
+            .and_then(|sig| sig.check(&req.headers, self.sigv2, SystemTime::now()).map(|()| sig))
+        {
+            Ok(signature) => signature,
+            Err(error) => return Ok(self.front.refuse(error)),
+        };
         if LeaseService::handles(req.uri.path()) {
+            if signature.is_sigv2() {
+                // SigV2 signs no body: the token or holder the body names would be anybody's.
+                return Ok(self.front.refuse(FrontError::SigV2Refused("grant a lease or register a token")));
+            }
             let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.is_issuer(&c.access_key));
-            let presigned = req.uri.query().is_some_and(|q| matches!(wire::Presign::of(q), Ok(Some(_)) | Err(_)));
             // The body names the token or the holder: it must be signed too (its SHA-256 in
             // `x-amz-content-sha256`, which the signature covers and the library checks the
             // body against), or whoever sees the request could resend it with another body.
-            let body_signed = req
-                .headers
-                .get(crate::amz::X_AMZ_CONTENT_SHA256)
-                .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
+            let body_signed = signature.covers(crate::amz::X_AMZ_CONTENT_SHA256.as_str())
+                && req
+                    .headers
+                    .get(crate::amz::X_AMZ_CONTENT_SHA256)
+                    .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
             let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
             let scope = self
                 .front
                 .scopes
                 .get(&access_key)
                 .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.wire.rules.clone() });
-            let caller = crate::lease::Caller { access_key, issuer, scope, signed: body_signed && !presigned };
+            let caller =
+                crate::lease::Caller { access_key, issuer, scope, signed: body_signed && !signature.is_presigned() };
             return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
         }
         let lease = match req.credentials.as_ref() {
@@ -147,6 +164,6 @@ impl S3Route for FencegateRoute {
             }
             _ => None,
         };
-        self.front.clone().handle(req, lease).await
+        self.front.clone().handle(req, lease, signature).await
     }
 }

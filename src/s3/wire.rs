@@ -4,6 +4,7 @@
 use http::{HeaderMap, HeaderName};
 
 use super::error::FrontError;
+use super::signed::Signature;
 use crate::config::RuleConfig;
 use crate::fence::{FenceToken, ResourceKey};
 use crate::refusal::{Refusal, single_token};
@@ -66,73 +67,17 @@ impl WireContract {
 }
 
 impl WireContract {
-    /// On a presigned request (query authentication) whoever holds the URL adds headers at
-    /// will: the fencing headers count only if the signature covers them, so one that is not
-    /// in `X-Amz-SignedHeaders` is refused. A header-signed request is its signer's own word.
-    pub fn check_presigned(&self, query: Option<&str>, headers: &HeaderMap) -> Result<(), FrontError> {
-        let Some(query) = query else { return Ok(()) };
-        let Some(presign) = Presign::of(query)? else { return Ok(()) };
-        let covered = |name: &str| match &presign {
-            Presign::V4 { signed } => signed.split(';').any(|s| s == name),
-            // SigV2 signs the `x-amz-*` headers and no other.
-            Presign::V2 => name.starts_with("x-amz-"),
-        };
-        let metadata = HeaderName::from_static(METADATA_TOKEN_HEADER);
-        for name in [&self.token_header, &self.resource_header, &metadata] {
-            if headers.contains_key(name) && !covered(name.as_str()) {
-                return Err(FrontError::UnsignedOnPresigned(name.as_str().to_owned()));
+    /// The fencing headers count only if the signature covers them (SPEC section 11): on a
+    /// presigned URL whoever holds it adds headers at will, and a header-signed request
+    /// captured on its way can be sent again with an unsigned header added. SigV2 covers
+    /// `x-amz-*` headers only.
+    pub fn check_signed(&self, signature: &Signature, headers: &HeaderMap) -> Result<(), FrontError> {
+        for name in [&self.token_header, &self.resource_header, &METADATA_TOKEN] {
+            if headers.contains_key(name) && !signature.covers(name.as_str()) {
+                return Err(FrontError::Unsigned(name.as_str().to_owned()));
             }
         }
         Ok(())
-    }
-}
-
-/// S3's longest presigned URL lifetime.
-const PRESIGN_EXPIRES_MAX_S: u64 = 604_800;
-
-/// A request authenticated by its query (a presigned URL), and what its signature covers.
-pub enum Presign {
-    /// SigV4: the headers named in `X-Amz-SignedHeaders` (lowercase, `;`-separated).
-    V4 { signed: String },
-    /// SigV2 (`AWSAccessKeyId`, `Signature`, `Expires`).
-    V2,
-}
-
-impl Presign {
-    /// `None` for a request not authenticated by its query. A lifetime beyond S3's longest is
-    /// refused (SigV4's `X-Amz-Expires` in seconds, SigV2's `Expires` as a Unix time).
-    pub fn of(query: &str) -> Result<Option<Self>, FrontError> {
-        let (mut v4, mut v2, mut signed) = (false, false, String::new());
-        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
-            if name.eq_ignore_ascii_case("X-Amz-Signature") {
-                v4 = true;
-            } else if name.eq_ignore_ascii_case("Signature") {
-                v2 = true;
-            } else if name.eq_ignore_ascii_case("X-Amz-SignedHeaders") {
-                signed = value.to_ascii_lowercase();
-            } else if name.eq_ignore_ascii_case("X-Amz-Expires")
-                && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
-            {
-                return Err(FrontError::PresignTooLong);
-            } else if name.eq_ignore_ascii_case("Expires")
-                && let Ok(at) = value.parse::<u64>()
-            {
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-                if at > now.as_secs() + PRESIGN_EXPIRES_MAX_S {
-                    return Err(FrontError::PresignTooLong);
-                }
-            }
-        }
-        // The signature library checks a SigV2 `Signature` first, and a SigV2 signature covers
-        // no other query parameter: with both present, the request is SigV2 and an
-        // `X-Amz-SignedHeaders` beside it is the URL holder's word, not the signer's.
-        Ok(if v2 {
-            Some(Self::V2)
-        } else if v4 {
-            Some(Self::V4 { signed })
-        } else {
-            None
-        })
     }
 }
 
@@ -157,40 +102,27 @@ mod tests {
     }
 
     #[test]
-    fn on_a_presigned_request_only_signed_fencing_headers_count() {
+    fn only_signed_fencing_headers_count() {
         let c = contract(vec![]);
         let token = headers(&[("fencing-token", "7")]);
-        let presigned = "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
-        assert!(
-            matches!(c.check_presigned(Some(presigned), &token), Err(FrontError::UnsignedOnPresigned(h)) if h == "fencing-token")
-        );
         let resource = headers(&[("fencing-resource", "job:a")]);
-        assert!(c.check_presigned(Some(presigned), &resource).is_err());
         let metadata = headers(&[(METADATA_TOKEN_HEADER, "7")]);
-        assert!(c.check_presigned(Some(presigned), &metadata).is_err());
-        // Covered by the signature (names compared without case): it counts.
-        let signed = "X-Amz-SignedHeaders=host%3BFencing-Token&X-Amz-Signature=ab";
-        assert!(c.check_presigned(Some(signed), &token).is_ok());
-        // Not presigned (header authentication), or no fencing header: nothing to check.
-        assert!(c.check_presigned(Some("uploads"), &token).is_ok());
-        assert!(c.check_presigned(None, &token).is_ok());
-        assert!(c.check_presigned(Some(presigned), &HeaderMap::new()).is_ok());
-        // S3's longest lifetime.
-        let long = "X-Amz-Expires=604801&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
-        assert!(matches!(c.check_presigned(Some(long), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
-        let week = "X-Amz-Expires=604800&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
-        assert!(c.check_presigned(Some(week), &HeaderMap::new()).is_ok());
-        // SigV2 query authentication signs `x-amz-*` headers only.
-        let v2 = "AWSAccessKeyId=k&Signature=ab&Expires=1";
-        assert!(c.check_presigned(Some(v2), &token).is_err());
-        assert!(c.check_presigned(Some(v2), &resource).is_err());
-        assert!(c.check_presigned(Some(v2), &metadata).is_ok());
-        // A SigV2 URL with SigV4 parameters appended by its holder is still SigV2.
-        let mixed =
-            "AWSAccessKeyId=k&Signature=ab&Expires=1&X-Amz-Signature=00&X-Amz-SignedHeaders=host%3Bfencing-token";
-        assert!(c.check_presigned(Some(mixed), &token).is_err());
-        let v2_far = "AWSAccessKeyId=k&Signature=ab&Expires=99999999999";
-        assert!(matches!(c.check_presigned(Some(v2_far), &HeaderMap::new()), Err(FrontError::PresignTooLong)));
+        for presigned in [true, false] {
+            let host_only = Signature::V4 { signed: "host;x-amz-date".into(), presigned };
+            for h in [&token, &resource, &metadata] {
+                assert!(matches!(c.check_signed(&host_only, h), Err(FrontError::Unsigned(_))), "{h:?}");
+            }
+            let signed = Signature::V4 { signed: "fencing-token;host".into(), presigned };
+            assert!(c.check_signed(&signed, &token).is_ok());
+            assert!(c.check_signed(&host_only, &HeaderMap::new()).is_ok());
+        }
+        // SigV2 signs `x-amz-*` headers only.
+        for presigned in [true, false] {
+            let v2 = Signature::V2 { presigned };
+            assert!(c.check_signed(&v2, &token).is_err());
+            assert!(c.check_signed(&v2, &resource).is_err());
+            assert!(c.check_signed(&v2, &metadata).is_ok());
+        }
     }
 
     #[test]

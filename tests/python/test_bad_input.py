@@ -355,3 +355,45 @@ def test_body_over_limit_commits_nothing(fencegate):
     assert head_status(fg.client(), "limitbkt", "big") == 404
     fg.client(token=1).put_object(Bucket="limitbkt", Key="small", Body=b"x" * 1000)
     assert_still_serving(fg, "limitbkt")
+
+
+def _chunked_head(path: str, headers: list) -> bytes:
+    """A request head sent with `Transfer-Encoding: chunked` (no Content-Length)."""
+    return build_head("PUT", path, headers + [("Transfer-Encoding", "chunked")])
+
+
+@pytest.mark.parametrize("framing", ["decoded-length-header", "aws-chunked-understated", "chunked-no-length"])
+def test_body_limit_holds_whatever_the_body_announces(fencegate, framing):
+    """Before: `server.body_bytes_max` was judged on the length the head announced, and the
+    announcement was the client's word: a `x-amz-decoded-content-length: 10` on a plain 2 MiB
+    body, an aws-chunked body whose decoded length was understated, and a chunked body with no
+    length at all were each stored whole on the local upstream. Now the body is cut at the limit
+    as it streams: 400 `EntityTooLarge`, nothing stored. (A PUT with no length at all is refused
+    first by the S3 library, 411 `MissingContentLength`, as by S3.)"""
+    fg = fencegate(config={"server": {"body_bytes_max": MiB}})
+    fg.client().create_bucket(Bucket="limitbkt")
+    data = b"y" * (2 * MiB)
+    path = "/limitbkt/big"
+    if framing == "decoded-length-header":
+        resp = signed_raw_request(fg, "PUT", path, {"Fencing-Token": "1", "x-amz-decoded-content-length": "10"}, data)
+    elif framing == "aws-chunked-understated":
+        headers = _chunked_headers(data)
+        headers["x-amz-decoded-content-length"] = "10"
+        body = _aws_chunked(data, zlib.crc32(data).to_bytes(4, "big"))
+        resp = signed_raw_request(fg, "PUT", path, headers, body)
+    else:
+        host, port = fg.s3_addr
+        signed = sign_headers("PUT", host, port, path, {"Fencing-Token": "1"})
+        chunks = b"".join(f"{len(data[i:i + 65536]):x}\r\n".encode() + data[i:i + 65536] + b"\r\n"
+                          for i in range(0, len(data), 65536)) + b"0\r\n\r\n"
+        with connect(fg.s3_addr) as sock:
+            try:
+                sock.sendall(_chunked_head(path, signed) + chunks)
+            except OSError:
+                pass
+            resp = read_response(sock, timeout=30)
+    assert resp.status is not None and 400 <= resp.status < 500, (resp.status, resp.error, resp.body[:300])
+    expected = "MissingContentLength" if framing == "chunked-no-length" else "EntityTooLarge"
+    assert resp.code() == expected, resp.body[:300]
+    assert head_status(fg.client(), "limitbkt", "big") == 404
+    assert_still_serving(fg, "limitbkt")

@@ -3,8 +3,10 @@
 
 - credential roles: only `role = "issuer"` grants, renews or releases leases and registers
   tokens on the S3 listener; a writer gets 403 `AccessDenied` and nothing moves;
-- presigned URLs (SigV4, and SigV2, which s3s also accepts): a fencing header counts only if
-  the URL's signature covers it; `X-Amz-Expires` above seven days is refused;
+- signatures: every `x-amz-*` header of a signed request must be signed, and a fencing header
+  counts only if the signature covers it (presigned URLs and header-signed requests alike);
+  `X-Amz-Expires` above seven days is refused; SigV2 is off unless `server.sigv2`, and then
+  dated within 15 minutes and never moves a fence;
 - connections: one that sends no complete request head within `header_read_timeout_ms` is
   closed, whatever it speaks, and a flood of them does not keep other clients out;
 - `check-config` prints one `risk:` line per risky combination, and `serve` logs the same.
@@ -12,6 +14,10 @@
 
 from __future__ import annotations
 
+import base64
+import email.utils
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -250,11 +256,13 @@ def held(fg):
 
 
 UNSIGNED_CASES = {
-    # id: (method, key, headers the URL's signature covers, headers its holder adds)
-    "token-on-put": ("PUT", "held", {}, {"Fencing-Token": str(MAX)}),
-    "resource-on-put": ("PUT", "held", {"Fencing-Token": "5"}, {"Fencing-Token": "5", "Fencing-Resource": "job:victim"}),
-    "metadata-token-on-put": ("PUT", "fresh", {}, {"x-amz-meta-fencing-token": str(MAX)}),
-    "token-on-delete": ("DELETE", "held", {}, {"Fencing-Token": str(MAX)}),
+    # id: (method, key, headers the URL's signature covers, headers its holder adds, answer)
+    "token-on-put": ("PUT", "held", {}, {"Fencing-Token": str(MAX)}, (400, "InvalidFencingToken")),
+    "resource-on-put": ("PUT", "held", {"Fencing-Token": "5"}, {"Fencing-Token": "5", "Fencing-Resource": "job:victim"},
+                        (400, "InvalidFencingToken")),
+    # An `x-amz-*` header: S3's own rule answers first.
+    "metadata-token-on-put": ("PUT", "fresh", {}, {"x-amz-meta-fencing-token": str(MAX)}, (403, "AccessDenied")),
+    "token-on-delete": ("DELETE", "held", {}, {"Fencing-Token": str(MAX)}, (400, "InvalidFencingToken")),
 }
 
 
@@ -263,9 +271,10 @@ def test_a_presigned_url_does_not_carry_unsigned_fencing_headers(held, case):
     """Before: whoever held a presigned URL (given out for one write) could add
     `Fencing-Token: 2^64-1` (or `Fencing-Resource`, or the metadata token) outside its
     signature: fencegate counted it, raised the fence for good and forwarded the write. Now:
-    400 `InvalidFencingToken`, nothing forwarded, no fence moved."""
+    400 `InvalidFencingToken` (403 `AccessDenied` for the metadata header, an unsigned
+    `x-amz-*` header), nothing forwarded, no fence moved."""
     fg = held
-    method, key, signed, sent = UNSIGNED_CASES[case]
+    method, key, signed, sent, answer = UNSIGNED_CASES[case]
     if signed:
         url = presign_v4(fg, method, key, signed)
     else:  # what users do: boto3's own presigner, which signs the host only
@@ -273,7 +282,7 @@ def test_a_presigned_url_does_not_carry_unsigned_fencing_headers(held, case):
         url = fg.client().generate_presigned_url(op, Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=300)
     assert "X-Amz-SignedHeaders=" in url and "X-Amz-Signature=" in url, url
     r = send(method, url, sent, b"attacker" if method == "PUT" else b"")
-    assert (r.status_code, s3_code(r)) == (400, "InvalidFencingToken"), (r.status_code, r.text)
+    assert (r.status_code, s3_code(r)) == answer, (r.status_code, r.text)
     assert fence_of(fg, f"{BUCKET}/held") == 5
     assert fence_of(fg, f"{BUCKET}/fresh") is None
     assert fence_of(fg, "job:victim") is None
@@ -344,15 +353,24 @@ def presign_v2(fg, method: str, key: str, expires: int = 300) -> str:
     return req.url
 
 
+@pytest.fixture
+def held_v2(fencegate):
+    """`held` on a fencegate with `server.sigv2 = true`."""
+    fg = fencegate(config=trust_config(sigv2=True), local_buckets=(BUCKET,))
+    fg.client(token=5).put_object(Bucket=BUCKET, Key="held", Body=b"original")
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    return fg
+
+
 @pytest.mark.parametrize("method", ["PUT", "DELETE"])
-def test_a_sigv2_presigned_url_does_not_carry_unsigned_fencing_headers(held, method):
+def test_a_sigv2_presigned_url_does_not_carry_unsigned_fencing_headers(held_v2, method):
     """The same attack with a SigV2 presigned URL (query authentication without
-    `X-Amz-Signature`, which s3s accepts): its holder adds `Fencing-Token: 2^64-1` or
-    `Fencing-Resource`, which no SigV2 signature can cover. Expected as for SigV4: 400
-    `InvalidFencingToken`, nothing forwarded, no fence moved. (Fails on the build this was
-    written against: `check_presigned` only recognises `X-Amz-Signature`, so the header counts,
-    200/204 and the fence at 2^64-1.)"""
-    fg = held
+    `X-Amz-Signature`, accepted with `server.sigv2 = true`): its holder adds `Fencing-Token:
+    2^64-1` or `Fencing-Resource`, which no SigV2 signature can cover. Expected as for SigV4:
+    400 `InvalidFencingToken`, nothing forwarded, no fence moved. (Failed on the build this was
+    written against: `check_presigned` only recognised `X-Amz-Signature`, so the header
+    counted, 200/204 and the fence at 2^64-1.)"""
+    fg = held_v2
     url = presign_v2(fg, method, "held")
     assert "AWSAccessKeyId=" in url and "Signature=" in url and "X-Amz-Signature" not in url, url
     r = send(method, url, {"Fencing-Token": str(MAX)}, b"attacker" if method == "PUT" else b"")
@@ -603,31 +621,102 @@ def test_a_hundred_silent_connections_do_not_keep_clients_out(fencegate):
 
 
 def test_admin_connections_max_bounds_the_admin_listener(fencegate):
-    """`server.admin_connections_max` is the admin listener's own slot count: with 2 slots
-    taken by silent connections a health probe waits (the S3 listener does not), and is
-    answered once the header timeout closed them."""
-    fg = fencegate(config=trust_config(admin_connections_max=2), local_buckets=(BUCKET,))
-    opened = time.monotonic()
+    """`server.admin_connections_max` is the admin listener's own slot count: with its 2 slots
+    taken by silent connections, a health probe is answered at once (the S3 listener's slots
+    are not involved): the connection that has been without a request the longest gives its
+    slot up, so at most 2 stay open. Before: the probe waited for the header timeout, and
+    silent connections opened again and again kept it out for good."""
+    fg = fencegate(config=trust_config(admin_connections_max=2, header_read_timeout_ms=10_000),
+                   local_buckets=(BUCKET,))
     socks = open_silent(fg.admin_addr, 2)
+    time.sleep(0.2)
     try:
+        opened = time.monotonic()
         with socket.create_connection(fg.admin_addr, timeout=5) as probe:
             probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            probe.settimeout(0.2)
-            try:
-                early = probe.recv(65536)
-            except (socket.timeout, TimeoutError):
-                early = None
-            assert early is None, f"answered while both admin slots were held: {early!r}"
-            normal = fg.client(token=1, resource="job:admin-max")
-            normal.put_object(Bucket=BUCKET, Key="admin-max", Body=b"s3 is not held up")
-            resp = read_response(probe, timeout=TIMEOUT_S + SLACK_S)
+            resp = read_response(probe, timeout=5)
             assert resp.status == 200, (resp.status, resp.error)
-            assert time.monotonic() - opened >= EARLY_S
-        for s in socks:
-            assert wait_closed(s, opened + TIMEOUT_S + SLACK_S) is not None
+            assert time.monotonic() - opened < 2, "the probe waited for a silent connection's timeout"
+        # The older silent connection made room; the younger one is still open.
+        assert wait_closed(socks[0], time.monotonic() + 2) is not None, "the longest idle connection was not closed"
+        assert wait_closed(socks[1], time.monotonic() + 0.3) is None, "a younger connection was closed too"
     finally:
-        for s in socks:
-            s.close()
+        for s_ in socks:
+            s_.close()
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def h2_get(path: str) -> bytes:
+    """The opening of an h2c connection (preface, SETTINGS and its ACK) and one GET on stream 1,
+    its headers as HPACK literals without indexing."""
+    block = b"".join(b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v for n, v in (
+        (b":method", b"GET"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", b"127.0.0.1")))
+    return (H2_PREFACE + h2_frame(4, 0, 0) + h2_frame(4, 1, 0)
+            + h2_frame(1, 0x5, 1, block))  # HEADERS, END_STREAM | END_HEADERS
+
+
+@pytest.mark.parametrize("listener", ["s3", "admin"])
+def test_an_http2_connection_that_only_pings_is_closed(plain_fg, listener):
+    """Before: an h2c connection that sent one request and then a PING every few seconds was
+    never closed (PINGs moved bytes, and the header timeout counted only the first request): 4,100
+    of them stopped every other client of the S3 listener, 70 made the admin `/readyz` time out.
+    Now a connection with no request in flight is closed `header_read_timeout_ms` after its last
+    request ended, on HTTP/2 as on HTTP/1: PINGs are not requests."""
+    fg = plain_fg
+    addr = fg.s3_addr if listener == "s3" else fg.admin_addr
+    with socket.create_connection(addr, timeout=5) as sock:
+        sock.sendall(h2_get("/healthz" if listener == "admin" else "/"))
+        answered = closed_at = None
+        buf, ping = b"", 0
+        sock.settimeout(0.1)
+        deadline = time.monotonic() + TIMEOUT_S + SLACK_S + 1
+        while time.monotonic() < deadline and closed_at is None:
+            try:
+                data = sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                closed_at = time.monotonic()
+                break
+            buf += data or b""
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                kind, stream = buf[3], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                if kind == 1 and stream == 1 and answered is None:  # the response's HEADERS
+                    answered = time.monotonic()
+                buf = buf[9 + int.from_bytes(buf[:3], "big"):]
+            ping += 1
+            try:
+                sock.sendall(h2_frame(6, 0, 0, ping.to_bytes(8, "big")))
+            except OSError:
+                closed_at = time.monotonic()
+            time.sleep(0.1)
+        assert answered is not None, "the request was never answered"
+        assert closed_at is not None, f"a connection that only pings was kept open ({ping} PINGs)"
+        assert closed_at - answered >= EARLY_S, f"closed {closed_at - answered:.2f}s after the answer"
+    normal_requests_work(fg, f"after-pings-{listener}")
+
+
+def test_a_form_upload_is_refused_before_its_body_is_read(plain_fg):
+    """Before: a POST Object form (multipart/form-data) was read by the S3 library before it
+    knew who signed it, so one dribbled a byte every 2 s held its connection past the header
+    timeout. fencegate fences no form upload: now it answers 501 `NotImplemented` as soon as the
+    head is in, without reading the body."""
+    fg = plain_fg
+    host, port = fg.s3_addr
+    head = (f"POST /{BUCKET} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: 1000000\r\n\r\n").encode()
+    with socket.create_connection(fg.s3_addr, timeout=5) as sock:
+        sent = time.monotonic()
+        sock.sendall(head + b"--xyz\r\n")
+        resp = read_response(sock, timeout=3)
+        assert resp.status == 501 and s3_error_code(resp.body) == "NotImplemented", (resp.status, resp.body, resp.error)
+        assert time.monotonic() - sent < 2
+    normal_requests_work(fg, "after-form")
 
 
 # --------------------------------------------------------------------------------------------
@@ -840,11 +929,11 @@ def test_serve_logs_the_risks_check_config_prints(fencegate):
 
 
 @pytest.mark.parametrize("method", ["PUT", "DELETE"])
-def test_sigv4_parameters_appended_to_a_sigv2_url_do_not_sign_a_fencing_header(held, method):
+def test_sigv4_parameters_appended_to_a_sigv2_url_do_not_sign_a_fencing_header(held_v2, method):
     """A SigV2 signature covers no other query parameter: the holder of a SigV2 URL who appends
     `X-Amz-Signature` and an `X-Amz-SignedHeaders` naming `fencing-token` is still SigV2, and
     the header does not count (found by an adversarial review: it moved the fence to 2^64-1)."""
-    fg = held
+    fg = held_v2
     url = presign_v2(fg, method, "held") + "&X-Amz-Signature=00&X-Amz-SignedHeaders=host%3Bfencing-token%3Bfencing-resource"
     resp = send(method, url, {"Fencing-Token": str(2**64 - 1)}, b"attacker" if method == "PUT" else b"")
     assert (resp.status_code, s3_code(resp)) == (400, "InvalidFencingToken"), resp.text
@@ -869,6 +958,130 @@ def test_an_unsigned_body_cannot_register_or_grant(fg):
     assert fence_of(fg, resource) is None
     signed = own_call(fg, "PUT", path, {"token": 7})
     assert signed.status == 200 and fence_of(fg, resource) == 7, signed.body
+
+
+# --------------------------------------------------------------------------------------------
+# every x-amz-* header signed; SigV2 off unless server.sigv2, and then dated and powerless
+# --------------------------------------------------------------------------------------------
+
+
+def v2_signed(fg, method: str, path: str, headers: dict | None = None, body: bytes = b"",
+              date: str | None = None) -> list:
+    """The headers of a header-signed SigV2 request (`Authorization: AWS key:signature`, HMAC-SHA1
+    over the method, Content-MD5, Content-Type, the date and the `x-amz-*` headers, as S3's
+    SigV2 documentation gives it), dated `date` (an HTTP date; now by default)."""
+    host, port = fg.s3_addr
+    h = {"Host": f"{host}:{port}", "Date": date or email.utils.formatdate(usegmt=True), **(headers or {})}
+    if method in ("PUT", "POST"):
+        h.setdefault("Content-Length", str(len(body)))
+    amz = sorted((k.lower(), v) for k, v in h.items() if k.lower().startswith("x-amz-"))
+    # With an x-amz-date, the date line is empty and the x-amz-date is signed among the others.
+    date_line = "" if any(k == "x-amz-date" for k, _ in amz) else h["Date"]
+    string = "\n".join([method, h.get("Content-MD5", ""), h.get("Content-Type", ""), date_line])
+    string += "\n" + "".join(f"{k}:{v}\n" for k, v in amz) + path.split("?")[0]
+    digest = hmac.new(SECRET_KEY.encode(), string.encode(), hashlib.sha1).digest()
+    h["Authorization"] = f"AWS {ACCESS_KEY}:{base64.b64encode(digest).decode()}"
+    return list(h.items())
+
+
+def test_sigv2_is_off_by_default(held):
+    """Before: SigV2 was always on, and its header-signed requests never expired. Now a
+    fencegate without `server.sigv2` answers any SigV2 request (presigned or header-signed)
+    400 `InvalidRequest` with S3's message, and forwards nothing."""
+    fg = held
+    r = send("GET", presign_v2(fg, "GET", "held"))
+    assert (r.status_code, s3_code(r)) == (400, "InvalidRequest"), (r.status_code, r.text)
+    assert "AWS4-HMAC-SHA256" in r.text
+    path = f"/{BUCKET}/held"
+    resp = raw_request(fg.s3_addr, "PUT", path, v2_signed(fg, "PUT", path, {"x-amz-meta-fencing-token": "9"},
+                                                          b"v2 write"), b"v2 write")
+    assert resp.status == 400 and s3_error_code(resp.body) == "InvalidRequest", (resp.status, resp.body)
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    assert read_object(fg.client(), BUCKET, "held") == b"original"
+
+
+def test_a_sigv2_request_is_dated_within_fifteen_minutes(held_v2):
+    """Before: a header-signed SigV2 request three days old was accepted (s3s checks no date):
+    one captured request was a standing right to repeat it. Now its date (the `x-amz-date`,
+    else `Date`, the one the signature covers) must be within 15 minutes of fencegate's clock,
+    or 403 `RequestTimeTooSkewed`; a fresh one passes."""
+    fg = held_v2
+    path = f"/{BUCKET}/held"
+    old = email.utils.formatdate(time.time() - 3 * 86400, usegmt=True)
+    for headers, date in (({}, old), ({"x-amz-date": old}, None),
+                          ({}, email.utils.formatdate(time.time() + 16 * 60, usegmt=True))):
+        resp = raw_request(fg.s3_addr, "GET", path, v2_signed(fg, "GET", path, headers, date=date))
+        assert (resp.status, s3_error_code(resp.body)) == (403, "RequestTimeTooSkewed"), (headers, date, resp.body)
+    resp = raw_request(fg.s3_addr, "GET", path, v2_signed(fg, "GET", path,
+                                                          date=email.utils.formatdate(time.time() - 14 * 60, usegmt=True)))
+    assert resp.status == 200 and resp.body == b"original", (resp.status, resp.body)
+
+
+def test_sigv2_never_registers_grants_or_raises_a_fence(held_v2):
+    """Before: SigV2 signs no body and no header but `x-amz-*`, yet fencegate's own endpoints
+    counted a SigV2 body as signed, and a SigV2 write raised the fence to its metadata token:
+    one captured issuer request, replayed with a new body, set a fence to 2^64-1 or gave its
+    observer a lease. Now, with `server.sigv2 = true`: a SigV2 registration or grant is 403
+    `AccessDenied`; a SigV2 write above the fence is 409 `FencingTokenUnregistered` (nothing
+    forwarded), and one at the fence is written."""
+    fg = held_v2
+    for path, body in (("/_fencegate/v1/fences/" + quote_resource("job:v2"), {"token": MAX}),
+                       ("/_fencegate/v1/leases/" + quote_resource("job:v2"), {"holder": "v2", "ttl_ms": 3600000})):
+        data = json.dumps(body).encode()
+        digest = hashlib.sha256(data).hexdigest()
+        method = "PUT" if "/fences/" in path else "POST"
+        headers = {"Content-Type": "application/json", "x-amz-content-sha256": digest}
+        resp = raw_request(fg.s3_addr, method, path, v2_signed(fg, method, path, headers, data), data)
+        assert (resp.status, s3_error_code(resp.body)) == (403, "AccessDenied"), (path, resp.status, resp.body)
+        assert b"SigV2" in resp.body, resp.body
+    assert fence_of(fg, "job:v2") is None
+
+    path = f"/{BUCKET}/held"
+    resp = raw_request(fg.s3_addr, "PUT", path, v2_signed(fg, "PUT", path, {"x-amz-meta-fencing-token": str(MAX)},
+                                                          b"raised"), b"raised")
+    assert (resp.status, s3_error_code(resp.body)) == (409, "FencingTokenUnregistered"), (resp.status, resp.body)
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    assert read_object(fg.client(), BUCKET, "held") == b"original"
+    resp = raw_request(fg.s3_addr, "PUT", path, v2_signed(fg, "PUT", path, {"x-amz-meta-fencing-token": "5"},
+                                                          b"at the fence"), b"at the fence")
+    assert resp.status == 200, (resp.status, resp.body)
+    assert read_object(fg.client(), BUCKET, "held") == b"at the fence"
+
+
+def test_every_amz_header_of_a_signed_request_must_be_signed(held):
+    """Before: a presigned PUT URL plus an unsigned `x-amz-copy-source` copied another object's
+    bytes into the upload slot, an unsigned `x-amz-acl` was forwarded, and a captured
+    header-signed request replayed with an unsigned `Fencing-Token` (or metadata token) raised
+    the fence to 2^64-1. Now, as S3: an unsigned `x-amz-*` header is 403 `AccessDenied`
+    ("There were headers present in the request which were not signed"), an unsigned
+    `Fencing-Token` 400 `InvalidFencingToken`; nothing forwarded, no fence moved."""
+    fg = held
+    fg.client(token=5).put_object(Bucket=BUCKET, Key="secret", Body=b"someone else's bytes")
+    url = fg.client().generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": "slot"}, ExpiresIn=300)
+    for added in ({"x-amz-copy-source": f"{BUCKET}/secret"}, {"x-amz-acl": "public-read"},
+                  {"x-amz-meta-owner": "mallory"}):
+        r = send("PUT", url, added, b"")
+        assert (r.status_code, s3_code(r)) == (403, "AccessDenied"), (added, r.status_code, r.text)
+        assert "not signed" in r.text and next(iter(added)) in r.text, r.text
+    assert head_status(fg.client(), BUCKET, "slot") == 404
+
+    host, port = fg.s3_addr
+    path = f"/{BUCKET}/held"
+    body = b"replayed"
+    for added, answer in (([("Fencing-Token", str(MAX))], (400, "InvalidFencingToken")),
+                          ([("x-amz-meta-fencing-token", str(MAX))], (403, "AccessDenied")),
+                          ([("Fencing-Resource", "job:victim"), ("Fencing-Token", "5")], (400, "InvalidFencingToken"))):
+        signed = sign_headers("PUT", host, port, path, {"Content-Length": str(len(body))})
+        resp = raw_request(fg.s3_addr, "PUT", path, signed + added, body)
+        assert (resp.status, s3_error_code(resp.body)) == answer, (added, resp.status, resp.body)
+    assert fence_of(fg, f"{BUCKET}/held") == 5
+    assert fence_of(fg, "job:victim") is None
+    assert read_object(fg.client(), BUCKET, "held") == b"original"
+    # Signed, the same headers count.
+    signed = sign_headers("PUT", host, port, path, {"Content-Length": str(len(body)), "Fencing-Token": "6"})
+    resp = raw_request(fg.s3_addr, "PUT", path, signed, body)
+    assert resp.status == 200, (resp.status, resp.body)
+    assert fence_of(fg, f"{BUCKET}/held") == 6
 
 
 SCOPED = ("trust-scoped", "trust-scoped-secret-8901")
