@@ -5,10 +5,14 @@ forwards every write to moto under one lock, so its log is the exact commit orde
 writes after their body arrived (a slow S3 commit) and forwards them even if fencegate hung up.
 Six writers hand leases over constantly and write with their tokens (some slowly, some hanging
 up, some stalling past their lease); a nemesis kills, stops and restarts fencegate replicas,
-Redis, and the etcd leader. The checker (chaos/checker.py, unit-tested below) then proves from
-the log that no older token committed after a newer one on the same resource was forwarded, that
-fences never went down, that every acknowledged write is in the log, and that lease grants never
-repeat a token or go below one granted, registered, read or committed before.
+Redis, and the etcd leader, and makes Redis lose its state (FLUSHALL, with or without an
+operator's `init-store` after it, or a restart without its data). The checker (chaos/checker.py,
+unit-tested below) then proves from the log that no older token committed after a newer one on
+the same resource was forwarded, across store losses too; that every acknowledged write is in the
+log; that fences never went down and lease grants never repeated a token or went below one
+granted, registered, read or committed before, except where a store loss lies between them and
+fencegate does not promise it (a replica's own grants stay above every token it granted or
+admitted, losses or not).
 
 Three runs by default (about 70 s each): one fencegate on the embedded store, three replicas on
 one redis-server, and three replicas on a three-member etcd cluster (skipped without `etcd` or
@@ -208,6 +212,74 @@ def test_checker_catches_repeated_and_falling_grants():
     assert any("not above token 14" in v.message for v in report.violations), render(report, "unit")
 
 
+def read(token, sent, replica, resource="job:r1"):
+    """A fence read through the admin API (the sampler's)."""
+    return {"resource": resource, "t_send": sent, "t_recv": sent + 0.05, "token": token, "replica": replica}
+
+
+def test_checker_accepts_fences_and_grants_a_store_loss_took():
+    """Across a loss, lower fence reads and a grant repeating a token another (restarted) replica
+    granted are what fencegate documents; the same history without the loss is four violations."""
+    # Redis lost everything at 3.0 (FLUSHALL), after token 5 was granted (fg2) and committed.
+    # fg2 was restarted before the loss, so nothing it or the store knew binds it afterwards.
+    events = [ev(1, "w1-1", "r1/k0", 5, arrival=1.0, fwd=1.05, done=1.1),
+              ev(2, "w2-1", "r1/k1", 5, arrival=5.6, fwd=5.65, done=5.7)]
+    writes = [wr("w1-1", ["r1/k0"], 5, start=0.9, end=1.2), wr("w2-1", ["r1/k1"], 5, start=5.5, end=5.8)]
+    grants = [grant("lease", 5, 0.5, 0.6, writer="w1") | {"replica": "fg2"},
+              # After the quiet period: the restarted replica grants the lost token again.
+              grant("lease", 5, 5.0, 5.1, writer="w2") | {"replica": "fg2"}]
+    samples = [
+        read(5, 2.0, "fg1"),
+        read(5, 3.3, "fg0"),  # its mark, above the empty store
+        read(None, 3.6, "fg2"),  # the store as it is now: lower, and legitimately so
+        read(5, 6.0, "fg0"),
+    ]
+    losses = [(3.0, 3.1)]
+    restarts = [{"replica": "fg2", "t_from": 2.5, "t_to": 2.8}]
+    report = check(events, writes, samples, {"job:r1": 5}, RULES, "b", grants=grants,
+                   losses=losses, restarts=restarts)
+    assert report.ok, render(report, "unit")
+    # Without the loss, the same history breaks the fence and grant rules.
+    report = check(events, writes, samples, {"job:r1": 5}, RULES, "b", grants=grants, restarts=restarts)
+    assert kinds(report) == ["fence-below-commit", "fence-decreased", "grant-order", "grant-repeated"], \
+        render(report, "unit")
+
+
+def test_checker_still_judges_commit_order_fences_and_a_replicas_own_grants_across_a_loss():
+    """A loss excuses nothing else: G3 across it, fences inside one epoch (one replica's reads, or
+    a read whose replica started after the loss), a commit admitted after it, and a replica's
+    grant that repeats its own token from before it."""
+    losses = [(3.0, 3.1)]
+    restarts = [{"replica": "fg2", "t_from": 3.5, "t_to": 3.8}]  # after the loss: its marks are new
+    events = [
+        ev(1, "w1-1", "r1/k1", 6, arrival=1.0, fwd=1.1, done=1.2),
+        # Committed after the loss (and after the quiet period): G3 holds across losses.
+        ev(2, "w1-2", "r1/k2", 4, arrival=4.1, fwd=4.2, done=4.3),
+        ev(3, "w2-1", "r1/k0", 8, arrival=5.1, fwd=5.15, done=5.2),
+    ]
+    writes = [wr("w1-1", ["r1/k1"], 6, start=0.9, end=1.3), wr("w1-2", ["r1/k2"], 4, start=4.0, end=4.4),
+              wr("w2-1", ["r1/k0"], 8, start=5.0, end=5.3)]
+    samples = [
+        # One replica's reads inside the new epoch: they never go down.
+        read(7, 4.0, "fg1"), read(5, 4.5, "fg1"),
+        # Token 8 was admitted after the loss: no read after its commit is below it.
+        read(6, 5.5, "fg0"),
+        # fg2 started after the loss, so its read is the store's: another replica's may not go below.
+        read(7, 4.0, "fg2", "job:r2"), read(3, 4.5, "fg0", "job:r2"),
+    ]
+    grants = [
+        grant("lease", 10, 1.0, 1.1, resource="job:r3"),
+        # The same replica (fg0, never restarted) grants 10 again after the loss: its mark holds 10.
+        grant("lease", 10, 6.0, 6.1, resource="job:r3", writer="w2"),
+        grant("lease", 11, 7.0, 7.1, resource="job:r3") | {"replica": "fg1"},
+    ]
+    report = check(events, writes, samples, {}, RULES, "b", grants=grants, losses=losses,
+                   restarts=restarts)
+    assert kinds(report) == ["commit-order", "fence-below-commit", "fence-decreased", "fence-decreased",
+                             "grant-order", "grant-repeated"], render(report, "unit")
+    assert {v.resource for v in report.violations if v.kind == "fence-decreased"} == {"job:r1", "job:r2"}
+
+
 # --------------------------------------------------------------------------------------------
 # the chaos runs
 # --------------------------------------------------------------------------------------------
@@ -258,7 +330,8 @@ def test_chaos_one_replica_embedded_store(chaos_run):
 def test_chaos_three_replicas_on_redis(chaos_run):
     spec = RunSpec(name="chaos-redis", topology="redis", seconds=CHAOS_SECONDS, replicas=3,
                    seed=seed(), faults={"kill9": 1, "stop_short": 1, "stop_long": 1,
-                                        "redis_restart": 1, "pubsub_kill": 2})
+                                        "redis_restart": 1, "pubsub_kill": 2,
+                                        "redis_flush": 1, "redis_restart_empty": 1})
     judge(chaos_run(spec))
 
 

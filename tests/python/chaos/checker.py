@@ -39,6 +39,10 @@ process, so the wrapper's and the writers' times compare directly):
     writer, replica.
 `final_fences`: {resource: token | None} read after the run went quiet.
 `rules`: [{"bucket", "prefix", "resource"}], the `[[fencing.rules]]` of the run.
+`losses` (optional): [(t_from, t_to)], the windows in which the store may have lost its state
+    (a Redis `FLUSHALL`, or a Redis restarted without its data).
+`restarts` (optional): [{replica, t_from, t_to}], the windows in which a replica was killed and
+    started again (a new process: the marks it kept in memory are gone).
 
 The rules (each violation names one):
 
@@ -78,6 +82,25 @@ The rules (each violation names one):
 
 A write with no 2xx answer MAY be in the commit log (timeouts, disconnects, 503/504: the
 outcome was unknown to the client), and nothing requires it to be absent.
+
+A store that lost its state (`losses`; docs/design.md section 6, "A store that lost its state")
+keeps none of its fences, leases or registrations; fencegate promises what follows, and the
+checker demands exactly that (`_Continuity.binds`):
+- G3 (`commit-order`, `forwarded-before-commit`) and the acknowledgement rules are judged across
+  the whole run, losses or not: the quiet period is what keeps G3 then.
+- A token put in the store (a grant, a registration, an admission, so a commit) binds a later
+  fence read or grant only if no loss may lie between the start of the call that put it there
+  and the later one's answer. A fence read is what its replica says: the store's fence or,
+  if higher, the replica's mark (the highest token it has seen in its life, all taken from the
+  store); it binds a later read or grant on any replica if no loss may lie between its
+  replica's start and the later answer (so the mark too came from the store as it is now), and
+  one on the same replica, in the same process, if no loss may lie between the two.
+- A lease grant is above the mark of the replica that grants it, losses or not (README: "a
+  grant after a rollback never repeats or lowers a token that replica has granted or seen"):
+  every token that replica granted, registered or admitted in the same process binds its
+  later grants, across any loss.
+A replica's restart (`restarts`) ends what its marks bind. Without losses every token binds
+every later read and grant, as the rules above say.
 """
 
 from __future__ import annotations
@@ -186,6 +209,8 @@ def check(
     rules: list,
     bucket: str,
     grants: list | None = None,
+    losses: list | None = None,
+    restarts: list | None = None,
 ) -> Report:
     """Judges one run's history (see the module doc for the data and the rules)."""
     grants = grants or []
@@ -289,61 +314,56 @@ def check(
             ))
 
     # ---- fences: never decrease, never below a committed token --------------------------
-    commits_by_res: dict = defaultdict(list)  # resource -> [(t_done, token, op)] sorted
+    continuity = _Continuity(losses or [], restarts or [])
+    commits_by_res: dict = defaultdict(list)  # resource -> [_Known] of commits
     for op in commits:
         if op.token is not None:
-            commits_by_res[op.resource].append((op.event["t_done"], op.token, op))
-    done_prefix: dict = {}
-    for res, items in commits_by_res.items():
-        items.sort(key=lambda x: x[0])
-        running, best = [], None
-        for _, token, op in items:
-            if best is None or token > best[0]:
-                best = (token, op)
-            running.append(best)
-        done_prefix[res] = ([x[0] for x in items], running)
+            commits_by_res[op.resource].append(_committed(op, by_id, fmt))
     by_res_samples: dict = defaultdict(list)
     for s in samples:
         by_res_samples[s["resource"]].append(s)
     for res, items in by_res_samples.items():
         items.sort(key=lambda s: s["t_send"])
-        done_reads: list = []  # reads answered before this one was sent: (t_recv, token)
+        done_commits = sorted(commits_by_res.get(res, []), key=lambda k: k.t)
+        done_reads: list = []  # [_Known] of the reads before this one
         reported_decrease = reported_below = False
         for s in items:
             value = s["token"] or 0
-            earlier = [d for d in done_reads if d[0] < s["t_send"]]
-            if earlier and not reported_decrease:
-                prev = max(earlier, key=lambda d: d[1])
-                if value < prev[1]:
+            if not reported_decrease:
+                prev = _top(done_reads, s["t_send"], s.get("replica"), s["t_recv"], continuity, grant=False)
+                if prev is not None and value < prev.token:
                     reported_decrease = True
                     violations.append(Violation(
                         "fence-decreased", res,
                         f"read {s['token']} via {s.get('replica')} at {fmt.t(s['t_send'])}, "
-                        f"after {prev[1]} was read at {fmt.t(prev[0])}"))
-            done_reads.append((s["t_recv"], value))
-            if res in done_prefix and not reported_below:
-                done_times, running = done_prefix[res]
-                i = bisect.bisect_left(done_times, s["t_send"])
-                if i > 0 and running[i - 1][0] > value:
+                        f"after {prev.token} was read at {fmt.t(prev.t)}", [prev.line]))
+            done_reads.append(_read(s, value, continuity, fmt))
+            if not reported_below:
+                top = _top(done_commits, s["t_send"], s.get("replica"), s["t_recv"], continuity, grant=False)
+                if top is not None and top.token > value:
                     reported_below = True
-                    token, op = running[i - 1]
                     violations.append(Violation(
                         "fence-below-commit", res,
                         f"fence read {s['token']} via {s.get('replica')} at {fmt.t(s['t_send'])}, "
-                        f"after token {token} had committed",
-                        [fmt.event(op.event, token)]))
-    for res, items in done_prefix.items():
-        top = items[1][-1][0]
+                        f"after token {top.token} had committed", [top.line]))
+    # The final fences were read after everything else (the checker is not told through which
+    # replica).
+    end = float("inf")
+    for res, known in commits_by_res.items():
+        top = _top(known, end, None, end, continuity, grant=False)
         final = final_fences.get(res)
-        if res in final_fences and (final or 0) < top:
+        if res in final_fences and top is not None and (final or 0) < top.token:
             violations.append(Violation("fence-below-commit", res,
-                                        f"final fence {final} is below the committed token {top}"))
+                                        f"final fence {final} is below the committed token {top.token}",
+                                        [top.line]))
     for res, items in by_res_samples.items():
-        top = max((s["token"] or 0) for s in items)
+        top = _top([_read(s, s["token"] or 0, continuity, fmt) for s in items], end, None, end,
+                   continuity, grant=False)
         final = final_fences.get(res)
-        if res in final_fences and (final or 0) < top:
+        if res in final_fences and top is not None and (final or 0) < top.token:
             violations.append(Violation("fence-decreased", res,
-                                        f"final fence {final} is below a fence read earlier ({top})"))
+                                        f"final fence {final} is below a fence read earlier ({top.token})",
+                                        [top.line]))
 
     # ---- acknowledged writes are in the log; refused and cut ones are not ---------------
     committed_by_id: dict = defaultdict(set)  # chaos id -> keys committed under it
@@ -392,7 +412,7 @@ def check(
                                         "the client hung up mid-body, yet the write committed", evidence))
 
     # ---- grants: never repeated, above every token known before ---------------------------
-    violations += _check_grants(grants, samples, commits, fmt)
+    violations += _check_grants(grants, samples, commits, by_id, fmt, continuity)
 
     # ---- figures ------------------------------------------------------------------------
     statuses = Counter()
@@ -431,7 +451,8 @@ def _grant_line(fmt: _Fmt, g: dict) -> str:
             f"sent={fmt.t(g['t_send'])} answered={fmt.t(g['t_recv'])}")
 
 
-def _check_grants(grants: list, samples: list, commits: list, fmt: _Fmt) -> list:
+def _check_grants(grants: list, samples: list, commits: list, by_id: dict, fmt: _Fmt,
+                  continuity: "_Continuity") -> list:
     """`grant-repeated` and `grant-order` (see the module doc)."""
     violations = []
     leases = sorted((g for g in grants if g["kind"] == "lease"), key=lambda g: g["t_send"])
@@ -439,46 +460,122 @@ def _check_grants(grants: list, samples: list, commits: list, fmt: _Fmt) -> list
     for g in leases:
         same[(g["resource"], g["token"])].append(g)
     for (res, token), gs in sorted(same.items()):
-        if len(gs) > 1:
+        # Two grants of one token, unless a loss between them excuses it (module doc).
+        repeated = [(a, b) for i, a in enumerate(gs) for b in gs[i + 1:]
+                    if continuity.binds(_granted(a, fmt), b["replica"], b["t_recv"], grant=True)]
+        if repeated:
+            shown = {id(g): g for pair in repeated for g in pair}.values()
             violations.append(Violation(
                 "grant-repeated", res, f"token {token} was granted {len(gs)} times",
-                [_grant_line(fmt, g) for g in gs],
+                [_grant_line(fmt, g) for g in shown],
                 window=(gs[0]["t_send"], max(g["t_recv"] for g in gs))))
 
-    # Per resource, every token known at a time: (time known, token, how, evidence line).
+    # Per resource, every token known at a time.
     known: dict = defaultdict(list)
     for g in grants:
-        known[g["resource"]].append((g["t_recv"], g["token"], _grant_line(fmt, g)))
+        known[g["resource"]].append(_read(g, g["token"], continuity, fmt, _grant_line(fmt, g))
+                                    if g["kind"] == "read" else _granted(g, fmt))
     for s in samples:
         if s.get("token") is not None:
-            line = (f"fence read {s['token']} via {s.get('replica')} "
-                    f"sent={fmt.t(s['t_send'])} answered={fmt.t(s['t_recv'])}")
-            known[s["resource"]].append((s["t_recv"], s["token"], line))
+            known[s["resource"]].append(_read(s, s["token"], continuity, fmt))
     for op in commits:
         if op.token is not None:
-            known[op.resource].append((op.event["t_done"], op.token, fmt.event(op.event, op.token)))
-    prefix: dict = {}
-    for res, items in known.items():
-        items.sort(key=lambda x: x[0])
-        running, best = [], None
-        for item in items:
-            if best is None or item[1] > best[1]:
-                best = item
-            running.append(best)
-        prefix[res] = ([x[0] for x in items], running)
+            known[op.resource].append(_committed(op, by_id, fmt))
+    for items in known.values():
+        items.sort(key=lambda k: k.t)
     for g in leases:
-        if g["resource"] not in prefix:
-            continue
-        times_sorted, running = prefix[g["resource"]]
-        i = bisect.bisect_left(times_sorted, g["t_send"])
-        if i > 0 and running[i - 1][1] >= g["token"]:
-            t_known, top, line = running[i - 1]
+        top = _top(known.get(g["resource"], []), g["t_send"], g["replica"], g["t_recv"], continuity,
+                   grant=True)
+        if top is not None and top.token >= g["token"]:
             violations.append(Violation(
                 "grant-order", g["resource"],
-                f"lease granted token {g['token']}, not above token {top} known "
-                f"{g['t_send'] - t_known:.3f}s before the grant was asked for",
-                [line, _grant_line(fmt, g)], window=(t_known, g["t_recv"])))
+                f"lease granted token {g['token']}, not above token {top.token} known "
+                f"{g['t_send'] - top.t:.3f}s before the grant was asked for",
+                [top.line, _grant_line(fmt, g)], window=(top.t, g["t_recv"])))
     return violations
+
+
+@dataclass
+class _Known:
+    """A token known at or below a resource's fence from time `t` on (see `_Continuity.binds`)."""
+
+    t: float  # when it was known: a grant or read answered, a commit answered by moto
+    token: int
+    replica: str | None  # the replica that granted, admitted or read it
+    since: float  # it came from the store at an instant no earlier than this
+    since_own: float  # the same, for its own replica's process (a read: when it was sent)
+    read: bool  # a fence read (the store's fence, or its replica's mark if higher)
+    line: str
+
+
+def _granted(g: dict, fmt: _Fmt) -> _Known:
+    """A lease grant or registration answered: the store held its token from `t_send` on."""
+    return _Known(g["t_recv"], g["token"], g.get("replica"), g["t_send"], g["t_send"], False,
+                  _grant_line(fmt, g))
+
+
+def _committed(op: _Op, by_id: dict, fmt: _Fmt) -> _Known:
+    """A commit: its token was admitted (the store raised to it) after its writer sent it."""
+    w = by_id.get(op.event.get("chaos_id"))
+    since = w["t_start"] if w and w.get("t_start") is not None else op.event["t_arrival"]
+    return _Known(op.event["t_done"], op.token, w.get("replica") if w else None, since, since, False,
+                  fmt.event(op.event, op.token))
+
+
+def _read(s: dict, value: int, continuity: "_Continuity", fmt: _Fmt, line: str | None = None) -> _Known:
+    """A fence read: its replica's mark came from the store during that replica's process."""
+    if line is None:
+        line = (f"fence read {s['token']} via {s.get('replica')} "
+                f"sent={fmt.t(s['t_send'])} answered={fmt.t(s['t_recv'])}")
+    return _Known(s["t_recv"], value, s.get("replica"), continuity.started(s.get("replica"), s["t_send"]),
+                  s["t_send"], True, line)
+
+
+def _top(known: list, before: float, replica, answered: float, continuity: "_Continuity",
+         grant: bool) -> "_Known | None":
+    """The highest token known before `before` that binds a read (or a grant) through `replica`
+    answered at `answered`; None if none does."""
+    best = None
+    for k in known:
+        if k.t < before and (best is None or k.token > best.token) \
+                and continuity.binds(k, replica, answered, grant):
+            best = k
+    return best
+
+
+class _Continuity:
+    """When the store may have lost its state (`losses`), and when each replica restarted
+    (`restarts`): what a known token still binds (the module doc)."""
+
+    def __init__(self, losses: list, restarts: list):
+        self.losses = [(float(a), float(b)) for a, b in losses]
+        self.restarts: dict = defaultdict(list)
+        for r in restarts:
+            self.restarts[r["replica"]].append((float(r["t_from"]), float(r["t_to"])))
+
+    def lost(self, since: float, until: float) -> bool:
+        """Whether the store may have lost its state after `since` and before `until`."""
+        return any(b > since and a < until for a, b in self.losses)
+
+    def same_process(self, replica, since: float, until: float) -> bool:
+        """Whether `replica` certainly ran as one process from `since` to `until`."""
+        return replica is not None and not any(
+            b > since and a < until for a, b in self.restarts.get(replica, []))
+
+    def started(self, replica, at: float) -> float:
+        """A time no later than the start of the process of `replica` that answered at `at`."""
+        return max((a for a, b in self.restarts.get(replica, []) if b <= at), default=float("-inf"))
+
+    def binds(self, k: _Known, replica, answered: float, grant: bool) -> bool:
+        """Whether `k` binds a fence read (or, `grant`, a lease grant) through `replica`
+        answered at `answered`: it is at or below what that read may return (below the grant)."""
+        if not self.lost(k.since, answered):
+            return True  # the store still holds it (a read: its mark's sources too)
+        if replica != k.replica or not self.same_process(replica, k.since_own, answered):
+            return False
+        if k.read:  # its own later reads and grants, if the store lost nothing since the read
+            return not self.lost(k.since_own, answered)
+        return grant  # in the replica's mark: every grant it makes is above it
 
 
 def _handovers(commits: list) -> int:

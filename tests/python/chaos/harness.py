@@ -205,7 +205,7 @@ class ChaosRun:
         records = [r for w in writers for r in w.records]
         grants = [g for w in writers for g in w.grants]
         report = check(events, records, sampler.samples, finals, spec.rules(), spec.bucket,
-                       grants=grants)
+                       grants=grants, losses=self.nemesis.losses(), restarts=self.nemesis.restarts)
         report.violations += self._sanity(events, idle_at)
         t0 = min([e["t_arrival"] for e in events] + [r["t_start"] for r in records]
                  + [g["t_send"] for g in grants] or [t_start])  # the checker's clock
@@ -233,7 +233,7 @@ class ChaosRun:
             "spec": {k: v for k, v in vars(spec).items()}, "t_start": t_start,
             "events": events,
             "writes": records, "grants": grants, "samples": sampler.samples, "final_fences": finals,
-            "faults": self.nemesis.log,
+            "faults": self.nemesis.log, "restarts": self.nemesis.restarts,
             "violations": [vars(v) for v in report.violations],
         }, indent=1, default=str))
         text += f"\n   history: {history}"

@@ -9,10 +9,27 @@ Faults (each chosen at random among those the topology allows):
   acknowledged write is lost);
 - `pubsub_kill`: `CLIENT KILL TYPE pubsub` (every replica loses its advance subscription, and
   any announcement published before it resubscribes);
+- `redis_flush`: `FLUSHALL` (the store loses every fence, lease, registration and epoch mark),
+  half the time followed 0-2 s later by `fencegate init-store` with a replica's config, as an
+  operator might run it after the loss;
+- `redis_restart_empty`: kill -9 redis-server, delete its append-only files, start it again
+  empty after 0.1-1 s (a restart without its data);
 - `etcd_leader_kill9`: kill -9 the etcd member that leads now (asked through etcd's JSON
   gateway), restart it on its data after 0.2-1.5 s (the other two elect a leader meanwhile;
   Raft: no acknowledged write is lost), and wait until it answers and a leader is known.
 Client-side faults (timeouts, hang-ups, slow bodies, stalls) are the writers' (writers.py).
+
+The two store losses are logged with `loss` (the window in which the store lost its state) and
+every replica restart in `restarts`: the checker needs both to know which fences a loss may
+legitimately have taken (checker.py, the module doc).
+
+A store loss and a replica's start (the run's, or a restart) are kept `SETTLE_S` apart (a loss
+also its quiet period before a restart): a replica that has just started knows neither the
+fences nor the epoch marks, and after a loss it relies on the emptied store until a replica with
+marks repairs it, so it may grant a token again or below one granted before the loss, and admit
+it. That is fencegate's documented limit (README, "Several replicas on Redis"; design.md
+section 6), not a promise, so the run does not make it, as the upstream never breaks the timing
+assumption.
 """
 
 from __future__ import annotations
@@ -20,12 +37,18 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 
 import requests
 
-from fencegate_testlib import quote_resource
+from fencegate_testlib import bin_path, quote_resource
+
+STORE_LOSSES = ("redis_flush", "redis_restart_empty")
+# How long a restarted replica is given to learn every resource's fence and every slot's epoch
+# mark (from the writers' calls through it and the advances announced) before a loss.
+SETTLE_S = 8.0
 
 
 class Nemesis(threading.Thread):
@@ -40,17 +63,22 @@ class Nemesis(threading.Thread):
         self.long_stop = inflight_deadline_s * 11 / 8  # a registration's time to live (design.md 3a)
         self.rng = random.Random(seed)
         self.faults_max = faults_max
-        self.log: list = []  # {kind, target, t_start, t_end, detail}
+        self.log: list = []  # {kind, target, t_start, t_end, detail[, loss: (from, to)]}
+        self.restarts: list = []  # {replica, t_from, t_to}: a replica killed and started again
         self.failure: BaseException | None = None
+        self.t_begin = 0.0  # when the run (and every replica) began
 
     def run(self):
+        self.t_begin = time.monotonic()
         try:
             # Leave the last seconds fault-free, so every fault has ended before the writers do.
             while len(self.log) < self.faults_max:
                 time.sleep(self.rng.uniform(1.0, 3.5))
                 if time.monotonic() > self.deadline - 8 or not self.weights:
                     return
-                kinds = sorted(self.weights)
+                kinds = [k for k in sorted(self.weights) if self.allowed(k, time.monotonic())]
+                if not kinds:
+                    continue
                 kind = self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
                 entry = {"kind": kind, "target": "", "t_start": time.monotonic(), "detail": ""}
                 getattr(self, kind)(entry)
@@ -74,18 +102,36 @@ class Nemesis(threading.Thread):
             self.etcd.heal()
         for r in self.replicas:
             if not r.fg.alive():
+                t_from = time.monotonic()
                 r.fg.start()
                 r.state = "up"
+                self.restarts.append({"replica": r.name, "t_from": t_from, "t_to": time.monotonic()})
+
+    def allowed(self, kind: str, now: float) -> bool:
+        """Whether `kind` may run now: store losses and replica restarts kept apart (module doc)."""
+        if kind in STORE_LOSSES:
+            return all(now - t >= SETTLE_S for t in [self.t_begin] + [r["t_to"] for r in self.restarts])
+        if kind == "kill9":
+            return all(now - to >= self.long_stop + SETTLE_S for _, to in self.losses())
+        return True
+
+    def losses(self) -> list:
+        """The windows (from, to) in which the store may have lost its state."""
+        return [e["loss"] for e in self.log if "loss" in e]
 
     # faults -------------------------------------------------------------------------------
     def kill9(self, entry):
         r = self.rng.choice(self.replicas)
         entry["target"] = r.name
         r.state = "down"
-        r.fg.kill9()
-        time.sleep(self.rng.uniform(0.1, 1.0))
-        r.fg.start()
-        r.state = "up"
+        t_from = time.monotonic()
+        try:
+            r.fg.kill9()
+            time.sleep(self.rng.uniform(0.1, 1.0))
+            r.fg.start()
+            r.state = "up"
+        finally:
+            self.restarts.append({"replica": r.name, "t_from": t_from, "t_to": time.monotonic()})
 
     def _pause(self, entry, seconds: float):
         r = self.rng.choice(self.replicas)
@@ -109,6 +155,46 @@ class Nemesis(threading.Thread):
         self.redis.kill9()
         time.sleep(self.rng.uniform(0.1, 1.0))
         self.redis.start()
+
+    def redis_flush(self, entry):
+        entry["target"] = "redis"
+        t_from = time.monotonic()
+        reply = self.redis.command(b"FLUSHALL")
+        entry["loss"] = (t_from, time.monotonic())
+        if not reply.startswith(b"+OK"):
+            raise AssertionError(f"FLUSHALL answered {reply!r}")
+        if self.rng.random() < 0.5:
+            entry["detail"] = "no init-store"
+            return
+        after = self.rng.uniform(0.0, 2.0)
+        time.sleep(after)
+        r = self.rng.choice(self.replicas)
+        init = subprocess.run([str(bin_path()), "init-store", "--config", str(r.fg.config_path)],
+                              capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+        if init.returncode != 0:
+            raise AssertionError(f"init-store failed: {init.stderr.decode(errors='replace')[-2000:]}")
+        entry["detail"] = f"init-store after {after:.2f}s: {init.stdout.decode(errors='replace').strip()}"
+
+    def redis_restart_empty(self, entry):
+        entry["target"] = "redis"
+        t_from = time.monotonic()
+        self.redis.kill9()
+        gone = [p.name for p in self.redis.dir.iterdir() if p.name.startswith(("appendonly", "dump"))]
+        for path in self.redis.dir.iterdir():
+            if path.name.startswith(("appendonly", "dump")):
+                if path.is_dir():
+                    for f in path.iterdir():
+                        f.unlink()
+                    path.rmdir()
+                else:
+                    path.unlink()
+        down = self.rng.uniform(0.1, 1.0)
+        time.sleep(down)
+        try:
+            self.redis.start()
+        finally:
+            entry["loss"] = (t_from, time.monotonic())
+        entry["detail"] = f"down {down:.2f}s, deleted {sorted(gone)}"
 
     def pubsub_kill(self, entry):
         entry["target"] = "redis"
