@@ -105,6 +105,7 @@ impl App {
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),
             store_timeout: ms(config.store.timeout_ms),
             inflight_per_resource_max: config.fencing.inflight_per_resource_max,
+            inflight_per_caller_max: config.fencing.inflight_per_caller_max,
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let opened_clean = store.opened_clean();

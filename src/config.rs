@@ -298,6 +298,9 @@ pub struct FencingConfig {
     /// Admitted, unfinished writes per resource at most; one more gets 503.
     #[serde(default = "defaults::inflight_per_resource_max")]
     pub inflight_per_resource_max: usize,
+    /// Of those, what one credential may hold: one tenant cannot fill a resource's budget.
+    #[serde(default = "defaults::inflight_per_caller_max")]
+    pub inflight_per_caller_max: usize,
     /// Resources whose fence is cached in memory.
     #[serde(default = "defaults::cached_resources_max")]
     pub cached_resources_max: usize,
@@ -330,6 +333,7 @@ impl Default for FencingConfig {
             resource_header: defaults::resource_header(),
             inflight_deadline_ms: defaults::inflight_deadline_ms(),
             inflight_per_resource_max: defaults::inflight_per_resource_max(),
+            inflight_per_caller_max: defaults::inflight_per_caller_max(),
             cached_resources_max: defaults::cached_resources_max(),
             etag_cache_entries_max: defaults::etag_cache_entries_max(),
             retry_body_bytes_max: defaults::retry_body_bytes_max(),
@@ -508,6 +512,9 @@ mod defaults {
     }
     pub fn inflight_deadline_ms() -> u64 {
         30_000
+    }
+    pub fn inflight_per_caller_max() -> usize {
+        512
     }
     pub fn inflight_per_resource_max() -> usize {
         1024
@@ -822,6 +829,14 @@ impl Config {
         }
         if self.fencing.inflight_per_resource_max == 0 {
             return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
+        }
+        if self.fencing.inflight_per_caller_max == 0
+            || self.fencing.inflight_per_caller_max > self.fencing.inflight_per_resource_max
+        {
+            return Err((
+                "fencing.inflight_per_caller_max",
+                "must be greater than 0 and at most fencing.inflight_per_resource_max".into(),
+            ));
         }
         if self.server.header_bytes_max < 8192 {
             return Err(("server.header_bytes_max", "must be at least 8192 (hyper's minimum read buffer)".into()));

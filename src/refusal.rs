@@ -37,6 +37,8 @@ pub enum Refusal {
     DrainTimeout { waited_ms: u64 },
     #[error("{max} writes are already in flight on the resource; retry")]
     TooManyInflight { max: usize },
+    #[error("this caller already has {max} writes in flight on the resource (fencing.inflight_per_caller_max); retry")]
+    TooManyInflightForCaller { max: usize },
 }
 
 /// Whose fault a refusal is, which says whether the same request can succeed later.
@@ -58,6 +60,7 @@ impl From<AdmitError> for Refusal {
             AdmitError::StoreUnavailable(source) => Self::StoreUnavailable(source),
             AdmitError::DrainTimeout { waited_ms } => Self::DrainTimeout { waited_ms },
             AdmitError::TooManyInflight { max } => Self::TooManyInflight { max },
+            AdmitError::TooManyInflightForCaller { max } => Self::TooManyInflightForCaller { max },
             AdmitError::Unregistered { presented, current } => Self::Unregistered { presented, current },
         }
     }
@@ -67,7 +70,9 @@ impl Refusal {
     pub fn fault(&self) -> Fault {
         match self {
             Self::StoreUnavailable(_) => Fault::Store,
-            Self::DrainTimeout { .. } | Self::TooManyInflight { .. } => Fault::Busy,
+            Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => {
+                Fault::Busy
+            }
             _ => Fault::Client,
         }
     }
@@ -80,9 +85,10 @@ impl Refusal {
             | Self::InvalidResource(_)
             | Self::ResourceMismatch { .. } => StatusCode::BAD_REQUEST,
             Self::Stale { .. } | Self::Unregistered { .. } => StatusCode::CONFLICT,
-            Self::StoreUnavailable(_) | Self::DrainTimeout { .. } | Self::TooManyInflight { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::StoreUnavailable(_)
+            | Self::DrainTimeout { .. }
+            | Self::TooManyInflight { .. }
+            | Self::TooManyInflightForCaller { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -97,7 +103,7 @@ impl Refusal {
             Self::Unregistered { .. } => "FencingTokenUnregistered",
             Self::StoreUnavailable(_) => "FenceStoreUnavailable",
             Self::DrainTimeout { .. } => "FencingDrainTimeout",
-            Self::TooManyInflight { .. } => "TooManyInflightWrites",
+            Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => "TooManyInflightWrites",
         }
     }
 
@@ -119,7 +125,7 @@ impl Refusal {
             Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
-            Self::TooManyInflight { .. } => "too_many_inflight",
+            Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => "too_many_inflight",
         }
     }
 

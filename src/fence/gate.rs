@@ -18,6 +18,20 @@ use super::{
 use crate::config::millis;
 use crate::metrics;
 
+/// Who holds a write in flight, for [`GateLimits::inflight_per_caller_max`]: a keyed hash of
+/// a credential's access key or a route caller's identity (the key drawn per process, so that
+/// nobody can choose a name that shares another's budget).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallerId(u64);
+
+impl CallerId {
+    pub fn of(name: &str) -> Self {
+        use std::hash::BuildHasher;
+        static KEYS: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+        Self(KEYS.get_or_init(std::collections::hash_map::RandomState::new).hash_one(name))
+    }
+}
+
 /// The gate's named limits.
 #[derive(Debug, Clone)]
 pub struct GateLimits {
@@ -27,6 +41,9 @@ pub struct GateLimits {
     pub store_timeout: Duration,
     /// Admitted, unfinished writes per resource; one more is refused with 503.
     pub inflight_per_resource_max: usize,
+    /// Of those, what one caller (a credential, a route's caller) may hold: one tenant cannot
+    /// fill the resource's budget for the others.
+    pub inflight_per_caller_max: usize,
     /// Resources whose fence is kept in memory; idle ones beyond this are forgotten (and
     /// reloaded from the store when used again).
     pub cached_resources_max: usize,
@@ -38,6 +55,7 @@ impl Default for GateLimits {
             inflight_deadline: Duration::from_millis(30_000),
             store_timeout: Duration::from_millis(2_000),
             inflight_per_resource_max: 1024,
+            inflight_per_caller_max: 512,
             cached_resources_max: 100_000,
         }
     }
@@ -54,6 +72,8 @@ pub enum AdmitError {
     DrainTimeout { waited_ms: u64 },
     #[error("{max} writes are already in flight on the resource")]
     TooManyInflight { max: usize },
+    #[error("this caller already has {max} writes in flight on the resource")]
+    TooManyInflightForCaller { max: usize },
     #[error("token {presented} is above the fence {current:?}, and only registrations and lease grants may raise it")]
     Unregistered { presented: FenceToken, current: Option<FenceToken> },
 }
@@ -99,6 +119,7 @@ const REPAIR_EVERY: Duration = Duration::from_secs(1);
 struct Inflight {
     id: u64,
     token: FenceToken,
+    caller: Option<CallerId>,
     cancel: CancellationToken,
     /// Set once the whole body was handed to the upstream: from then on the write can only be
     /// awaited, never cancelled.
@@ -224,7 +245,7 @@ impl Gate {
     /// newer, resolves older in-flight writes, and registers the write. The returned permit
     /// must live until the upstream outcome of the write is known.
     pub async fn admit(&self, resource: &ResourceKey, token: FenceToken) -> Result<Permit, AdmitError> {
-        self.admit_write(resource, token, true).await
+        self.admit_write(resource, token, true, None).await
     }
 
     /// [`Self::admit`], where `may_advance` says whether this write may raise the fence
@@ -235,9 +256,10 @@ impl Gate {
         resource: &ResourceKey,
         token: FenceToken,
         may_advance: bool,
+        caller: Option<CallerId>,
     ) -> Result<Permit, AdmitError> {
         let slot = self.slot(resource);
-        match self.settle(&slot, resource, token, true, may_advance).await? {
+        match self.settle(&slot, resource, token, Some(caller), may_advance).await? {
             Some(permit) => Ok(permit),
             None => Err(AdmitError::StoreUnavailable(StoreError::Closed)), // settle registers when asked to
         }
@@ -271,7 +293,7 @@ impl Gate {
     /// fence, which is `token`.
     pub async fn advance(&self, resource: &ResourceKey, token: FenceToken) -> Result<FenceToken, AdmitError> {
         let slot = self.slot(resource);
-        self.settle(&slot, resource, token, false, true).await?;
+        self.settle(&slot, resource, token, None, true).await?;
         Ok(token)
     }
 
@@ -331,14 +353,14 @@ impl Gate {
         self.store.lease_record(resource).await
     }
 
-    /// Loops until `token` is the fence and no older write is in flight, then (if `register`)
-    /// registers the write in the same critical section as that last check.
+    /// Loops until `token` is the fence and no older write is in flight, then (if `register`,
+    /// for its caller) registers the write in the same critical section as that last check.
     async fn settle(
         &self,
         slot: &Arc<Slot>,
         resource: &ResourceKey,
         token: FenceToken,
-        register: bool,
+        register: Option<Option<CallerId>>,
         may_advance: bool,
     ) -> Result<Option<Permit>, AdmitError> {
         if self.closed.load(Ordering::Acquire) {
@@ -367,13 +389,13 @@ impl Gate {
                             state.cancel_unsent_older(token);
                             Step::WaitForOlder
                         }
-                        Decision::Current if !register => return Ok(None),
-                        Decision::Current => {
-                            if state.inflight.len() >= self.limits.inflight_per_resource_max {
-                                return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
+                        Decision::Current => match register {
+                            None => return Ok(None),
+                            Some(caller) => {
+                                self.check_budget(&state, caller)?;
+                                return self.register(slot, &mut state, token, caller).map(Some);
                             }
-                            return self.register(slot, &mut state, token).map(Some);
-                        }
+                        },
                     },
                 }
             };
@@ -403,7 +425,7 @@ impl Gate {
         slot: &Arc<Slot>,
         resource: &ResourceKey,
         token: FenceToken,
-        register: bool,
+        register: Option<Option<CallerId>>,
         may_advance: bool,
     ) -> Result<Option<Permit>, AdmitError> {
         let started = Instant::now();
@@ -412,20 +434,19 @@ impl Gate {
         self.refuse_below_mark(slot, resource, token)?;
         // Registered locally first, so that an announced advance can cancel it while the
         // store is being asked.
-        let mut permit = if register {
-            let mut state = slot.state();
-            if state.inflight.len() >= self.limits.inflight_per_resource_max {
-                return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
+        let mut permit = match register {
+            Some(caller) => {
+                let mut state = slot.state();
+                self.check_budget(&state, caller)?;
+                Some(self.register(slot, &mut state, token, caller)?)
             }
-            Some(self.register(slot, &mut state, token)?)
-        } else {
-            None
+            None => None,
         };
         let mut backoff = Duration::from_millis(1);
         loop {
             let floor = slot.state().fence.flatten();
             // On an error the store withdraws what the call may have registered.
-            let call = shared.admit(resource, token, floor, register, may_advance, deadline_ms);
+            let call = shared.admit(resource, token, floor, register.is_some(), may_advance, deadline_ms);
             let answer = self.store.call(call).await?;
             match answer {
                 SharedAdmit::Unregistered { current, repaired_from } => {
@@ -547,11 +568,25 @@ impl Gate {
     /// write that waited (for a load, an advance, an older write) while shutdown began is
     /// either counted by [`Gate::inflight_writes`], which takes the same lock after
     /// [`Gate::close`], or refused here; never registered unseen after the count.
+    /// The resource's budget of writes in flight, and the caller's share of it.
+    fn check_budget(&self, state: &SlotState, caller: Option<CallerId>) -> Result<(), AdmitError> {
+        if state.inflight.len() >= self.limits.inflight_per_resource_max {
+            return Err(AdmitError::TooManyInflight { max: self.limits.inflight_per_resource_max });
+        }
+        if let Some(caller) = caller
+            && state.inflight.iter().filter(|w| w.caller == Some(caller)).count() >= self.limits.inflight_per_caller_max
+        {
+            return Err(AdmitError::TooManyInflightForCaller { max: self.limits.inflight_per_caller_max });
+        }
+        Ok(())
+    }
+
     fn register(
         &self,
         slot: &Arc<Slot>,
         state: &mut MutexGuard<'_, SlotState>,
         token: FenceToken,
+        caller: Option<CallerId>,
     ) -> Result<Permit, AdmitError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(AdmitError::StoreUnavailable(StoreError::Closed));
@@ -563,6 +598,7 @@ impl Gate {
         state.inflight.push(Inflight {
             id,
             token,
+            caller,
             cancel: cancel.clone(),
             body_sent: body_sent.clone(),
             cut_off: cut_off.clone(),

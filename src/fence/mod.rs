@@ -13,7 +13,7 @@ mod token;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN};
 pub use decision::{Decision, decide};
-pub use gate::{AdmitError, CutOff, Gate, GateLimits, Permit};
+pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, Permit};
 pub use idempotency::{
     AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
     fingerprint,

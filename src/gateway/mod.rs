@@ -327,7 +327,7 @@ impl Gateway {
         }
         // The claim is ours: every path below finishes it, with an outcome or by removing it
         // (nothing reached the API, so a retry may go ahead).
-        let permit = match self.gate.admit_write(&resource, token, route.writes_advance).await {
+        let permit = match self.gate.admit_write(&resource, token, route.writes_advance, None).await {
             Ok(permit) => Arc::new(permit),
             Err(error) => {
                 self.finish(&key, &claim, None).await;
@@ -439,7 +439,7 @@ impl Gateway {
         token: FenceToken,
         conditional: bool,
     ) -> Result<(http::Response<Incoming>, Arc<Permit>), GatewayError> {
-        let permit = Arc::new(self.gate.admit_write(resource, token, route.writes_advance).await?);
+        let permit = Arc::new(self.gate.admit_write(resource, token, route.writes_advance, None).await?);
         let deadline = tokio::time::Instant::now() + route.request_timeout;
         self.accepted();
         if conditional {

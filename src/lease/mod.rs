@@ -89,14 +89,19 @@ pub struct FenceScope {
 
 impl FenceScope {
     pub fn covers(&self, resource: &ResourceKey) -> bool {
-        let inside =
-            |bucket: &str, key: &str| self.entries.iter().any(|(b, p)| b == bucket && key.starts_with(p.as_str()));
-        let mut binding = self.rules.iter().filter(|r| r.resource == resource.as_str()).peekable();
-        if binding.peek().is_some() {
-            return binding.all(|r| inside(&r.bucket, &r.prefix));
-        }
-        resource.as_str().split_once('/').is_some_and(|(bucket, key)| !key.is_empty() && inside(bucket, key))
+        scope_covers(&self.entries, &self.rules, resource)
     }
+}
+
+/// [`FenceScope::covers`], for `(bucket, key prefix)` entries and the rules binding keys to
+/// resources.
+pub fn scope_covers(entries: &[(String, String)], rules: &[crate::config::RuleConfig], resource: &ResourceKey) -> bool {
+    let inside = |bucket: &str, key: &str| entries.iter().any(|(b, p)| b == bucket && key.starts_with(p.as_str()));
+    let mut binding = rules.iter().filter(|r| r.resource == resource.as_str()).peekable();
+    if binding.peek().is_some() {
+        return binding.all(|r| inside(&r.bucket, &r.prefix));
+    }
+    resource.as_str().split_once('/').is_some_and(|(bucket, key)| !key.is_empty() && inside(bucket, key))
 }
 
 pub struct LeaseService {

@@ -195,14 +195,17 @@ impl Front {
                 entries.push(error_entry(&object, error.code(), &error.to_string()));
                 continue;
             }
-            match self.wire.resource(&request.headers, &bucket, &object.key) {
+            match self.wire.resource(&request.headers, &bucket, &object.key).and_then(|resource| {
+                self.check_resource_scope(request.scoped.as_deref(), &resource)?;
+                Ok(resource)
+            }) {
                 Ok(resource) => by_resource.entry(resource).or_default().push(object),
                 Err(error) => entries.push(error_entry(&object, error.code(), &error.to_string())),
             }
         }
         let mut admitted = Vec::new();
         for (resource, objects) in by_resource {
-            match self.gate.admit_write(&resource, token, request.may_advance).await {
+            match self.gate.admit_write(&resource, token, request.may_advance, request.caller).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
                     let deadline = tokio::time::Instant::now() + self.request_timeout;

@@ -54,7 +54,7 @@ use self::objects::EtagCache;
 use self::scopes::Scopes;
 use crate::config::Config;
 use crate::fence::outcome::detached;
-use crate::fence::{FenceToken, Gate, Permit, ResourceKey};
+use crate::fence::{CallerId, FenceToken, Gate, Permit, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
 use crate::refusal::Refusal;
@@ -107,6 +107,11 @@ struct Request {
     /// Whether this write may raise its fence: `fencing.advance = "write"`, and signed with
     /// SigV4 (SigV2 signs neither the body nor the token header).
     may_advance: bool,
+    /// Who signed it, for its share of a resource's writes in flight.
+    caller: Option<CallerId>,
+    /// The signer's `[[credentials]] buckets`, when it is restricted: the resources it names
+    /// must be inside them.
+    scoped: Option<String>,
 }
 
 impl Request {
@@ -286,6 +291,8 @@ impl Front {
             trailers: req.trailing_headers,
             content_length,
             may_advance: self.writes_advance && !signature.is_sigv2(),
+            caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
+            scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
         };
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
@@ -323,6 +330,7 @@ impl Front {
             return Err(FrontError::NotSupported("a write without an object key"));
         };
         let resource = self.wire.resource(&request.headers, bucket, key)?;
+        self.check_resource_scope(request.scoped.as_deref(), &resource)?;
         let mut request = request;
         if op == Op::CompleteMultipartUpload {
             // A stale completion is refused before its body is read.
@@ -370,7 +378,7 @@ impl Front {
         token: FenceToken,
         admitted: &mut bool,
     ) -> Result<S3Response<Body>, FrontError> {
-        let permit = Arc::new(self.gate.admit_write(&resource, token, request.may_advance).await?);
+        let permit = Arc::new(self.gate.admit_write(&resource, token, request.may_advance, request.caller).await?);
         metrics::decision("accepted");
         tracing::Span::current().record("decision", "accepted");
         *admitted = true;
@@ -396,6 +404,17 @@ impl Front {
                 self.forward_admitted(request, admitted).await
             }
             _ => self.forward_admitted(request, admitted).await,
+        }
+    }
+
+    /// A restricted credential names only resources inside its buckets (SPEC section 11): a
+    /// `Fencing-Resource` naming another tenant's resource would let it raise that fence.
+    fn check_resource_scope(&self, scoped: Option<&str>, resource: &ResourceKey) -> Result<(), FrontError> {
+        match scoped.and_then(|key| self.scopes.get(key)) {
+            Some(scopes) if !scopes.covers_resource(resource, &self.wire.rules) => {
+                Err(FrontError::OutOfScope(format!("resource {}", resource.as_str())))
+            }
+            _ => Ok(()),
         }
     }
 

@@ -22,6 +22,15 @@ impl Scopes {
         )
     }
 
+    /// Whether every object of `resource` is inside (`crate::lease::FenceScope`'s rule).
+    pub(super) fn covers_resource(
+        &self,
+        resource: &crate::fence::ResourceKey,
+        rules: &[crate::config::RuleConfig],
+    ) -> bool {
+        crate::lease::scope_covers(&self.0, rules, resource)
+    }
+
     fn covers(&self, bucket: &str, key: &str) -> bool {
         self.0.iter().any(|(b, prefix)| b == bucket && key.starts_with(prefix.as_str()))
     }

@@ -1120,3 +1120,83 @@ def test_a_credential_restricted_to_a_prefix_reaches_nothing_else(fencegate):
     assert fg.client().get_object(Bucket="reports", Key="2025/old.csv")["Body"].read() == b"old"
     assert fg.client().get_object(Bucket="other", Key="2026/x")["Body"].read() == b"x"
     assert head_status(fg.client(), "reports", "2026/copy.csv") == 404
+
+
+TENANT_A = ("trust-tenant-a", "trust-tenant-a-secret-01")
+TENANT_B = ("trust-tenant-b", "trust-tenant-b-secret-02")
+
+
+def tenants_config(**fencing) -> dict:
+    config = trust_config()
+    config["credentials"] += [
+        {"access_key_id": TENANT_A[0], "secret_access_key": TENANT_A[1], "buckets": ["tenant-a"]},
+        {"access_key_id": TENANT_B[0], "secret_access_key": TENANT_B[1], "buckets": ["tenant-b"]},
+    ]
+    config["fencing"] = {"rules": [{"bucket": "tenant-b", "prefix": "jobs/", "resource": "job:tenant-b"}], **fencing}
+    return config
+
+
+def test_a_tenant_names_only_resources_inside_its_buckets(fencegate):
+    """Before: with `fencing.advance = "write"`, a writer scoped to `tenant-a` wrote its own
+    object naming tenant B's resource in `Fencing-Resource` with token 2^64-1, and B was locked
+    out for good (and in `registration` mode it learned B's token from the 409). Now a credential
+    restricted to buckets names only resources its buckets cover: 403 `AccessDenied`, with no
+    `Fencing-Token-Current`, nothing forwarded, B's fence unchanged; DeleteObjects refuses each
+    such key alike. Its own resources, and B's through B's credential, work."""
+    fg = fencegate(config=tenants_config(), local_buckets=("tenant-a", "tenant-b"))
+    b = s3_client(fg.s3_url, token=5, access_key=TENANT_B[0], secret_key=TENANT_B[1])
+    b.put_object(Bucket="tenant-b", Key="jobs/report", Body=b"B's report")
+    assert fence_of(fg, "job:tenant-b") == 5
+    for resource in ("job:tenant-b", "tenant-b/jobs/report", "job:unbound"):
+        a = s3_client(fg.s3_url, token=MAX, resource=resource, access_key=TENANT_A[0], secret_key=TENANT_A[1])
+        with pytest.raises(ClientError) as refused:
+            a.put_object(Bucket="tenant-a", Key="mine", Body=b"lock B out")
+        response = refused.value.response
+        assert response["Error"]["Code"] == "AccessDenied", (resource, response)
+        assert "fencing-token-current" not in response["ResponseMetadata"]["HTTPHeaders"], response
+        answer = a.delete_objects(Bucket="tenant-a", Delete={"Objects": [{"Key": "mine"}]})
+        assert [e["Code"] for e in answer.get("Errors", [])] == ["AccessDenied"], (resource, answer)
+    assert fence_of(fg, "job:tenant-b") == 5
+    assert fence_of(fg, "job:unbound") is None
+    assert head_status(fg.client(), "tenant-a", "mine") == 404
+    # Its own object's resource, and B's resource through B.
+    s3_client(fg.s3_url, token=3, access_key=TENANT_A[0], secret_key=TENANT_A[1]).put_object(
+        Bucket="tenant-a", Key="mine", Body=b"A's own")
+    assert fence_of(fg, "tenant-a/mine") == 3
+    s3_client(fg.s3_url, token=6, access_key=TENANT_B[0], secret_key=TENANT_B[1]).put_object(
+        Bucket="tenant-b", Key="jobs/report", Body=b"B's next")
+    assert fence_of(fg, "job:tenant-b") == 6
+
+
+def test_one_credential_cannot_fill_a_resources_budget(fencegate):
+    """Before: writes in flight were bounded per resource only, so one credential holding slow
+    uploads on a resource (1,030 of them in the attack) made every other writer's writes there
+    503. Now what one credential holds in flight on a resource is bounded on its own
+    (`fencing.inflight_per_caller_max`, here 2 of the resource's 4): its third gets 503
+    `SlowDown`, and another credential still writes."""
+    fg = fencegate(config=tenants_config(inflight_per_resource_max=4, inflight_per_caller_max=2),
+                   local_buckets=(BUCKET,))
+    host, port = fg.s3_addr
+    held = []
+    try:
+        for i in range(2):  # A's slow uploads: admitted, their bodies never finished
+            path = f"/{BUCKET}/slow-{i}"
+            headers = sign_headers("PUT", host, port, path, {"Fencing-Token": "1", "Fencing-Resource": "job:shared",
+                                                             "Content-Length": "1000"},
+                                   access_key=WRITER[0], secret_key=WRITER[1])
+            sock = socket.create_connection(fg.s3_addr, timeout=10)
+            sock.sendall(build_head("PUT", path, headers) + b"x" * 10)
+            held.append(sock)
+        time.sleep(0.5)
+        writer = s3_client(fg.s3_url, token=1, resource="job:shared", access_key=WRITER[0], secret_key=WRITER[1])
+        with pytest.raises(ClientError) as refused:
+            writer.put_object(Bucket=BUCKET, Key="third", Body=b"third")
+        assert refused.value.response["Error"]["Code"] == "SlowDown", refused.value.response
+        assert "inflight_per_caller_max" in refused.value.response["Error"]["Message"]
+        other = s3_client(fg.s3_url, token=1, resource="job:shared",
+                          access_key=WRITER_EXPLICIT[0], secret_key=WRITER_EXPLICIT[1])
+        other.put_object(Bucket=BUCKET, Key="other", Body=b"another credential")
+        assert read_object(fg.client(), BUCKET, "other") == b"another credential"
+    finally:
+        for sock in held:
+            sock.close()
