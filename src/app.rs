@@ -71,7 +71,10 @@ impl App {
             StoreKind::Embedded => {
                 let path = config.store.path.as_deref().expect("validated: store.path");
                 let store = EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?;
-                store.set_idempotency_records_max(config.store.idempotency_records_max);
+                store.set_idempotency_records_max(
+                    config.store.idempotency_records_max,
+                    config.store.idempotency_records_bytes_max,
+                );
                 Arc::new(store)
             }
             StoreKind::Redis => {
@@ -105,7 +108,7 @@ impl App {
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),
             store_timeout: ms(config.store.timeout_ms),
             inflight_per_resource_max: config.fencing.inflight_per_resource_max,
-            inflight_per_caller_max: config.fencing.inflight_per_caller_max,
+            inflight_per_caller_max: config.fencing.inflight_per_caller(),
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let opened_clean = store.opened_clean();

@@ -109,6 +109,13 @@ pub struct ServerConfig {
     pub threads: usize,
 }
 
+impl FencingConfig {
+    /// [`FencingConfig::inflight_per_caller_max`], with its default resolved.
+    pub fn inflight_per_caller(&self) -> usize {
+        self.inflight_per_caller_max.unwrap_or((self.inflight_per_resource_max / 2).max(1))
+    }
+}
+
 impl ServerConfig {
     /// [`ServerConfig::threads`], with 0 resolved to the number of CPUs fencegate may use.
     pub fn serving_threads(&self) -> usize {
@@ -144,6 +151,9 @@ pub struct StoreConfig {
     /// expire first are dropped, so route traffic cannot fill the disk under the fences.
     #[serde(default = "defaults::store_idempotency_records_max")]
     pub idempotency_records_max: usize,
+    /// Embedded store: the bytes those records take at most (keys, claims, recorded responses).
+    #[serde(default = "defaults::store_idempotency_records_bytes_max")]
+    pub idempotency_records_bytes_max: u64,
     /// Redis: after every change of a fence, a grant or a registration, wait until this many
     /// Redis replicas have it (`WAIT`), and fail closed (503) when fewer confirm within
     /// `wait_timeout_ms`. 0: do not wait.
@@ -299,8 +309,9 @@ pub struct FencingConfig {
     #[serde(default = "defaults::inflight_per_resource_max")]
     pub inflight_per_resource_max: usize,
     /// Of those, what one credential may hold: one tenant cannot fill a resource's budget.
-    #[serde(default = "defaults::inflight_per_caller_max")]
-    pub inflight_per_caller_max: usize,
+    /// Half of `inflight_per_resource_max` (at least 1) when unset.
+    #[serde(default)]
+    pub inflight_per_caller_max: Option<usize>,
     /// Resources whose fence is cached in memory.
     #[serde(default = "defaults::cached_resources_max")]
     pub cached_resources_max: usize,
@@ -333,7 +344,7 @@ impl Default for FencingConfig {
             resource_header: defaults::resource_header(),
             inflight_deadline_ms: defaults::inflight_deadline_ms(),
             inflight_per_resource_max: defaults::inflight_per_resource_max(),
-            inflight_per_caller_max: defaults::inflight_per_caller_max(),
+            inflight_per_caller_max: None,
             cached_resources_max: defaults::cached_resources_max(),
             etag_cache_entries_max: defaults::etag_cache_entries_max(),
             retry_body_bytes_max: defaults::retry_body_bytes_max(),
@@ -402,6 +413,10 @@ pub struct RouteConfig {
     /// (a hash of its value), so a replay reaches only the caller that made the request.
     #[serde(default = "defaults::route_caller_header")]
     pub caller_header: String,
+    /// More headers that identify the caller, besides `caller_header` (an API keyed by
+    /// `X-Api-Key`, a session cookie): a caller is told apart by the values of all of them.
+    #[serde(default)]
+    pub caller_headers: Vec<String>,
     /// PEM file of the CA certificates that verify an `https` upstream, instead of the public
     /// web PKI roots (a private CA of an internal API).
     #[serde(default)]
@@ -480,6 +495,9 @@ mod defaults {
     pub fn store_timeout_ms() -> u64 {
         2_000
     }
+    pub fn store_idempotency_records_bytes_max() -> u64 {
+        1 << 30
+    }
     pub fn store_idempotency_records_max() -> usize {
         crate::store::IDEMPOTENCY_RECORDS_MAX
     }
@@ -512,9 +530,6 @@ mod defaults {
     }
     pub fn inflight_deadline_ms() -> u64 {
         30_000
-    }
-    pub fn inflight_per_caller_max() -> usize {
-        512
     }
     pub fn inflight_per_resource_max() -> usize {
         1024
@@ -622,6 +637,17 @@ impl Config {
             if r.advance == AdvancePolicy::Write {
                 risks.push(format!(
                     "routes {:?}: advance = \"write\" lets callers fencegate does not authenticate raise the fence",
+                    r.prefix
+                ));
+            }
+            if r.mode == RouteMode::IdempotencyKey
+                && r.caller_headers.is_empty()
+                && r.caller_header.eq_ignore_ascii_case("authorization")
+            {
+                risks.push(format!(
+                    "routes {:?}: callers are told apart by Authorization alone (routes.caller_headers is not set); \
+                     if the API takes its key in another header (X-Api-Key, a cookie), one caller can be answered \
+                     with another's recorded response",
                     r.prefix
                 ));
             }
@@ -830,9 +856,10 @@ impl Config {
         if self.fencing.inflight_per_resource_max == 0 {
             return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
         }
-        if self.fencing.inflight_per_caller_max == 0
-            || self.fencing.inflight_per_caller_max > self.fencing.inflight_per_resource_max
-        {
+        if self.store.idempotency_records_bytes_max == 0 {
+            return Err(("store.idempotency_records_bytes_max", "must be greater than 0".into()));
+        }
+        if self.fencing.inflight_per_caller_max.is_some_and(|n| n == 0 || n > self.fencing.inflight_per_resource_max) {
             return Err((
                 "fencing.inflight_per_caller_max",
                 "must be greater than 0 and at most fencing.inflight_per_resource_max".into(),

@@ -54,7 +54,10 @@ fn describe_and_register() {
             "fencegate_store_state_lost_total",
             "Times a shared store's epoch mark changed under this replica (it lost its state)",
         ),
-        ("fencegate_idempotency_records_evicted_total", "Idempotency records dropped before their time"),
+        (
+            "fencegate_idempotency_records_full_total",
+            "Idempotency claims refused: the records are at store.idempotency_records_max or its bytes",
+        ),
         ("fencegate_store_wait_failures_total", "Changes fewer Redis replicas confirmed than store.wait_replicas"),
         ("fencegate_gateway_requests_total", "Requests through the HTTP API gateway, by mode and outcome"),
         ("fencegate_idempotency_record_errors_total", "Idempotency records that could not be written"),
@@ -209,9 +212,10 @@ pub fn store_state_lost() {
     counter!("fencegate_store_state_lost_total").increment(1);
 }
 
-/// Idempotency records dropped before their time (`store.idempotency_records_max`).
-pub fn idempotency_records_evicted(n: u64) {
-    counter!("fencegate_idempotency_records_evicted_total").increment(n);
+/// An idempotency claim refused: the records are at `store.idempotency_records_max` (or
+/// `store.idempotency_records_bytes_max`), and none is dropped before its retention ends.
+pub fn idempotency_records_full() {
+    counter!("fencegate_idempotency_records_full_total").increment(1);
 }
 
 /// A change fewer Redis replicas confirmed than `store.wait_replicas` asks (it failed closed).

@@ -453,7 +453,8 @@ async fn a_replay_reaches_only_its_caller_and_a_refused_caller_is_not_recorded()
     assert_eq!(api.received("/v1/payments/8/charges").len(), 2);
 }
 
-/// A route holds at most `routes.buffered_bytes_max` of request bodies at once: beyond, 503.
+/// A route holds at most `routes.buffered_bytes_max` of request bodies at once, and one caller
+/// at most a quarter of it (at least one body): beyond, 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_buffers_a_bounded_number_of_bodies() {
     let api = FakeApi::start(None).await;
@@ -465,24 +466,33 @@ async fn a_route_buffers_a_bounded_number_of_bodies() {
     );
     let fg = Fencegate::start_local(dir.path(), &route).await;
     let c = Caller::new(&fg);
-    // Two calls the API holds take the whole budget; a third is refused at once.
+    let body = "x".repeat(1000);
+    let call = |caller: &'static str, path: &'static str, key: &'static str| {
+        let (c, body) = (c.clone(), body.clone());
+        async move {
+            let headers = [("fencing-token", "5"), ("authorization", caller), ("idempotency-key", key)];
+            c.send("POST", path, &headers, &body).await
+        }
+    };
+    // Two callers' calls the API holds take the whole budget (2 x 1000 of 2048 bytes).
     api.script("/v1/payments/1/a", Script::StallThenExecute(Duration::from_millis(1500)));
     api.script("/v1/payments/1/b", Script::StallThenExecute(Duration::from_millis(1500)));
-    let (c1, c2) = (c.clone(), c.clone());
-    let a = tokio::spawn(async move { c1.write("POST", "/pay/1/a", 5, Some("a"), "{}").await });
-    let b = tokio::spawn(async move { c2.write("POST", "/pay/1/b", 5, Some("b"), "{}").await });
-    let mut third = None;
+    let a = tokio::spawn(call("Bearer alice", "/pay/1/a", "a"));
+    let b = tokio::spawn(call("Bearer bob", "/pay/1/b", "b"));
+    let mut refused = None;
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(20)).await;
         if api.scripts_left() == 0 {
-            third = Some(c.write("POST", "/pay/1/c", 5, Some("c"), "{}").await);
+            // A third caller finds the route full; alice, her share (1024 bytes) taken.
+            refused = Some((call("Bearer carol", "/pay/1/c", "c").await, call("Bearer alice", "/pay/1/d", "d").await));
             break;
         }
     }
-    let third = third.expect("both held calls reached the API");
+    let (third, alice_again) = refused.expect("both held calls reached the API");
     assert_eq!((third.status, third.code().as_str()), (503, "SlowDown"));
+    assert_eq!((alice_again.status, alice_again.code().as_str()), (503, "SlowDown"));
     assert_eq!((a.await.unwrap().status, b.await.unwrap().status), (201, 201));
-    assert_eq!(c.write("POST", "/pay/1/c", 5, Some("c"), "{}").await.status, 201, "room again once they ended");
+    assert_eq!(call("Bearer carol", "/pay/1/c", "c").await.status, 201, "room again once they ended");
 }
 
 /// While the first request is still in flight a duplicate gets 409 (and does not execute);

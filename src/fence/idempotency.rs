@@ -118,6 +118,9 @@ pub enum IdempotencyBegin {
     Claimed,
     /// A live record exists (the caller's was not stored).
     Existing(IdempotencyRecord),
+    /// No record existed, and there is no room for the caller's (the store's bound on records;
+    /// none is dropped before its retention ends): nothing was stored.
+    Full,
 }
 
 /// Bodies as base64 in the JSON form, not arrays of numbers.

@@ -20,8 +20,17 @@ pub enum GatewayError {
     MissingSegment(usize),
     #[error("the path is malformed or has `.` or `..` segments")]
     UnsafePath,
-    #[error("this route holds as many request bodies as routes.buffered_bytes_max allows; retry")]
+    #[error(
+        "this route (or this caller's share of it) holds as many request bodies as routes.buffered_bytes_max allows; retry"
+    )]
     BufferFull,
+    #[error("the request body did not arrive within the route's request_timeout_ms ({after_ms} ms)")]
+    BodyReadTimeout { after_ms: u64 },
+    #[error(
+        "the fence store holds as many idempotency records as store.idempotency_records_max (or its bytes) allows, \
+         none past its retention; retry"
+    )]
+    RecordsFull,
     #[error("the body is larger than routes.body_bytes_max ({max} bytes)")]
     BodyTooLarge { max: usize },
     #[error("the client's body ended early or failed; nothing was forwarded complete")]
@@ -96,6 +105,8 @@ impl GatewayError {
             Self::MissingSegment(_) => (S::BAD_REQUEST, "InvalidFencingResource"),
             Self::UnsafePath => (S::BAD_REQUEST, "InvalidPath"),
             Self::BufferFull => (S::SERVICE_UNAVAILABLE, "SlowDown"),
+            Self::BodyReadTimeout { .. } => (S::REQUEST_TIMEOUT, "RequestTimeout"),
+            Self::RecordsFull => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "RequestTooLarge"),
             Self::IncompleteBody => (S::BAD_REQUEST, "IncompleteBody"),
             Self::InvalidIdempotencyKey { .. } => (S::BAD_REQUEST, "InvalidIdempotencyKey"),

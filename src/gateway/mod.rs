@@ -297,10 +297,16 @@ impl Gateway {
                 return Err(Refusal::Stale { presented: token, current }.into());
             }
         }
-        // The body is held whole until the call ends: bounded per route across requests.
-        let reserve = u32::try_from(route.body_bytes_max).unwrap_or(u32::MAX);
-        let _buffered = route.buffered.clone().try_acquire_many_owned(reserve).map_err(|_| GatewayError::BufferFull)?;
-        let body = read_body(body, route.body_bytes_max).await?;
+        // The body is held whole until the call ends: bounded per route across requests, and
+        // per caller within the route; what its length announces is held (the most a body may
+        // be without one), and it must arrive within the route's request timeout.
+        let reserve = content_length(&parts.headers)
+            .map_or(route.body_bytes_max, |n| usize::try_from(n).unwrap_or(usize::MAX).min(route.body_bytes_max));
+        let _buffered = route.hold_buffer(&caller, reserve).ok_or(GatewayError::BufferFull)?;
+        let body = match tokio::time::timeout(route.request_timeout, read_body(body, reserve)).await {
+            Ok(body) => body?,
+            Err(_) => return Err(GatewayError::BodyReadTimeout { after_ms: millis(route.request_timeout) }),
+        };
         let path_and_query = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
         let fingerprint = fingerprint(&[parts.method.as_str().as_bytes(), path_and_query.as_bytes(), &body]);
         let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());
@@ -322,8 +328,10 @@ impl Gateway {
                 deadline_ms: now_ms.saturating_add(millis(self.claim_window(route))),
             },
         };
-        if let IdempotencyBegin::Existing(record) = self.records.begin(&key, &claim, now_ms).await? {
-            return self.answer_from(route, &record, &fingerprint, now_ms);
+        match self.records.begin(&key, &claim, now_ms).await? {
+            IdempotencyBegin::Existing(record) => return self.answer_from(route, &record, &fingerprint, now_ms),
+            IdempotencyBegin::Full => return Err(GatewayError::RecordsFull),
+            IdempotencyBegin::Claimed => {}
         }
         // The claim is ours: every path below finishes it, with an outcome or by removing it
         // (nothing reached the API, so a retry may go ahead).

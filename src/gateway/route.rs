@@ -31,8 +31,12 @@ pub struct Route {
     pub writes_advance: bool,
     /// Bytes of request bodies this route may hold at once (`routes.buffered_bytes_max`).
     pub buffered: Arc<tokio::sync::Semaphore>,
-    /// The header naming the caller (`routes.caller_header`).
-    pub caller_header: http::HeaderName,
+    /// What each caller holds of `buffered`, and the most one may: a quarter of it (at least
+    /// one body), so that one caller's slow bodies cannot take the route from the others.
+    pub buffered_by_caller: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+    pub caller_buffered_max: usize,
+    /// The headers naming the caller (`routes.caller_header` and `routes.caller_headers`).
+    pub caller_headers: Vec<http::HeaderName>,
 }
 
 impl Route {
@@ -49,17 +53,56 @@ impl Route {
             retention_ms: config.idempotency_retention_ms,
             writes_advance: config.advance.writes_advance(),
             buffered: Arc::new(tokio::sync::Semaphore::new(config.buffered_bytes_max)),
-            caller_header: http::HeaderName::from_bytes(config.caller_header.as_bytes())
-                .map_err(|e| format!("routes.caller_header {:?}: {e}", config.caller_header))?,
+            buffered_by_caller: Arc::default(),
+            caller_buffered_max: (config.buffered_bytes_max / 4).max(config.body_bytes_max),
+            caller_headers: std::iter::once(&config.caller_header)
+                .chain(&config.caller_headers)
+                .map(|name| {
+                    http::HeaderName::from_bytes(name.as_bytes())
+                        .map_err(|e| format!("routes.caller_headers {name:?}: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
         })
     }
 
-    /// Who is calling, for the idempotency record's key: a hash of the caller header's value
-    /// (empty without one: every anonymous caller shares one scope).
+    /// Who is calling, for the idempotency record's key and the caller's share of the route's
+    /// buffer: a hash of the values of every caller header, each named (absent ones alike:
+    /// every caller without them shares one scope).
     pub fn caller(&self, headers: &http::HeaderMap) -> String {
         use sha2::Digest;
-        let value = headers.get(&self.caller_header).map_or(&b""[..], |v| v.as_bytes());
-        sha2::Sha256::digest(value).iter().map(|b| format!("{b:02x}")).collect()
+        let mut hash = sha2::Sha256::new();
+        for name in &self.caller_headers {
+            hash.update(name.as_str().as_bytes());
+            for value in headers.get_all(name) {
+                hash.update(b"\0");
+                hash.update((value.len() as u64).to_be_bytes());
+                hash.update(value.as_bytes());
+            }
+            hash.update(b"\n");
+        }
+        hex::encode(hash.finalize())
+    }
+
+    /// Holds `bytes` of the route's buffer for `caller`, within the caller's share; `None`
+    /// when the route or the caller has none left.
+    pub fn hold_buffer(&self, caller: &str, bytes: usize) -> Option<BufferHold> {
+        let bytes_u32 = u32::try_from(bytes).unwrap_or(u32::MAX);
+        {
+            let mut by_caller = self.buffered_by_caller.lock().expect("buffer lock");
+            let held = by_caller.entry(caller.to_owned()).or_default();
+            if *held + bytes > self.caller_buffered_max {
+                if *held == 0 {
+                    by_caller.remove(caller);
+                }
+                return None;
+            }
+            *held += bytes;
+        }
+        // Given back by the hold's drop if the route's own buffer is full.
+        let mut hold =
+            BufferHold { by_caller: self.buffered_by_caller.clone(), caller: caller.to_owned(), bytes, permit: None };
+        hold.permit = Some(self.buffered.clone().try_acquire_many_owned(bytes_u32).ok()?);
+        Some(hold)
     }
 
     pub fn mode_name(&self) -> &'static str {
@@ -98,6 +141,26 @@ impl Route {
         let segments: Vec<&str> = rest.split('/').collect();
         let name = self.template.render(&segments)?;
         Ok(ResourceKey::new(&name).map_err(Refusal::InvalidResource)?)
+    }
+}
+
+/// Bytes of a route's buffer held for one caller, given back when dropped.
+pub struct BufferHold {
+    by_caller: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+    caller: String,
+    bytes: usize,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for BufferHold {
+    fn drop(&mut self) {
+        let mut by_caller = self.by_caller.lock().expect("buffer lock");
+        if let Some(held) = by_caller.get_mut(&self.caller) {
+            *held = held.saturating_sub(self.bytes);
+            if *held == 0 {
+                by_caller.remove(&self.caller);
+            }
+        }
     }
 }
 
@@ -178,6 +241,7 @@ mod tests {
             response_bytes_max: 1,
             buffered_bytes_max: 1,
             caller_header: "authorization".into(),
+            caller_headers: vec![],
             ca_cert_path: None,
         };
         Route::new(&config, Arc::new(ApiClient::new(None, Duration::from_secs(1), 1, 1).unwrap())).unwrap()

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -28,6 +28,10 @@ const IDEMPOTENCY_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::ne
 
 /// redb's page cache when none is configured (`store.cache_bytes_max`).
 pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// The bytes idempotency records take at most when none is configured
+/// (`store.idempotency_records_bytes_max`).
+const IDEMPOTENCY_RECORDS_BYTES_MAX: u64 = 1 << 30;
 
 /// Idempotency records kept at most when none is configured (`store.idempotency_records_max`).
 pub const IDEMPOTENCY_RECORDS_MAX: usize = 200_000;
@@ -130,6 +134,7 @@ pub struct EmbeddedStore {
     /// Whether the last process that used the file shut down with no write in flight.
     opened_clean: bool,
     records_max: Arc<AtomicUsize>,
+    records_bytes_max: Arc<AtomicU64>,
 }
 
 /// Whether the database has the fences table (a fencegate store, not some other redb file).
@@ -174,24 +179,34 @@ impl EmbeddedStore {
             Ok(opened_clean)
         };
         // A new file had no process before this one.
-        let opened_clean = init().map_err(|source| OpenError::Init { path, source })? || created;
+        let opened_clean = init().map_err(|source| OpenError::Init { path: path.clone(), source })? || created;
 
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
         let (writes, queue) = mpsc::channel(WRITE_QUEUE_MAX);
         let records_max = Arc::new(AtomicUsize::new(IDEMPOTENCY_RECORDS_MAX));
-        let writer = Writer { db: db.clone(), poisoned: poisoned.clone(), records_max: records_max.clone() };
+        let records_bytes_max = Arc::new(AtomicU64::new(IDEMPOTENCY_RECORDS_BYTES_MAX));
+        let records_bytes = records_bytes(&db).map_err(|source| OpenError::Init { path, source })?;
+        let writer = Writer {
+            db: db.clone(),
+            poisoned: poisoned.clone(),
+            records_max: records_max.clone(),
+            records_bytes_max: records_bytes_max.clone(),
+            records_bytes,
+        };
         std::thread::Builder::new()
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, writes, poisoned, opened_clean, records_max })
+        Ok(Self { db, writes, poisoned, opened_clean, records_max, records_bytes_max })
     }
 
-    /// Bounds the idempotency records kept (`store.idempotency_records_max`): beyond, those that
-    /// expire first are dropped at the next claim.
-    pub fn set_idempotency_records_max(&self, max: usize) {
+    /// Bounds the idempotency records kept (`store.idempotency_records_max`, and their bytes
+    /// `store.idempotency_records_bytes_max`): beyond, a new claim is refused; a record is
+    /// never dropped before its retention ends (a retry of its request would execute again).
+    pub fn set_idempotency_records_max(&self, max: usize, bytes_max: u64) {
         self.records_max.store(max, Ordering::Relaxed);
+        self.records_bytes_max.store(bytes_max, Ordering::Relaxed);
     }
 
     async fn submit<T>(
@@ -303,6 +318,7 @@ impl IdempotencyStore for EmbeddedStore {
         };
         match self.submit(request, answer).await? {
             None => Ok(IdempotencyBegin::Claimed),
+            Some(json) if json.is_empty() => Ok(IdempotencyBegin::Full),
             Some(json) => Ok(IdempotencyBegin::Existing(decode(&json)?)),
         }
     }
@@ -352,10 +368,15 @@ struct Writer {
     poisoned: Arc<AtomicBool>,
     /// `store.idempotency_records_max`.
     records_max: Arc<AtomicUsize>,
+    /// `store.idempotency_records_bytes_max`.
+    records_bytes_max: Arc<AtomicU64>,
+    /// The bytes the records take now ([`record_bytes`] each), counted at open and kept up
+    /// to date by every change (a failed commit poisons the store, so it never drifts).
+    records_bytes: u64,
 }
 
 impl Writer {
-    fn run(self, mut queue: mpsc::Receiver<WriteRequest>) {
+    fn run(mut self, mut queue: mpsc::Receiver<WriteRequest>) {
         let mut batch = Vec::with_capacity(WRITES_PER_COMMIT_MAX);
         while let Some(first) = queue.blocking_recv() {
             batch.push(first);
@@ -388,7 +409,8 @@ impl Writer {
         }
     }
 
-    fn commit(&self, batch: &mut [WriteRequest]) -> Result<Vec<WriteOutcome>, redb::Error> {
+    fn commit(&mut self, batch: &mut [WriteRequest]) -> Result<Vec<WriteOutcome>, redb::Error> {
+        use redb::ReadableTableMetadata;
         let txn = self.db.begin_write()?; // durability Immediate: commit fsyncs
         let mut outcomes = Vec::with_capacity(batch.len());
         // The latest clock reading of the records added in this commit, and how many.
@@ -438,34 +460,63 @@ impl Writer {
                     WriteRequest::IdempotencyBegin { name, claim, expires_at_ms, json, now_ms, .. } => {
                         sweep_now_ms = sweep_now_ms.max(*now_ms);
                         let current = records.get(name.as_str())?.map(|v| {
-                            let (expires, _, json) = v.value();
-                            (expires, json.to_vec())
+                            let (expires, owner, json) = v.value();
+                            (expires, json.to_vec(), record_bytes(name, owner, json))
                         });
                         match current {
-                            Some((expires, json)) if expires > *now_ms => WriteOutcome::IdempotencyBegin(Some(json)),
+                            Some((expires, json, _)) if expires > *now_ms => WriteOutcome::IdempotencyBegin(Some(json)),
                             expired => {
-                                if let Some((expires, _)) = expired {
+                                if let Some((expires, _, bytes)) = expired {
                                     expiry.remove((expires, name.as_str()))?;
+                                    records.remove(name.as_str())?;
+                                    self.records_bytes = self.records_bytes.saturating_sub(bytes);
                                 }
-                                records.insert(name.as_str(), (*expires_at_ms, claim.as_str(), json.as_slice()))?;
-                                expiry.insert((*expires_at_ms, name.as_str()), ())?;
-                                added += 1;
-                                WriteOutcome::IdempotencyBegin(None)
+                                // Full: room from what has expired first; a live record is
+                                // never dropped to make room (a retry of its request would
+                                // execute again): the new claim is refused instead.
+                                let bytes = record_bytes(name, claim, json);
+                                let (count_max, bytes_max) = (
+                                    self.records_max.load(Ordering::Relaxed) as u64,
+                                    self.records_bytes_max.load(Ordering::Relaxed),
+                                );
+                                let mut full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
+                                if full {
+                                    let swept =
+                                        sweep_expired(&mut records, &mut expiry, *now_ms, SWEEP_PER_COMMIT_MIN)?;
+                                    self.records_bytes = self.records_bytes.saturating_sub(swept);
+                                    full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
+                                }
+                                if full {
+                                    crate::metrics::idempotency_records_full();
+                                    WriteOutcome::IdempotencyBegin(Some(Vec::new()))
+                                } else {
+                                    records.insert(name.as_str(), (*expires_at_ms, claim.as_str(), json.as_slice()))?;
+                                    expiry.insert((*expires_at_ms, name.as_str()), ())?;
+                                    self.records_bytes += bytes;
+                                    added += 1;
+                                    WriteOutcome::IdempotencyBegin(None)
+                                }
                             }
                         }
                     }
                     WriteRequest::IdempotencyFinish { name, claim, json, .. } => {
                         let current = records.get(name.as_str())?.map(|v| {
-                            let (expires, owner, _) = v.value();
-                            (expires, owner == claim.as_str())
+                            let (expires, owner, old) = v.value();
+                            (expires, owner == claim.as_str(), record_bytes(name, owner, old))
                         });
                         match (current, json) {
-                            (Some((expires, true)), Some(json)) => {
+                            (Some((expires, true, old)), Some(json)) => {
+                                // The outcome may take the record past the bytes cap, by at
+                                // most one response per claim in flight: claims are what the
+                                // cap refuses.
                                 records.insert(name.as_str(), (expires, claim.as_str(), json.as_slice()))?;
+                                self.records_bytes =
+                                    self.records_bytes.saturating_sub(old) + record_bytes(name, claim, json);
                             }
-                            (Some((expires, true)), None) => {
+                            (Some((expires, true, old)), None) => {
                                 records.remove(name.as_str())?;
                                 expiry.remove((expires, name.as_str()))?;
+                                self.records_bytes = self.records_bytes.saturating_sub(old);
                             }
                             _ => {} // not ours any more: it expired and was claimed again
                         }
@@ -475,18 +526,9 @@ impl Writer {
                 outcomes.push(outcome);
             }
             if added > 0 {
-                sweep_expired(&mut records, &mut expiry, sweep_now_ms, SWEEP_PER_COMMIT_MIN.max(2 * added))?;
-                let max = self.records_max.load(Ordering::Relaxed) as u64;
-                let evicted = evict_beyond(&mut records, &mut expiry, max)?;
-                if evicted > 0 {
-                    crate::metrics::idempotency_records_evicted(evicted);
-                    tracing::warn!(
-                        evicted,
-                        max,
-                        "idempotency records beyond store.idempotency_records_max: the oldest were dropped early \
-                         (a retry of their request may execute again)"
-                    );
-                }
+                let swept =
+                    sweep_expired(&mut records, &mut expiry, sweep_now_ms, SWEEP_PER_COMMIT_MIN.max(2 * added))?;
+                self.records_bytes = self.records_bytes.saturating_sub(swept);
             }
         }
         txn.commit()?;
@@ -494,14 +536,15 @@ impl Writer {
     }
 }
 
-/// Removes up to `max` records that expired at or before `now_ms`, oldest first.
+/// Removes up to `max` records that expired at or before `now_ms`, oldest first; the bytes
+/// they took ([`record_bytes`]).
 fn sweep_expired(
     records: &mut redb::Table<&str, (u64, &str, &[u8])>,
     expiry: &mut redb::Table<(u64, &str), ()>,
     now_ms: u64,
     max: usize,
-) -> Result<usize, redb::Error> {
-    let mut swept = 0;
+) -> Result<u64, redb::Error> {
+    let (mut swept, mut bytes) = (0, 0);
     while swept < max {
         let oldest = expiry.first()?.map(|(k, _)| {
             let (expires, name) = k.value();
@@ -511,38 +554,37 @@ fn sweep_expired(
         expiry.remove((expires, name.as_str()))?;
         // The index entry of a record claimed again after expiring was replaced; the record
         // is only removed if it is the one this entry is for.
-        let same = records.get(name.as_str())?.is_some_and(|v| v.value().0 == expires);
-        if same {
+        let same = records.get(name.as_str())?.and_then(|v| {
+            let (at, owner, json) = v.value();
+            (at == expires).then(|| record_bytes(&name, owner, json))
+        });
+        if let Some(size) = same {
             records.remove(name.as_str())?;
+            bytes += size;
         }
         swept += 1;
     }
-    Ok(swept)
+    Ok(bytes)
 }
 
-/// Drops the records that expire first until at most `max` remain: the fence store's space for
-/// them is bounded, so a flood of route requests cannot fill the disk under the fences.
-fn evict_beyond(
-    records: &mut redb::Table<&str, (u64, &str, &[u8])>,
-    expiry: &mut redb::Table<(u64, &str), ()>,
-    max: u64,
-) -> Result<u64, redb::Error> {
-    use redb::ReadableTableMetadata;
-    let mut evicted = 0;
-    while records.len()? > max {
-        let Some((expires, name)) = expiry.first()?.map(|(k, _)| {
-            let (expires, name) = k.value();
-            (expires, name.to_owned())
-        }) else {
-            break;
-        };
-        expiry.remove((expires, name.as_str()))?;
-        if records.get(name.as_str())?.is_some_and(|v| v.value().0 == expires) {
-            records.remove(name.as_str())?;
-            evicted += 1;
-        }
+/// What one record counts against `store.idempotency_records_bytes_max`: its key, claim and
+/// JSON, and its expiry twice (the record's and the index's), as stored.
+fn record_bytes(name: &str, claim: &str, json: &[u8]) -> u64 {
+    (2 * name.len() + claim.len() + json.len() + 16) as u64
+}
+
+/// The bytes of every record in the file, counted once at open.
+fn records_bytes(db: &Database) -> Result<u64, Box<dyn std::error::Error + Send + Sync>> {
+    use redb::{ReadableDatabase, ReadableTable};
+    let txn = db.begin_read()?;
+    let table = txn.open_table(IDEMPOTENCY)?;
+    let mut bytes = 0;
+    for entry in table.iter()? {
+        let (name, value) = entry?;
+        let (_, claim, json) = value.value();
+        bytes += record_bytes(name.value(), claim, json);
     }
-    Ok(evicted)
+    Ok(bytes)
 }
 
 fn encode(record: &IdempotencyRecord) -> Vec<u8> {
@@ -560,26 +602,62 @@ mod tests {
     use redb::ReadableTableMetadata;
 
     #[tokio::test]
-    async fn idempotency_records_are_bounded_oldest_first() {
+    async fn a_full_store_refuses_claims_and_never_drops_a_live_record() {
         let dir = tempfile::tempdir().unwrap();
         let store = EmbeddedStore::open(dir.path()).unwrap();
-        store.set_idempotency_records_max(3);
+        store.set_idempotency_records_max(3, u64::MAX);
         let r = ResourceKey::new("r").unwrap();
-        for i in 0..5u64 {
-            let key = IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
-            let claim = record(&format!("c{i}"), 1_000_000 + i);
-            assert_eq!(store.idempotency_begin(&key, &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
+        let key = |i: u64| IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
+        for i in 0..3u64 {
+            let claim = record(&format!("c{i}"), 1_000 + i);
+            assert_eq!(store.idempotency_begin(&key(i), &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
         }
-        let live = |i: u64| {
-            let store = &store;
-            let r = r.clone();
-            async move {
-                let key = IdempotencyKey::new(r, format!("req-{i}").as_bytes());
-                store.idempotency_get(&key, 1).await.unwrap().is_some()
-            }
+        // Full: the fourth claim is refused, and every live record stays.
+        assert_eq!(store.idempotency_begin(&key(3), &record("c3", 1_003), 1).await.unwrap(), IdempotencyBegin::Full);
+        for i in 0..3 {
+            assert!(store.idempotency_get(&key(i), 1).await.unwrap().is_some(), "record {i} was dropped");
+        }
+        // Once the first has expired, there is room again (it is swept to make it).
+        assert_eq!(
+            store.idempotency_begin(&key(3), &record("c3", 2_000), 1_000).await.unwrap(),
+            IdempotencyBegin::Claimed
+        );
+        assert!(store.idempotency_get(&key(0), 1_000).await.unwrap().is_none());
+        assert!(store.idempotency_get(&key(1), 1_000).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn records_are_bounded_in_bytes_counted_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = ResourceKey::new("r").unwrap();
+        let key = |i: u64| IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
+        let one = {
+            let store = EmbeddedStore::open(dir.path()).unwrap();
+            let claim = record("c0", 10_000);
+            assert_eq!(store.idempotency_begin(&key(0), &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
+            let bytes = {
+                let txn = redb::ReadableDatabase::begin_read(&*store.db).unwrap();
+                let table = txn.open_table(IDEMPOTENCY).unwrap();
+                let v = table.get(key(0).storage_name().as_str()).unwrap().unwrap();
+                let (_, owner, json) = v.value();
+                record_bytes(&key(0).storage_name(), owner, json)
+            };
+            store.mark_clean_shutdown().unwrap();
+            bytes
         };
-        assert!(!live(0).await && !live(1).await, "the two that expire first went");
-        assert!(live(2).await && live(3).await && live(4).await);
+        // Reopened with room for two records of that size: the bytes already there count.
+        let store = loop {
+            if let Ok(s) = EmbeddedStore::open(dir.path()) {
+                break s;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        store.set_idempotency_records_max(100, 2 * one);
+        assert_eq!(
+            store.idempotency_begin(&key(1), &record("c1", 10_000), 1).await.unwrap(),
+            IdempotencyBegin::Claimed
+        );
+        assert_eq!(store.idempotency_begin(&key(2), &record("c2", 10_000), 1).await.unwrap(), IdempotencyBegin::Full);
     }
 
     #[tokio::test]

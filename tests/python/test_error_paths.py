@@ -195,7 +195,8 @@ def test_too_many_inflight_writes_on_a_resource_get_503_slowdown(s3_env):
     third on the same resource is refused at once with 503 `SlowDown` and `Retry-After: 1`
     (decision `too_many_inflight`), never reaching the upstream; another resource is not
     limited by it; once the two finished, the third goes through."""
-    env = s3_env(fencing={"inflight_per_resource_max": 2, "inflight_deadline_ms": 10000})
+    # One credential writes all three: its own share is the resource's whole budget here.
+    env = s3_env(fencing={"inflight_per_resource_max": 2, "inflight_per_caller_max": 2, "inflight_deadline_ms": 10000})
     holds = [env.up.hold_next("PUT", env.path(f"jobs/{k}")) for k in ("a", "b")]
     socks = []
     try:
@@ -847,3 +848,78 @@ def test_route_write_with_a_frozen_fence_store_is_503_and_never_forwarded(fenceg
     retry = wait_until(executes, timeout=WAIT_S, interval=0.2, what="the route to work after SIGCONT")
     assert "idempotent-replayed" not in retry.headers
     assert len(api.requests("/v1/payments/8/charges")) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# 8. what route callers (not authenticated by fencegate) can make it hold
+# --------------------------------------------------------------------------------------------
+
+
+def open_slow_body(fg: FenceGate, path: str, caller: str, key: str, length: int = 1000) -> socket.socket:
+    """A route call whose head announces `length` bytes and whose body never comes (10 bytes)."""
+    sock = socket.create_connection(fg.s3_addr, timeout=WAIT_S)
+    head = route_headers(fg, key=key, length=length, caller=caller)
+    sock.sendall(build_head("POST", path, head) + b"x" * 10)
+    return sock
+
+
+def test_slow_bodies_are_cut_off_and_one_caller_holds_a_share_of_the_route(fencegate, api):
+    """Before: a route reserved `body_bytes_max` of its buffer for every body being read, for as
+    long as the client took: eight slow bodies locked an idempotency-key route, and every other
+    caller got 503. Now a body is held for what its length announces, one caller holds at most a
+    quarter of the route's buffer (at least one body), and a body that has not arrived within
+    the route's `request_timeout_ms` gets 408 `RequestTimeout`. Nothing of the slow calls
+    reaches the API."""
+    fg = gateway(fencegate, api, body_bytes_max=1024, buffered_bytes_max=4096, request_timeout_ms=1000)
+    slow = [open_slow_body(fg, f"/pay/{i}/charges", "Bearer mallory", f"slow-{i}") for i in range(8)]
+    try:
+        time.sleep(0.3)
+        alice = route_call(fg, "/pay/100/charges", b'{"amount": 1}', key="alice-1", caller="Bearer alice")
+        assert alice.status == 201, (alice.status, alice.body)
+        answers = []
+        for sock in slow:
+            r = read_response(sock, timeout=WAIT_S)
+            answers.append((r.status, json.loads(r.body)["type"].rsplit(":", 1)[1] if r.body else None))
+        # Mallory's share (1024 bytes) holds one 1000-byte body: that one is cut off at the
+        # route's timeout, the other seven were refused at once.
+        assert sorted(answers) == [(408, "RequestTimeout")] + [(503, "SlowDown")] * 7, answers
+    finally:
+        for sock in slow:
+            sock.close()
+    assert [r["path"] for r in api.requests()] == ["/v1/payments/100/charges"]
+
+
+def test_a_record_is_never_dropped_before_its_retention(fencegate, api):
+    """Before: beyond `store.idempotency_records_max` the records that expired first were
+    dropped, so other callers' requests evicted a victim's record, and the victim's retry
+    executed again at the API. Now a full store refuses new claims (503 `SlowDown`, nothing
+    executed) and the victim's retry is still answered from its record."""
+    fg = gateway(fencegate, api, config_store={"idempotency_records_max": 2})
+    first = route_call(fg, "/pay/1/charges", b'{"amount": 5}', key="victim", caller="Bearer victim")
+    assert first.status == 201, (first.status, first.body)
+    other = route_call(fg, "/pay/2/charges", b'{"amount": 6}', key="other-1", caller="Bearer other")
+    assert other.status == 201, (other.status, other.body)
+    full = route_call(fg, "/pay/3/charges", b'{"amount": 7}', key="other-2", caller="Bearer other")
+    assert (full.status, full.code()) == (503, "SlowDown"), (full.status, full.body)
+    retry = route_call(fg, "/pay/1/charges", b'{"amount": 5}', key="victim", caller="Bearer victim")
+    assert retry.status == 201 and retry.headers.get("idempotent-replayed") == "true", (retry.status, retry.headers)
+    assert [r["path"] for r in api.requests()] == ["/v1/payments/1/charges", "/v1/payments/2/charges"]
+
+
+def test_callers_are_told_apart_by_every_header_the_route_names(fencegate, api):
+    """Before: with an API keyed by `X-Api-Key` and `routes.caller_header` left at
+    `authorization`, every caller looked alike, and one caller's retry of another's request id
+    was answered with the other's recorded response. With `caller_headers = ["x-api-key"]`, a
+    caller is told apart by its key too: the second caller's request executes on its own."""
+    fg = gateway(fencegate, api, caller_headers=["x-api-key"])
+    host, port = fg.s3_addr
+    body = b'{"amount": 9}'
+    answers = []
+    for key in ("key-of-alice", "key-of-bob"):
+        head = [("Host", f"{host}:{port}"), ("X-Api-Key", key), ("Fencing-Token", "5"),
+                ("Idempotency-Key", "same-id"), ("Content-Length", str(len(body)))]
+        r = raw_request(fg.s3_addr, "POST", "/pay/1/charges", head, body, timeout=WAIT_S)
+        answers.append((r.status, r.headers.get("idempotent-replayed"), json.loads(r.body)))
+    assert answers[0] == (201, None, {"executed": 1}), answers
+    assert answers[1] == (201, None, {"executed": 2}), "bob was answered with alice's response"
+    assert [r["headers"]["x-api-key"] for r in api.requests()] == ["key-of-alice", "key-of-bob"]
