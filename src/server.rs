@@ -238,9 +238,9 @@ impl OpenConnections {
         requests
     }
 
-    /// Closes the connection that has had no request in flight the longest, if it has had
-    /// none for `at_least`. Otherwise, when that one could be closed (`None`: every connection
-    /// has a request in flight).
+    /// Closes the connection that has been of no use the longest ([`Requests::idle_since`]), if
+    /// for `at_least`. Otherwise, when that one could be closed (`None`: every connection has a
+    /// request being handled or a response waiting on its source).
     fn evict_longest_idle(&self, at_least: Duration) -> Result<(), Option<tokio::time::Instant>> {
         let mut by_id = self.by_id.lock().expect("connections lock");
         let Some((since, id)) = by_id.values().filter_map(|r| r.idle_since().map(|since| (since, r.id))).min() else {
@@ -268,14 +268,21 @@ impl Drop for Registered {
     }
 }
 
-/// One connection's requests in flight (a request is in flight until its response body has
-/// been sent, or dropped), and since when it has had none.
+/// One connection's requests, and since when it has been of no use: no request being handled
+/// and no response body waiting on its source, while what it has to send does not move (a
+/// client that stopped reading, or an HTTP/2 client that gave no flow-control window).
 struct Requests {
     id: u64,
     opened: tokio::time::Instant,
-    in_flight: AtomicUsize,
-    /// Milliseconds from `opened` to the moment the last request in flight ended.
-    idle_since_ms: AtomicU64,
+    /// Requests whose response is still being made (their head arrived, their body may be
+    /// arriving).
+    handling: AtomicUsize,
+    /// Response bodies waiting on their source (an upstream still sending): the wait is not
+    /// the client's.
+    waiting: AtomicUsize,
+    /// Milliseconds from `opened` to the last progress: a request taken, answered or ended, a
+    /// response body polled.
+    progress_ms: AtomicU64,
     evicted: Notify,
 }
 
@@ -284,27 +291,35 @@ impl Requests {
         Self {
             id,
             opened: tokio::time::Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            idle_since_ms: AtomicU64::new(0),
+            handling: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            progress_ms: AtomicU64::new(0),
             evicted: Notify::new(),
         }
     }
 
-    /// Since when no request has been in flight; `None` while one is.
+    fn progress(&self) {
+        let now = self.opened.elapsed().as_millis() as u64;
+        self.progress_ms.fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// Since when the connection has been of no use; `None` while a request is being handled
+    /// or a response body waits on its source.
     fn idle_since(&self) -> Option<tokio::time::Instant> {
-        // `idle_since_ms` is written before the count goes down (`RequestGuard::drop`): a
-        // count of 0 read here comes with the time it reached 0.
-        (self.in_flight.load(Ordering::Acquire) == 0)
-            .then(|| self.opened + Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire)))
+        // Progress is recorded before a count goes down: a count of 0 read here comes with
+        // the time it reached 0.
+        (self.handling.load(Ordering::Acquire) == 0 && self.waiting.load(Ordering::Acquire) == 0)
+            .then(|| self.opened + Duration::from_millis(self.progress_ms.load(Ordering::Acquire)))
     }
 
     fn start(self: &Arc<Self>) -> RequestGuard {
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.handling.fetch_add(1, Ordering::AcqRel);
+        self.progress();
         RequestGuard(self.clone())
     }
 
-    /// Resolves once the connection has had no request in flight for `limit` (from its
-    /// opening, for a connection that never sent one), or was evicted.
+    /// Resolves once the connection has been of no use for `limit` (from its opening, for a
+    /// connection that never sent a request), or was evicted.
     async fn unused_for(self: Arc<Self>, limit: Duration) {
         let mut deadline = self.opened + limit;
         loop {
@@ -321,18 +336,17 @@ impl Requests {
     }
 }
 
-/// A request in flight, until dropped (with its response body).
+/// A request being handled, until its response is made (or the request dropped).
 struct RequestGuard(Arc<Requests>);
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
-        let since = self.0.opened.elapsed().as_millis() as u64;
-        self.0.idle_since_ms.fetch_max(since, Ordering::AcqRel);
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.progress();
+        self.0.handling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// The connection's service, counting its requests in flight.
+/// The connection's service, counting its requests.
 #[derive(Clone)]
 struct Counted<S> {
     inner: S,
@@ -354,7 +368,7 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// A request's response future, its request counted in flight.
+    /// A request's response future, counted as handled until it resolves.
     struct CountedFuture<F> {
         #[pin]
         inner: F,
@@ -371,18 +385,31 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let result = std::task::ready!(this.inner.poll(cx));
-        // The guard moves into the response body: the request stays in flight until it is sent.
-        let guard = this.guard.take();
-        Poll::Ready(result.map(|resp| resp.map(|inner| CountedBody { inner, _guard: guard })))
+        let requests = this.guard.take().map(|guard| guard.0.clone());
+        Poll::Ready(result.map(|resp| resp.map(|inner| CountedBody { inner, requests, waiting: false })))
     }
 }
 
 pin_project_lite::pin_project! {
-    /// A response body whose request stays counted in flight until it is dropped.
+    /// A response body, whose polls are the connection's progress and whose waits on its
+    /// source keep the connection of use.
     pub struct CountedBody<B> {
         #[pin]
         inner: B,
-        _guard: Option<RequestGuard>,
+        requests: Option<Arc<Requests>>,
+        waiting: bool,
+    }
+
+    impl<B> PinnedDrop for CountedBody<B> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if let Some(requests) = this.requests.as_ref() {
+                requests.progress();
+                if *this.waiting {
+                    requests.waiting.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
     }
 }
 
@@ -394,7 +421,21 @@ impl<B: http_body::Body> http_body::Body for CountedBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
-        self.project().inner.poll_frame(cx)
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if let Some(requests) = this.requests.as_ref() {
+            requests.progress();
+            let waiting = polled.is_pending();
+            if waiting != *this.waiting {
+                *this.waiting = waiting;
+                if waiting {
+                    requests.waiting.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    requests.waiting.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -430,7 +471,7 @@ async fn serve<I, S, B>(
     tokio::pin!(idle);
     tokio::pin!(unused);
     tokio::select! {
-        () = &mut unused => tracing::debug!(%peer, "closing a connection without a request in flight"),
+        () = &mut unused => tracing::debug!(%peer, "closing a connection of no use (no request, nothing moving)"),
         result = conn.as_mut() => {
             if let Err(error) = result {
                 tracing::debug!(%peer, error = %error, "connection ended with an error");

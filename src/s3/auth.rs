@@ -13,7 +13,9 @@ use s3s::{Body, S3Result};
 use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issuers};
 use crate::metrics;
 
+use super::FrontError;
 use super::lean::LeanPath;
+use super::signed::Signature;
 
 /// The S3 front: the lean path for the common request (`s3::lean`), else s3s, called with
 /// what authentication needs of each request besides its access key (s3s asks for a secret by
@@ -26,13 +28,21 @@ pub struct Service {
 }
 
 impl Service {
-    pub async fn call(&self, req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
-        if super::signed::is_form_upload(req.method(), req.headers()) {
-            // The library reads a form's fields before it knows who signed it: a body dribbled
-            // a byte at a time would hold its connection. fencegate fences no form upload, so
-            // none is read.
-            metrics::s3_protocol_refusal(501);
-            return Ok(self.front.refuse_http(super::FrontError::NotSupported("POST Object (a browser form upload)")));
+    pub async fn call(&self, mut req: http::Request<Body>) -> Result<http::Response<Body>, s3s::HttpError> {
+        // How the request is signed, told before the library reads anything: it reads a form's
+        // fields, and the body of a request signed for `sts`, before it knows who signed, so a
+        // body dribbled a byte at a time would hold its connection. fencegate fences no form
+        // upload and serves no other service: neither is read.
+        let signature = match Signature::of(req.method(), req.uri().query(), req.headers()) {
+            Ok(Signature::Form) => Err(FrontError::NotSupported("POST Object (a browser form upload)")),
+            other => other,
+        };
+        match signature {
+            Ok(signature) => drop(req.extensions_mut().insert(signature)),
+            Err(error) => {
+                metrics::s3_protocol_refusal(error.status().as_u16());
+                return Ok(self.front.refuse_http(error));
+            }
         }
         let req = match &self.lean {
             Some(lean) => match lean.take(req) {

@@ -29,6 +29,12 @@ pub enum FrontError {
     RequestTimeTooSkewed,
     #[error("a request signed with SigV2 may not {0}: sign it with SigV4")]
     SigV2Refused(&'static str),
+    #[error("The authorization header is malformed: one AWS4-HMAC-SHA256 (or, with server.sigv2, AWS) value for s3")]
+    AuthorizationMalformed,
+    #[error(
+        "Only one auth mechanism allowed; only the X-Amz-Algorithm query parameter or the Authorization header should be specified"
+    )]
+    TwoAuthMechanisms,
     #[error("X-Amz-Expires must be at most 604800 seconds (7 days)")]
     PresignTooLong,
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
@@ -118,6 +124,10 @@ impl FrontError {
         }
     }
 
+    pub fn status(&self) -> StatusCode {
+        self.parts().0
+    }
+
     fn parts(&self) -> (StatusCode, &'static str) {
         use StatusCode as S;
         match self {
@@ -125,6 +135,8 @@ impl FrontError {
             Self::TokenMismatch { .. } | Self::Unsigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
             Self::HeadersNotSigned(_) | Self::SigV2Date | Self::SigV2Refused(_) => (S::FORBIDDEN, "AccessDenied"),
             Self::SigV2Off => (S::BAD_REQUEST, "InvalidRequest"),
+            Self::AuthorizationMalformed => (S::BAD_REQUEST, "AuthorizationHeaderMalformed"),
+            Self::TwoAuthMechanisms => (S::BAD_REQUEST, "InvalidArgument"),
             Self::RequestTimeTooSkewed => (S::FORBIDDEN, "RequestTimeTooSkewed"),
             Self::PresignTooLong => (S::BAD_REQUEST, "AuthorizationQueryParametersError"),
             Self::StaleWhileStreaming { .. } => (S::CONFLICT, "FencingTokenStale"),

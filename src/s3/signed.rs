@@ -44,11 +44,12 @@ impl Signature {
         }
         let (mut v4_query, mut v2_query, mut signed) = (false, false, None);
         for (name, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
-            if name.eq_ignore_ascii_case("X-Amz-Signature") {
+            // Names as the library matches them: exactly.
+            if name == "X-Amz-Signature" {
                 v4_query = true;
-            } else if name.eq_ignore_ascii_case("Signature") {
+            } else if name == "Signature" {
                 v2_query = true;
-            } else if name.eq_ignore_ascii_case("X-Amz-SignedHeaders") {
+            } else if name == "X-Amz-SignedHeaders" {
                 signed = Some(value.to_ascii_lowercase());
             } else if name.eq_ignore_ascii_case("X-Amz-Expires")
                 && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
@@ -63,23 +64,41 @@ impl Signature {
                 }
             }
         }
-        // The library checks a SigV2 `Signature` first, and a SigV2 signature covers no other
-        // query parameter: with both present, the request is SigV2 and an
-        // `X-Amz-SignedHeaders` beside it is the URL holder's word, not the signer's.
+        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        let authorization = match (values.next(), values.next()) {
+            (None, _) => None,
+            (Some(one), None) => Some(one.to_str().map_err(|_| FrontError::AuthorizationMalformed)?),
+            // The library takes such a request as unsigned, and refuses it.
+            (Some(_), Some(_)) => return Err(FrontError::AuthorizationMalformed),
+        };
+        if authorization.is_some() && (v2_query || v4_query) {
+            return Err(FrontError::TwoAuthMechanisms);
+        }
+        // In the library's order, each told as it tells it: SigV2 in the query, SigV2 in the
+        // header (`AWS key:signature`), SigV4 in the query, SigV4 in the header. A SigV2
+        // signature covers no other query parameter: an `X-Amz-SignedHeaders` beside a SigV2
+        // `Signature` is the URL holder's word, not the signer's.
         if v2_query {
             return Ok(Self::V2 { presigned: true });
         }
-        let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if authorization.is_some_and(|a| a.starts_with("AWS ")) {
-            return Ok(Self::V2 { presigned: false });
+        if let Some(value) = authorization {
+            if value.strip_prefix("AWS ").is_some_and(|rest| rest.contains(':')) {
+                return Ok(Self::V2 { presigned: false });
+            }
+            let Some(rest) = value.strip_prefix("AWS4-HMAC-SHA256 ") else {
+                return Err(FrontError::AuthorizationMalformed);
+            };
+            check_service(credential_scope(rest))?;
+            return Ok(Self::V4 { signed: signed_headers(rest).unwrap_or_default().to_owned(), presigned: false });
         }
         if v4_query {
+            let credential = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+                .find(|(name, _)| name == "X-Amz-Credential")
+                .map(|(_, value)| value.into_owned());
+            check_service(credential.as_deref())?;
             return Ok(Self::V4 { signed: signed.unwrap_or_default(), presigned: true });
         }
-        Ok(match authorization {
-            Some(value) => Self::V4 { signed: signed_headers(value).unwrap_or_default().to_owned(), presigned: false },
-            None => Self::None,
-        })
+        Ok(Self::None)
     }
 
     /// Whether the signature covers the header `name` (lower case).
@@ -124,14 +143,31 @@ impl Signature {
     }
 }
 
-/// A POST Object form upload, as the library tells one (a POST whose body is
-/// `multipart/form-data`): signed inside its body, by the form's fields.
+/// A POST Object form upload, or what the library could take for one: a POST with any
+/// `Content-Type` that says `multipart` in any case or spelling (the library parses the value
+/// as UTF-8 and as a MIME type, more leniently than an HTTP header value reads). Such a body is
+/// signed inside itself, by the form's fields, and read before anyone is authenticated.
 pub fn is_form_upload(method: &Method, headers: &HeaderMap) -> bool {
     method == Method::POST
         && headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim_start().get(..19).is_some_and(|t| t.eq_ignore_ascii_case("multipart/form-data")))
+            .get_all(header::CONTENT_TYPE)
+            .iter()
+            .any(|v| v.as_bytes().windows(9).any(|w| w.eq_ignore_ascii_case(b"multipart")))
+}
+
+/// The credential of a SigV4 `Authorization` value (after the algorithm).
+fn credential_scope(rest: &str) -> Option<&str> {
+    let credential = rest.trim_start().strip_prefix("Credential=")?;
+    credential.split(',').next()
+}
+
+/// fencegate serves S3: a credential scope of another service (`sts`, for which the library
+/// reads the body before it checks the signature) is refused before anything is read.
+fn check_service(credential: Option<&str>) -> Result<(), FrontError> {
+    match credential.and_then(|c| c.split('/').nth(3)) {
+        Some("s3") | None => Ok(()),
+        Some(_) => Err(FrontError::AuthorizationMalformed),
+    }
 }
 
 /// The `SignedHeaders` of a SigV4 `Authorization` value, read as the library reads it (after
@@ -189,13 +225,34 @@ mod tests {
         let sig = Signature::of(&put, Some(mixed), &HeaderMap::new()).unwrap();
         assert_eq!(sig, Signature::V2 { presigned: true });
         assert!(!sig.covers("fencing-token") && sig.covers("x-amz-meta-fencing-token"));
-        // A SigV2 header beside a SigV4 URL: the library checks SigV2 first.
-        assert!(Signature::of(&put, Some(query), &v2).unwrap().is_sigv2());
+        // A header and a query signature together: refused (the library and fencegate could
+        // tell them apart differently; S3 allows one mechanism).
+        assert!(matches!(Signature::of(&put, Some(query), &v2), Err(FrontError::TwoAuthMechanisms)));
+        // `AWS x` without `key:signature` is no SigV2 to the library: not to fencegate either.
+        let not_v2 = headers(&[("authorization", "AWS x")]);
+        assert!(matches!(Signature::of(&put, None, &not_v2), Err(FrontError::AuthorizationMalformed)));
+        // Another service's scope (the library reads an `sts` body before the signature).
+        let sts = headers(&[(
+            "authorization",
+            "AWS4-HMAC-SHA256 Credential=k/20261204/us-east-1/sts/aws4_request, SignedHeaders=host, Signature=00",
+        )]);
+        assert!(matches!(Signature::of(&Method::POST, None, &sts), Err(FrontError::AuthorizationMalformed)));
+        let sts_query = "X-Amz-Credential=k%2F20261204%2Fus-east-1%2Fsts%2Faws4_request&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
+        assert!(Signature::of(&put, Some(sts_query), &HeaderMap::new()).is_err());
+        // Query names are matched as the library matches them: exactly.
+        assert_eq!(Signature::of(&put, Some("signature=ab"), &HeaderMap::new()).unwrap(), Signature::None);
         // Two `SignedHeaders`: the list is nobody's, nothing counts as covered.
         let twice = headers(&[("authorization", "AWS4-HMAC-SHA256 SignedHeaders=host, SignedHeaders=x-amz-acl,")]);
         assert!(!Signature::of(&put, None, &twice).unwrap().covers("x-amz-acl"));
         let form = headers(&[("content-type", "multipart/form-data; boundary=x"), ("authorization", V4_AUTH)]);
         assert_eq!(Signature::of(&Method::POST, None, &form).unwrap(), Signature::Form);
+        // Whatever spelling the library could still parse as a form.
+        let mut utf8 = HeaderMap::new();
+        utf8.insert(
+            "content-type",
+            http::HeaderValue::from_bytes("Multipart/Form-Data; boundary=\"x\"; n=\"\u{e9}\"".as_bytes()).unwrap(),
+        );
+        assert!(is_form_upload(&Method::POST, &utf8));
         // S3's longest lifetime.
         let long = "X-Amz-Expires=604801&X-Amz-SignedHeaders=host&X-Amz-Signature=ab";
         assert!(matches!(Signature::of(&put, Some(long), &HeaderMap::new()), Err(FrontError::PresignTooLong)));

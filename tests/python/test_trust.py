@@ -701,6 +701,63 @@ def test_an_http2_connection_that_only_pings_is_closed(plain_fg, listener):
     normal_requests_work(fg, f"after-pings-{listener}")
 
 
+def test_an_http2_connection_that_gives_no_window_is_closed(plain_fg):
+    """Found by an adversarial review of the fix above: an h2c client that sets its flow-control
+    window to 0 and asks for something keeps its request "answered but not sent" for ever (the
+    answer's body cannot move), and PINGs kept the idle timer away: one socket per slot locked
+    both listeners out. Now a connection whose response does not move, with nothing being
+    handled, counts as unused: closed after `header_read_timeout_ms`."""
+    fg = plain_fg
+    settings = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")  # SETTINGS_INITIAL_WINDOW_SIZE = 0
+    opening = h2_get("/")
+    preface_and_settings = H2_PREFACE + h2_frame(4, 0, 0, settings)
+    for addr in (fg.s3_addr, fg.admin_addr):
+        with socket.create_connection(addr, timeout=5) as sock:
+            opened = time.monotonic()
+            sock.sendall(preface_and_settings + opening[len(H2_PREFACE) + 9:])
+            closed, ping = None, 0
+            sock.settimeout(0.1)
+            while time.monotonic() < opened + TIMEOUT_S + SLACK_S + 1 and closed is None:
+                try:
+                    if sock.recv(65536) == b"":
+                        closed = time.monotonic()
+                except (socket.timeout, TimeoutError):
+                    pass
+                except OSError:
+                    closed = time.monotonic()
+                ping += 1
+                try:
+                    sock.sendall(h2_frame(6, 0, 0, ping.to_bytes(8, "big")))
+                except OSError:
+                    closed = closed or time.monotonic()
+            assert closed is not None, f"{addr}: a connection with no window was kept open"
+            assert closed - opened >= EARLY_S, f"closed after {closed - opened:.2f}s"
+    normal_requests_work(fg, "after-no-window")
+
+
+def test_a_request_signed_for_another_service_is_refused_before_its_body(plain_fg):
+    """Found by the same review: a SigV4 `Authorization` whose credential scope names `sts`
+    (any access key id, no secret) made the S3 library read up to 8 KiB of body before it checked
+    the signature: a byte a second held a connection for hours. fencegate serves S3 only: such
+    a request is refused (400 `AuthorizationHeaderMalformed`) as soon as its head is in; so is
+    an `Authorization` beside a presigned query (S3 allows one mechanism)."""
+    fg = plain_fg
+    host, port = fg.s3_addr
+    day = time.strftime("%Y%m%d", time.gmtime())
+    head = (f"POST / HTTP/1.1\r\nHost: {host}:{port}\r\nx-amz-date: {day}T000000Z\r\nContent-Length: 8000\r\n"
+            f"Authorization: AWS4-HMAC-SHA256 Credential=fencegate-dev/{day}/us-east-1/sts/aws4_request, "
+            f"SignedHeaders=host;x-amz-date, Signature={'0' * 64}\r\n\r\n").encode()
+    with socket.create_connection(fg.s3_addr, timeout=5) as sock:
+        sent = time.monotonic()
+        sock.sendall(head + b"A")
+        resp = read_response(sock, timeout=3)
+        assert (resp.status, s3_error_code(resp.body)) == (400, "AuthorizationHeaderMalformed"), (resp.status, resp.body)
+        assert time.monotonic() - sent < 2
+    url = fg.client().generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": "k"}, ExpiresIn=300)
+    r = send("GET", url, {"Authorization": "AWS x:y"})
+    assert (r.status_code, s3_code(r)) == (400, "InvalidArgument"), (r.status_code, r.text)
+
+
 def test_a_form_upload_is_refused_before_its_body_is_read(plain_fg):
     """Before: a POST Object form (multipart/form-data) was read by the S3 library before it
     knew who signed it, so one dribbled a byte every 2 s held its connection past the header
@@ -716,6 +773,15 @@ def test_a_form_upload_is_refused_before_its_body_is_read(plain_fg):
         resp = read_response(sock, timeout=3)
         assert resp.status == 501 and s3_error_code(resp.body) == "NotImplemented", (resp.status, resp.body, resp.error)
         assert time.monotonic() - sent < 2
+    # Spellings the S3 library still parses as a form (found by the review: a UTF-8 parameter
+    # made the header unreadable as text, so the check let it through).
+    for content_type in (b"Multipart/Form-Data; boundary=xyz", b'multipart/form-data; boundary="xyz"; n="\xc3\xa9"'):
+        raw = (f"POST /{BUCKET} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: 1000000\r\n").encode()
+        raw += b"Content-Type: " + content_type + b"\r\n\r\n--xyz\r\n"
+        with socket.create_connection(fg.s3_addr, timeout=5) as sock:
+            sock.sendall(raw)
+            resp = read_response(sock, timeout=3)
+            assert resp.status == 501, (content_type, resp.status, resp.body, resp.error)
     normal_requests_work(fg, "after-form")
 
 
@@ -1046,6 +1112,22 @@ def test_sigv2_never_registers_grants_or_raises_a_fence(held_v2):
                                                           b"at the fence"), b"at the fence")
     assert resp.status == 200, (resp.status, resp.body)
     assert read_object(fg.client(), BUCKET, "held") == b"at the fence"
+
+
+def test_a_presigned_url_with_a_sigv2_looking_header_is_not_taken_for_sigv2(held_v2):
+    """Found by the review: with `server.sigv2 = true`, a presigned SigV4 PUT URL sent with
+    `Authorization: AWS x` was SigV4 to the S3 library (no `key:signature`, not SigV2 to it) and
+    SigV2 to fencegate, which then took every `x-amz-*` header as signed: an unsigned
+    `x-amz-copy-source` copied another object into the slot again. Now an `Authorization`
+    beside a presigned query is refused, and one that is neither SigV2 nor SigV4 too."""
+    fg = held_v2
+    fg.client(token=5).put_object(Bucket=BUCKET, Key="secret", Body=b"someone else's bytes")
+    url = fg.client().generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": "slot"}, ExpiresIn=300)
+    for authorization in ("AWS x", "AWS x:y"):
+        r = send("PUT", url, {"Authorization": authorization, "Date": email.utils.formatdate(usegmt=True),
+                              "x-amz-copy-source": f"{BUCKET}/secret", "x-amz-meta-fencing-token": "5"}, b"")
+        assert r.status_code == 400, (authorization, r.status_code, r.text)
+    assert head_status(fg.client(), BUCKET, "slot") == 404
 
 
 def test_every_amz_header_of_a_signed_request_must_be_signed(held):
