@@ -257,6 +257,10 @@ pub enum Role {
     Writer,
     /// Also grants leases and registers tokens (`/_fencegate/v1/leases/`, `/_fencegate/v1/fences/`).
     Issuer,
+    /// A worker's key: writes, and acquires, renews and releases leases (with lease
+    /// credentials), but never registers a token: a grant moves a fence by one, a registration
+    /// to any value (2^64-1 locks a resource for good).
+    Lessee,
 }
 
 /// A secret from the config (a secret key, the admin token): never printed, not even by
@@ -629,7 +633,11 @@ impl Config {
                     "credentials {:?}: the development credential from the shipped config is public; anyone can \
                      sign with it{}",
                     c.access_key_id,
-                    if c.role == Role::Issuer { " and grant leases" } else { "" }
+                    match c.role {
+                        Role::Issuer => " and grant leases",
+                        Role::Lessee => " and take leases",
+                        Role::Writer => "",
+                    }
                 ));
             }
         }

@@ -93,9 +93,10 @@ pub enum LeaseError {
     /// fencegate refused the call for another reason (bad request, credentials, store down).
     #[error("fencegate answered {status} {code}: {detail}")]
     Refused { status: u16, code: String, detail: String },
-    /// No answer: connection refused or broken.
-    #[error("request to fencegate failed")]
-    Transport(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// No answer: connection refused or broken. `cause` is the whole chain of causes (the
+    /// connection refused, the name that did not resolve, the TLS error).
+    #[error("request to fencegate at {endpoint} failed: {cause}")]
+    Transport { endpoint: String, cause: String },
     #[error("fencegate did not answer within {after_ms} ms")]
     Timeout { after_ms: u64 },
     /// An answer that is not what the lease API promises.
@@ -110,7 +111,7 @@ impl LeaseError {
     /// Whether the same call may succeed later: no answer, or fencegate was unavailable.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Transport(_) | Self::Timeout { .. } => true,
+            Self::Transport { .. } | Self::Timeout { .. } => true,
             Self::Refused { status, .. } => *status >= 500,
             Self::Held { .. } | Self::Gone | Self::Protocol(_) | Self::Invalid(_) => false,
         }
@@ -275,12 +276,12 @@ impl LeaseClient {
     ) -> Result<(StatusCode, Bytes), LeaseError> {
         let request = self.signed(method, path, Bytes::from(body.to_string()))?;
         let exchange = async {
-            let response = self.http.request(request).await.map_err(|e| LeaseError::Transport(Box::new(e)))?;
+            let response = self.http.request(request).await.map_err(|e| self.transport(&e))?;
             let status = response.status();
             let bytes = Limited::new(response.into_body(), RESPONSE_BYTES_MAX)
                 .collect()
                 .await
-                .map_err(LeaseError::Transport)?
+                .map_err(|e| self.transport(&*e))?
                 .to_bytes();
             Ok((status, bytes))
         };
@@ -288,6 +289,21 @@ impl LeaseClient {
             Ok(result) => result,
             Err(_) => Err(LeaseError::Timeout { after_ms: millis(self.request_timeout) }),
         }
+    }
+
+    /// A failed exchange, naming fencegate's address and every cause in the chain.
+    fn transport(&self, error: &(dyn std::error::Error + 'static)) -> LeaseError {
+        let mut cause = error.to_string();
+        let mut source = error.source();
+        while let Some(next) = source {
+            let text = next.to_string();
+            if !cause.contains(&text) {
+                cause.push_str(": ");
+                cause.push_str(&text);
+            }
+            source = next.source();
+        }
+        LeaseError::Transport { endpoint: self.base.clone(), cause }
     }
 
     fn signed(&self, method: Method, path: &str, body: Bytes) -> Result<http::Request<Full<Bytes>>, LeaseError> {

@@ -14,17 +14,21 @@ pub struct Connection {
     /// The signing region fencegate accepts.
     #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
     pub region: String,
-    /// The access key the tool signs with (for leases, an issuer: `role = "issuer"`).
+    /// The access key the tool signs with (for leases, `role = "lessee"` or `"issuer"`; a lease
+    /// credential, with its session token, renews and releases its own lease).
     #[arg(long, env = "AWS_ACCESS_KEY_ID", hide_env_values = true)]
     pub access_key_id: String,
     #[arg(long, env = "AWS_SECRET_ACCESS_KEY", hide_env_values = true)]
     pub secret_access_key: String,
+    /// The session token of a lease credential (what `fencegate-lease acquire --env` exports).
+    #[arg(long, env = "AWS_SESSION_TOKEN", hide_env_values = true)]
+    pub session_token: Option<String>,
 }
 
 impl Connection {
     /// The credential, named after the tool that uses it.
     pub fn credentials(&self, tool: &'static str) -> Credentials {
-        Credentials::new(&self.access_key_id, &self.secret_access_key, None, None, tool)
+        Credentials::new(&self.access_key_id, &self.secret_access_key, self.session_token.clone(), None, tool)
     }
 
     /// A lease client on this connection.

@@ -137,30 +137,40 @@ pub enum CredentialError {
     UnknownIssuer,
 }
 
-/// The issuers' secrets, from which lease credentials are made and checked.
-pub struct Issuers(HashMap<String, String>);
+/// The secrets of the credentials that may take leases (`role = "issuer"` or `"lessee"`),
+/// from which lease credentials are made and checked, and which of them may also register.
+pub struct Issuers {
+    secrets: HashMap<String, String>,
+    registrars: std::collections::HashSet<String>,
+}
 
 impl Issuers {
     pub fn from_config(config: &Config) -> Self {
-        Self(
-            config
-                .credentials
-                .iter()
-                .filter(|c| c.role == Role::Issuer)
+        let leasing = config.credentials.iter().filter(|c| matches!(c.role, Role::Issuer | Role::Lessee));
+        Self {
+            secrets: leasing
+                .clone()
                 .map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned()))
                 .collect(),
-        )
+            registrars: leasing.filter(|c| c.role == Role::Issuer).map(|c| c.access_key_id.clone()).collect(),
+        }
     }
 
     /// Whether `access_key` is an issuer's (`role = "issuer"`): it may grant leases and register
     /// tokens.
     pub fn is_issuer(&self, access_key: &str) -> bool {
-        self.0.contains_key(access_key)
+        self.registrars.contains(access_key)
+    }
+
+    /// Whether `access_key` may acquire, renew and release leases (`role = "issuer"` or
+    /// `"lessee"`).
+    pub fn may_lease(&self, access_key: &str) -> bool {
+        self.secrets.contains_key(access_key)
     }
 
     /// A credential for the grant `lease` of `resource`, asked for by the issuer `parent`.
     pub fn issue(&self, parent: &str, resource: &ResourceKey, lease: &LeaseRecord) -> Option<Issued> {
-        let parent_secret = self.0.get(parent)?;
+        let parent_secret = self.secrets.get(parent)?;
         let claims = Claims::of_grant(resource, lease, parent);
         let session_token = claims.session_token();
         Some(Issued {
@@ -179,7 +189,7 @@ impl Issuers {
         if claims.access_key_id() != access_key {
             return Err(CredentialError::InvalidSessionToken);
         }
-        let parent_secret = self.0.get(&claims.parent).ok_or(CredentialError::UnknownIssuer)?;
+        let parent_secret = self.secrets.get(&claims.parent).ok_or(CredentialError::UnknownIssuer)?;
         Ok((derive_secret(parent_secret, session_token), claims))
     }
 }
@@ -199,7 +209,10 @@ mod tests {
     use crate::fence::FenceToken;
 
     fn issuers() -> Issuers {
-        Issuers(HashMap::from([("ISSUER".to_owned(), "issuer-secret".to_owned())]))
+        Issuers {
+            secrets: HashMap::from([("ISSUER".to_owned(), "issuer-secret".to_owned())]),
+            registrars: ["ISSUER".to_owned()].into(),
+        }
     }
 
     fn lease(id: &str, token: u64) -> LeaseRecord {
@@ -249,7 +262,8 @@ mod tests {
         );
         assert_eq!(issuers().secret(&issued.access_key_id, None), Err(CredentialError::MissingSessionToken));
         assert_eq!(issuers().secret(&issued.access_key_id, Some("garbage")), Err(CredentialError::InvalidSessionToken));
-        let other = Issuers(HashMap::from([("OTHER".to_owned(), "s".to_owned())]));
+        let other =
+            Issuers { secrets: HashMap::from([("OTHER".to_owned(), "s".to_owned())]), registrars: Default::default() };
         assert_eq!(
             other.secret(&issued.access_key_id, Some(&issued.session_token)),
             Err(CredentialError::UnknownIssuer)

@@ -66,8 +66,13 @@ impl LeaseIds for RandomLeaseIds {
 pub struct Caller {
     /// The access key id that signed the request.
     pub access_key: String,
-    /// Signed by a credential with `role = "issuer"`.
+    /// Signed by a credential with `role = "issuer"`: it may register tokens.
     pub issuer: bool,
+    /// Signed by a credential with `role = "issuer"` or `"lessee"`: it may take leases.
+    pub lessee: bool,
+    /// Signed by a lease credential: it renews and releases its own lease, nothing else (a
+    /// shell that `eval`ed `fencegate-lease acquire --env` releases with what it holds).
+    pub held: Option<credentials::Claims>,
     /// Where the caller may move fences: `None` unless its credential is restricted to some
     /// buckets (`[[credentials]] buckets`).
     pub scope: Option<FenceScope>,
@@ -152,8 +157,12 @@ enum LeaseError {
     TokensExhausted,
     #[error("fence state unknown: {0}")]
     Unavailable(String),
-    #[error("leases and registrations need a credential with role = \"issuer\"")]
+    #[error("registrations need a credential with role = \"issuer\"")]
     NotIssuer,
+    #[error(
+        "leases need a credential with role = \"issuer\" or \"lessee\"; a lease credential renews and releases its own lease only"
+    )]
+    NotLessee,
     #[error("this credential is restricted to buckets that do not hold every object of resource {0:?}")]
     OutOfScope(String),
     #[error(
@@ -186,11 +195,14 @@ impl LeaseService {
     }
 
     pub async fn handle(&self, method: &Method, path: &str, body: Body, caller: Caller) -> S3Response<Body> {
-        let answer = if !caller.issuer {
+        let registration = path.strip_prefix(FENCES_PREFIX);
+        let answer = if registration.is_some() && (!caller.issuer || caller.held.is_some()) {
             Err(LeaseError::NotIssuer)
+        } else if !caller.lessee {
+            Err(LeaseError::NotLessee)
         } else if !caller.signed {
             Err(LeaseError::UnsignedBody)
-        } else if let Some(resource) = path.strip_prefix(FENCES_PREFIX) {
+        } else if let Some(resource) = registration {
             self.register(method, resource, body, &caller).await
         } else {
             self.dispatch(method, path, body, &caller).await
@@ -252,6 +264,11 @@ impl LeaseService {
         let name = decode(name)?;
         caller.may_move(&name)?;
         let now_ms = self.clock.now_ms();
+        if let Some(claims) = &caller.held
+            && (claims.resource != name.as_str() || (method, renew) == (&Method::POST, false))
+        {
+            return Err(LeaseError::NotLessee);
+        }
         match (method, renew) {
             (&Method::POST, false) => {
                 let req: AcquireBody = read_json(body).await?;
@@ -287,6 +304,7 @@ impl LeaseService {
             }
             (&Method::POST, true) => {
                 let req: LeaseIdBody = read_json(body).await?;
+                caller.owns(&req.lease_id)?;
                 match self.apply(&name, LeaseCommand::Renew { lease_id: req.lease_id }, now_ms).await? {
                     LeaseOutcome::Renewed(lease) => {
                         metrics::lease_event("renewed");
@@ -298,6 +316,7 @@ impl LeaseService {
             }
             (&Method::DELETE, false) => {
                 let req: LeaseIdBody = read_json(body).await?;
+                caller.owns(&req.lease_id)?;
                 match self.apply(&name, LeaseCommand::Release { lease_id: req.lease_id }, now_ms).await? {
                     LeaseOutcome::Released => {
                         metrics::lease_event("released");
@@ -312,7 +331,7 @@ impl LeaseService {
         }
     }
 
-    /// The lease credentials of `lease`, when asked for. The caller is an issuer (checked
+    /// The lease credentials of `lease`, when asked for. The caller may take leases (checked
     /// first), so its secret is there.
     fn credentials(
         &self,
@@ -337,6 +356,14 @@ impl LeaseService {
 }
 
 impl Caller {
+    /// A lease credential names only its own grant.
+    fn owns(&self, lease_id: &str) -> Result<(), LeaseError> {
+        match &self.held {
+            Some(claims) if claims.grant != credentials::grant_tag(lease_id) => Err(LeaseError::NotLessee),
+            _ => Ok(()),
+        }
+    }
+
     fn may_move(&self, resource: &ResourceKey) -> Result<(), LeaseError> {
         match &self.scope {
             Some(scope) if !scope.covers(resource) => Err(LeaseError::OutOfScope(resource.as_str().to_owned())),
@@ -400,7 +427,7 @@ fn lease_json(
 fn problem(error: &LeaseError) -> S3Response<Body> {
     let (status, code) = match error {
         LeaseError::BadRequest(_) => (StatusCode::BAD_REQUEST, "InvalidLeaseRequest"),
-        LeaseError::NotIssuer | LeaseError::UnsignedBody | LeaseError::OutOfScope(_) => {
+        LeaseError::NotIssuer | LeaseError::NotLessee | LeaseError::UnsignedBody | LeaseError::OutOfScope(_) => {
             (StatusCode::FORBIDDEN, "AccessDenied")
         }
         LeaseError::NoSuchFence => (StatusCode::NOT_FOUND, "NoSuchFence"),

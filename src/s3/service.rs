@@ -137,7 +137,20 @@ impl S3Route for FencegateRoute {
                 // SigV2 signs no body: the token or holder the body names would be anybody's.
                 return Ok(self.front.refuse(FrontError::SigV2Refused("grant a lease or register a token")));
             }
-            let issuer = req.credentials.as_ref().is_some_and(|c| self.issuers.is_issuer(&c.access_key));
+            // A lease credential acts for its lease, as the credential that took it (verified
+            // with the secret derived from these claims, by the lean path or the library).
+            let held = match req.credentials.as_ref() {
+                Some(c) if c.access_key.starts_with(ACCESS_KEY_PREFIX) => {
+                    req.extensions.remove::<lean::LeaseClaims>().map(|verified| verified.0).or_else(auth::lease_claims)
+                }
+                _ => None,
+            };
+            let signer = match &held {
+                Some(claims) => claims.parent.clone(),
+                None => req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default(),
+            };
+            let issuer = held.is_none() && self.issuers.is_issuer(&signer);
+            let lessee = self.issuers.may_lease(&signer);
             // The body names the token or the holder: it must be signed too (its SHA-256 in
             // `x-amz-content-sha256`, which the signature covers and the library checks the
             // body against), or whoever sees the request could resend it with another body.
@@ -146,14 +159,20 @@ impl S3Route for FencegateRoute {
                     .headers
                     .get(crate::amz::X_AMZ_CONTENT_SHA256)
                     .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
-            let access_key = req.credentials.as_ref().map(|c| c.access_key.clone()).unwrap_or_default();
+            let access_key = signer;
             let scope = self
                 .front
                 .scopes
                 .get(&access_key)
                 .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.wire.rules.clone() });
-            let caller =
-                crate::lease::Caller { access_key, issuer, scope, signed: body_signed && !signature.is_presigned() };
+            let caller = crate::lease::Caller {
+                access_key,
+                issuer,
+                lessee,
+                held,
+                scope,
+                signed: body_signed && !signature.is_presigned(),
+            };
             return Ok(self.leases.handle(&req.method, req.uri.path(), req.input, caller).await);
         }
         let lease = match req.credentials.as_ref() {

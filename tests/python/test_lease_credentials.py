@@ -266,13 +266,27 @@ def test_a_tampered_or_missing_session_token_is_refused(leased):
     assert (status, code) == (400, "InvalidToken")
     listed = fg.client().list_objects_v2(Bucket=BUCKET).get("Contents", [])
     assert [o["Key"] for o in listed] == ["reports/real.csv"]
-    # A lease credential is no issuer: it cannot grant, renew or release.
+    # A lease credential is no issuer: it cannot grant, nor renew or release another lease (or
+    # another grant of the same name); its own lease it renews and releases (a shell that
+    # `eval`ed `fencegate-lease acquire --env` holds nothing else).
     lease_path = "/_fencegate/v1/leases/" + quote_resource("job:reports")
-    body = json.dumps({"lease_id": g["lease_id"]}).encode()
-    r = signed_raw_request(fg, "POST", lease_path + "/renew", {"Content-Type": "application/json"}, body,
-                           access_key=c["access_key_id"], secret_key=c["secret_access_key"],
-                           session_token=c["session_token"])
+    as_lease = dict(access_key=c["access_key_id"], secret_key=c["secret_access_key"], session_token=c["session_token"])
+    json_head = {"Content-Type": "application/json"}
+    r = signed_raw_request(fg, "POST", lease_path, json_head, json.dumps({"holder": "x", "ttl_ms": 1000}).encode(),
+                           **as_lease)
     assert r.status == 403, (r.status, r.body)
+    other = "/_fencegate/v1/leases/" + quote_resource("job:other")
+    r = signed_raw_request(fg, "POST", other + "/renew", json_head, json.dumps({"lease_id": g["lease_id"]}).encode(),
+                           **as_lease)
+    assert r.status == 403, (r.status, r.body)
+    r = signed_raw_request(fg, "POST", lease_path + "/renew", json_head, json.dumps({"lease_id": "0" * 32}).encode(),
+                           **as_lease)
+    assert r.status == 403, (r.status, r.body)
+    body = json.dumps({"lease_id": g["lease_id"]}).encode()
+    r = signed_raw_request(fg, "POST", lease_path + "/renew", json_head, body, **as_lease)
+    assert r.status == 200, (r.status, r.body)
+    r = signed_raw_request(fg, "DELETE", lease_path, json_head, body, **as_lease)
+    assert r.status == 204, (r.status, r.body)
 
 
 def test_presigned_with_lease_credentials(leased):

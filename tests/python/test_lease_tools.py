@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -699,3 +700,106 @@ def test_the_lease_is_released_when_the_command_ends(gate):
     assert rc == 4, explain(fg, rc, out, err)
     r = lease_call(fg, "POST", "job:release", {"holder": "next", "ttl_ms": 60_000})
     assert r.status == 201, (r.status, r.body)
+
+
+# --------------------------------------------------------------------------------------------
+# a worker's key, exits and messages (the lease workflow without loose ends)
+# --------------------------------------------------------------------------------------------
+
+LESSEE = ("tools-lessee", "tools-lessee-secret-0001")
+
+
+@pytest.fixture
+def lessee_gate(fencegate, moto_server):
+    """`gate` with a `role = "lessee"` credential for the workers."""
+    bucket = unique("tools")
+    rules = [{"bucket": bucket, "prefix": "data/", "resource": "job:tools"}]
+    credentials = [{"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"},
+                   {"access_key_id": LESSEE[0], "secret_access_key": LESSEE[1], "role": "lessee"}]
+    fg = fencegate(upstream=moto_server.upstream_config(), config={"fencing": {"rules": rules},
+                                                                   "credentials": credentials})
+    fg.bucket = bucket
+    fg.moto = moto_server.client()
+    fg.client().create_bucket(Bucket=bucket)
+    return fg
+
+
+def test_a_worker_runs_under_a_lease_with_a_lessee_key(lessee_gate):
+    """A worker needs no key that can register: `fencegate-lease run` with a `role = "lessee"`
+    key acquires the lease, the command writes with its lease credentials, and the lease is
+    released; the same key cannot register a token (403)."""
+    fg = lessee_gate
+    env = tool_env(fg, AWS_ACCESS_KEY_ID=LESSEE[0], AWS_SECRET_ACCESS_KEY=LESSEE[1])
+    script = f"import boto3; boto3.client('s3').put_object(Bucket='{fg.bucket}', Key='data/by-lessee', Body=b'ok')"
+    r = subprocess.run(lease_cmd("job:tools", "--ttl-ms", "10000", command=[sys.executable, "-c", script]),
+                       env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert r.returncode == 0, explain(fg, r.returncode, r.stdout, r.stderr)
+    assert upstream_bytes(fg, "data/by-lessee") == b"ok"
+    assert "fencegate-lease: released job:tools" in r.stderr, r.stderr
+    registration = signed_raw_request(fg, "PUT", "/_fencegate/v1/fences/" + quote_resource("job:tools"),
+                                      {"Content-Type": "application/json"}, json.dumps({"token": 2**64 - 1}).encode(),
+                                      access_key=LESSEE[0], secret_key=LESSEE[1])
+    assert registration.status == 403, (registration.status, registration.body)
+    assert fence_of(fg, "job:tools") == granted_token(r.stderr, "job:tools")
+
+
+def test_acquire_env_then_release_in_the_same_shell(lessee_gate, tmp_path):
+    """Before: after `eval "$(fencegate-lease acquire NAME --env)"` the shell's AWS keys were the
+    lease credential's, so `fencegate-lease release` in the same shell was refused, and no
+    `AWS_ENDPOINT_URL` was printed for the AWS tools. Now the exports include the endpoint, the
+    tools write with them, and the lease credential renews and releases its own lease (and
+    nothing else: it cannot take another lease)."""
+    fg = lessee_gate
+    env = tool_env(fg, AWS_ACCESS_KEY_ID=LESSEE[0], AWS_SECRET_ACCESS_KEY=LESSEE[1])
+    lease = str(lease_bin())
+    script = textwrap.dedent(f"""\
+        set -e
+        eval "$({lease} acquire job:tools --ttl-ms 30000 --env)"
+        test "$AWS_ENDPOINT_URL" = "{fg.s3_url}"
+        {sys.executable} -c "import boto3; boto3.client('s3').put_object(Bucket='{fg.bucket}', Key='data/env', Body=b'env')"
+        {lease} renew "$FENCEGATE_LEASE_NAME" "$FENCEGATE_LEASE_ID" > /dev/null
+        if {lease} acquire job:other --ttl-ms 1000 2> other.err; then echo "a lease credential took a lease"; exit 1; fi
+        {lease} release "$FENCEGATE_LEASE_NAME" "$FENCEGATE_LEASE_ID"
+        echo released
+        """)
+    r = subprocess.run(["sh", "-c", script], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert r.returncode == 0 and "released" in r.stdout, explain(fg, r.returncode, r.stdout, r.stderr)
+    assert "403" in (tmp_path / "other.err").read_text(), (tmp_path / "other.err").read_text()
+    assert upstream_bytes(fg, "data/env") == b"env"
+    # Released: the next grant goes through at once, though the TTL was 30 s.
+    again = lease_call(fg, "POST", "job:tools", {"holder": "next", "ttl_ms": 1000})
+    assert again.status == 201, (again.status, again.body)
+
+
+def test_a_lease_that_lapsed_while_frozen_exits_75_even_if_the_command_finished(gate, background):
+    """Before: `fencegate-lease` frozen past its lease's TTL, whose command finished meanwhile,
+    exited with the command's 0 when it woke (3 of 3): the caller took the work for done under
+    the lease. Now it exits 75 whenever the lease lapsed while the command ran."""
+    fg = gate
+    bg = background(lease_cmd("job:frozen", "--ttl-ms", "1000", command=["sleep", "1.5"]), tool_env(fg), "frozen")
+    wait_until(lambda: ACQUIRED_RE.search(bg.err()) or bg.proc.poll() is not None, timeout=15,
+               what="the lease to be acquired")
+    os.kill(bg.proc.pid, signal.SIGSTOP)  # fencegate-lease only: its command runs on and ends
+    try:
+        time.sleep(2.5)  # past the TTL, and past the command's end
+    finally:
+        os.kill(bg.proc.pid, signal.SIGCONT)
+    rc = bg.wait(timeout=10)
+    assert rc == EXIT_LOST, (rc, bg.err())
+    assert "lapsed while the command ran" in bg.err() or "lost" in bg.err(), bg.err()
+
+
+def test_an_unreachable_fencegate_is_named_with_its_cause(gate, tmp_path):
+    """Before: "request to fencegate failed", nothing more. Now the message names the address
+    and the cause (here: nothing listens there)."""
+    fg = gate
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    endpoint = f"http://127.0.0.1:{port}"
+    r = subprocess.run([str(lease_bin()), "acquire", "job:nowhere"], env=tool_env(fg, FENCEGATE_ENDPOINT=endpoint),
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert endpoint in r.stderr and "refused" in r.stderr.lower(), r.stderr

@@ -29,8 +29,10 @@ import threading
 import time
 from pathlib import Path
 
+import boto3
 import pytest
 import requests
+from botocore.config import Config as BotoConfig
 from botocore.auth import HmacV1QueryAuth, S3SigV4QueryAuth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
@@ -64,6 +66,7 @@ BUCKET = "trust"
 # Two writers: one with no `role` (the default), one that says so.
 WRITER = ("trust-writer", "trust-writer-secret-0123")
 WRITER_EXPLICIT = ("trust-writer-2", "trust-writer-secret-4567")
+LESSEE = ("trust-lessee", "trust-lessee-secret-8910")
 HEADER_READ_TIMEOUT_MS = 500
 TIMEOUT_S = HEADER_READ_TIMEOUT_MS / 1000
 # How late after its deadline a silent connection may be closed. A build without the timer
@@ -81,6 +84,7 @@ def trust_config(**server) -> dict:
             {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"},
             {"access_key_id": WRITER[0], "secret_access_key": WRITER[1]},
             {"access_key_id": WRITER_EXPLICIT[0], "secret_access_key": WRITER_EXPLICIT[1], "role": "writer"},
+            {"access_key_id": LESSEE[0], "secret_access_key": LESSEE[1], "role": "lessee"},
         ],
     }
 
@@ -166,6 +170,40 @@ def test_a_writer_cannot_grant_renew_release_or_register(fg):
     writer.put_object(Bucket=BUCKET, Key="roles", Body=b"written by the holder")
     assert read_object(fg.client(), BUCKET, "roles") == b"written by the holder"
     assert fence_of(fg, "job:roles") == 1
+
+
+def test_a_lessee_takes_leases_but_never_registers(fg):
+    """Before: a worker needed an issuer key to take a lease, and the same key registered token
+    2^64-1, after which no lease on the resource was ever granted again
+    (`FencingTokensExhausted`). Now `role = "lessee"` acquires, renews and releases leases (with
+    lease credentials that write within the lease), and a registration or a fence read through
+    fencegate's own endpoint gets 403 `AccessDenied`: the fence moves only by grants."""
+    name = f"{BUCKET}/lessee-object"  # an object's own resource: its lease credentials write it
+    lease_path = "/_fencegate/v1/leases/" + quote_resource(name)
+    fence_path = "/_fencegate/v1/fences/" + quote_resource(name)
+    r = own_call(fg, "POST", lease_path, {"holder": "worker-a", "ttl_ms": 30000, "credentials": True}, key=LESSEE)
+    assert r.status == 201, r.body
+    lease = json.loads(r.body)
+    assert lease["token"] == 1 and lease["credentials"]["access_key_id"], lease
+    for method, body in (("PUT", {"token": MAX}), ("GET", None)):
+        r = own_call(fg, method, fence_path, body, key=LESSEE)
+        assert_access_denied(r, f"{method} of a fence by a lessee")
+    assert fence_of(fg, name) == 1
+    # The lease credentials write within the lease; the lessee renews and releases.
+    creds = lease["credentials"]
+    leased = boto3.client("s3", endpoint_url=fg.s3_url, region_name=REGION,
+                          aws_access_key_id=creds["access_key_id"], aws_secret_access_key=creds["secret_access_key"],
+                          aws_session_token=creds["session_token"],
+                          config=BotoConfig(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}))
+    leased.put_object(Bucket=BUCKET, Key="lessee-object", Body=b"by the lessee's lease")
+    assert read_object(fg.client(), BUCKET, "lessee-object") == b"by the lessee's lease"
+    r = own_call(fg, "POST", lease_path + "/renew", {"lease_id": lease["lease_id"]}, key=LESSEE)
+    assert r.status == 200, r.body
+    r = own_call(fg, "DELETE", lease_path, {"lease_id": lease["lease_id"]}, key=LESSEE)
+    assert r.status == 204, r.body
+    # The next grant goes on from the fence: nobody could push it to the end.
+    r = own_call(fg, "POST", lease_path, {"holder": "worker-b", "ttl_ms": 30000}, key=LESSEE)
+    assert r.status == 201 and json.loads(r.body)["token"] == 2, r.body
 
 
 def test_unsigned_or_missigned_calls_reach_no_endpoint(fg):

@@ -17,10 +17,13 @@
 //! stopped in time.
 //!
 //! fencegate's endpoint comes from `--endpoint` or `FENCEGATE_ENDPOINT`; the credential that
-//! asks for the lease (`role = "issuer"`) from `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`.
+//! asks for the lease (`role = "lessee"`, a worker's key, or `"issuer"`) from
+//! `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`. After `eval "$(fencegate-lease acquire
+//! NAME --env)"` those are the lease credential's (with `AWS_SESSION_TOKEN`), which renews and
+//! releases its own lease, so `renew` and `release` work in the same shell.
 //!
 //! Exit status of `run`: COMMAND's own (128 + N if a signal N ended it); 75 if the lease was lost
-//! while COMMAND ran (it was stopped); 69 if someone else holds the lease (after `--wait-ms`);
+//! while COMMAND ran (it was stopped, or it had ended by the time the loss was seen); 69 if someone else holds the lease (after `--wait-ms`);
 //! 1 if fencegate refused or could not be reached; 2 for bad arguments. `acquire`, `renew` and
 //! `release` exit 0, 69 (held), 1 (refused, gone, unreachable) or 2.
 
@@ -117,7 +120,7 @@ async fn main() -> ExitCode {
         Command::Run { ref lease, grace_ms, ref command } => {
             run(&client, &cli, lease, Duration::from_millis(grace_ms), command).await
         }
-        Command::Acquire { ref lease, env } => acquire_once(&client, lease, env).await,
+        Command::Acquire { ref lease, env } => acquire_once(&client, lease, env, &cli.connection.endpoint).await,
         Command::Renew { ref name, ref lease_id } => match client.renew(name, lease_id).await {
             Ok(grant) => {
                 println!("{}", grant_json(&grant));
@@ -181,6 +184,13 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
         }
     };
     match supervise(&mut child, &lease).await {
+        // The command ended, but the lease lapsed while it ran (fencegate-lease and the command
+        // were frozen past the deadline, and the command finished first when they woke): what
+        // it wrote after the lapse was refused, so its own status would say too much.
+        Ok(_) if !lease.is_held() => {
+            eprintln!("fencegate-lease: lease {} lapsed while the command ran", lease.name());
+            EXIT_LOST
+        }
         Ok(status) => {
             release(lease).await;
             status.code().map_or_else(|| 128 + status.signal().unwrap_or(0) as u8, |c| c as u8)
@@ -283,7 +293,10 @@ where
     }
 }
 
-async fn acquire_once(client: &LeaseClient, args: &AcquireArgs, env: bool) -> u8 {
+/// Acquires once (or until `--wait-ms`); prints the grant, or with `env` the `export` lines a
+/// shell `eval`s to run the AWS tools with the lease credentials (and, with the same variables,
+/// `fencegate-lease renew` and `release`, which a lease credential may do for its own lease).
+async fn acquire_once(client: &LeaseClient, args: &AcquireArgs, env: bool, endpoint: &str) -> u8 {
     let holder = args.holder.clone().unwrap_or_else(default_holder);
     let ttl = Duration::from_millis(args.ttl_ms);
     let grant = match acquire(args, || client.try_acquire_with_credentials(&args.name, &holder, ttl)).await {
@@ -296,6 +309,7 @@ async fn acquire_once(client: &LeaseClient, args: &AcquireArgs, env: bool) -> u8
             ("AWS_ACCESS_KEY_ID", credentials.access_key_id.as_str()),
             ("AWS_SECRET_ACCESS_KEY", credentials.secret_access_key.as_str()),
             ("AWS_SESSION_TOKEN", credentials.session_token.as_str()),
+            ("AWS_ENDPOINT_URL", endpoint),
             ("FENCEGATE_LEASE_NAME", grant.name.as_str()),
             ("FENCEGATE_LEASE_ID", grant.lease_id.as_str()),
             ("FENCEGATE_LEASE_TOKEN", &grant.token.to_string()),
