@@ -803,3 +803,23 @@ def test_an_unreachable_fencegate_is_named_with_its_cause(gate, tmp_path):
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert endpoint in r.stderr and "refused" in r.stderr.lower(), r.stderr
+
+
+def test_a_killed_fencegate_lease_takes_its_command_with_it(gate, background):
+    """Before: `fencegate-lease` killed with SIGKILL left its command running: writing until the
+    lease ran out (then refused), and running for ever after. Now a watchdog beside the command
+    stops the command's process group when `fencegate-lease` ends without doing so itself."""
+    fg = gate
+    bg = background(lease_cmd("job:killed", "--ttl-ms", "60000", "--grace-ms", "1000", command=["sleep", "30"]),
+                    tool_env(fg), "killed")
+    wait_until(lambda: ACQUIRED_RE.search(bg.err()) or bg.proc.poll() is not None, timeout=15,
+               what="the lease to be acquired")
+    sleepers = wait_until(
+        lambda: [p for p in session_procs(bg.sid) if p != bg.sid
+                 and Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep")],
+        timeout=5, what="the sleep process")
+    os.kill(bg.proc.pid, signal.SIGKILL)
+    bg.proc.wait(timeout=5)
+    gone = wait_until(lambda: not (set(sleepers) & set(session_procs(bg.sid))) or None, timeout=5,
+                      what="the command to be stopped")
+    assert gone, session_procs(bg.sid)

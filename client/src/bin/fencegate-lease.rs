@@ -12,7 +12,8 @@
 //! `FENCEGATE_LEASE_NAME`, `FENCEGATE_LEASE_TOKEN`), renews the lease every ttl/3, and when the
 //! lease is lost stops COMMAND (SIGTERM to its process group, SIGKILL after `--grace-ms`).
 //! SIGINT, SIGTERM and SIGHUP sent to `fencegate-lease` go on to COMMAND. The lease is released
-//! when COMMAND ends. Like `etcdctl lock NAME -- COMMAND`, but fenced at the storage: a write
+//! when COMMAND ends. A watchdog process (`fencegate-lease __watch`) stops COMMAND's group if
+//! `fencegate-lease` itself is killed without the chance to. Like `etcdctl lock NAME -- COMMAND`, but fenced at the storage: a write
 //! COMMAND sends after the lease was lost is refused by fencegate, whether or not it was
 //! stopped in time.
 //!
@@ -104,6 +105,11 @@ enum Command {
     Renew { name: String, lease_id: String },
     /// Release lease NAME held with LEASE_ID.
     Release { name: String, lease_id: String },
+    /// Internal: the watchdog `run` starts beside COMMAND. When `run` ends without saying so
+    /// (killed with SIGKILL), its end of the watchdog's stdin closes, and the watchdog stops
+    /// COMMAND's process group, as `run` would have.
+    #[command(name = "__watch", hide = true)]
+    Watch { group: i32, grace_ms: u64 },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -132,6 +138,7 @@ async fn main() -> ExitCode {
             Ok(()) => 0,
             Err(error) => failed(&error),
         },
+        Command::Watch { group, grace_ms } => watch(Pid::from_raw(group), Duration::from_millis(grace_ms)).await,
     };
     ExitCode::from(code)
 }
@@ -183,7 +190,63 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
             return 127;
         }
     };
-    match supervise(&mut child, &lease).await {
+    // The command must not outlive fencegate-lease, even one killed with SIGKILL (its command
+    // would write on until the lease ran out, then run on for ever): a watchdog process stops
+    // the command's group when its stdin, held by fencegate-lease alone, closes.
+    let mut watchdog = child.id().and_then(|group| spawn_watchdog(group, grace));
+    let code = supervise_and_end(&mut child, lease, grace).await;
+    if let Some(watchdog) = watchdog.as_mut() {
+        // Stopped before its stdin closes: the command's group is gone, its id free for reuse.
+        let _ = watchdog.kill().await;
+    }
+    code
+}
+
+/// Starts `fencegate-lease __watch GROUP GRACE_MS` with a pipe as its stdin.
+fn spawn_watchdog(group: u32, grace: Duration) -> Option<Child> {
+    let exe = std::env::current_exe().ok()?;
+    let spawned = tokio::process::Command::new(exe)
+        .arg("__watch")
+        .arg(group.to_string())
+        .arg(grace.as_millis().to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(false)
+        .spawn();
+    match spawned {
+        Ok(watchdog) => Some(watchdog),
+        Err(error) => {
+            eprintln!(
+                "fencegate-lease: cannot start the watchdog ({error}); the command may outlive a killed fencegate-lease"
+            );
+            None
+        }
+    }
+}
+
+/// The watchdog: waits until its stdin closes (fencegate-lease ended), then stops `group`
+/// (SIGTERM, SIGKILL after `grace`). Signals that would end it first are ignored: it ends
+/// with fencegate-lease, or when fencegate-lease stops it.
+async fn watch(group: Pid, grace: Duration) -> u8 {
+    use tokio::io::AsyncReadExt;
+    let _ignored = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
+    let mut stdin = tokio::io::stdin();
+    let mut buf = [0u8; 64];
+    while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+    if killpg(group, Signal::SIGTERM).is_ok() {
+        eprintln!("fencegate-lease: ended without stopping its command; stopping it");
+        let until = Instant::now() + grace;
+        while Instant::now() < until && killpg(group, None).is_ok() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = killpg(group, Signal::SIGKILL);
+    }
+    0
+}
+
+/// Waits for the command (or the loss of the lease), releases, and says how `run` exits.
+async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration) -> u8 {
+    match supervise(child, &lease).await {
         // The command ended, but the lease lapsed while it ran (fencegate-lease and the command
         // were frozen past the deadline, and the command finished first when they woke): what
         // it wrote after the lapse was refused, so its own status would say too much.
@@ -201,7 +264,7 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
                 other => format!("{other:?}"),
             };
             eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
-            stop(&mut child, grace).await;
+            stop(child, grace).await;
             EXIT_LOST
         }
     }
