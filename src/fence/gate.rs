@@ -308,8 +308,16 @@ impl Gate {
         let slot = self.slot(resource);
         let mut command = command;
         if let LeaseCommand::Acquire { floor, .. } = &mut command {
-            let started = Instant::now();
-            self.wait_after_unclean_start(started, started + self.limits.inflight_deadline).await?;
+            // While no fence may advance (after an unclean start), a grant is refused at once
+            // with the time to retry: a caller waiting D for it gives up first (5 s, for
+            // `fencegate-lease`), and retries anyway.
+            if let Some(from) = *self.writes_from.lock().expect("gate lock poisoned") {
+                let now = Instant::now();
+                if from > now {
+                    let retry_after_ms = millis(from - now).max(1);
+                    return Err(AdmitError::StoreUnavailable(StoreError::Recovering { retry_after_ms }));
+                }
+            }
             // A grant is above every token this replica has seen, whatever the store says.
             *floor = (*floor).max(slot.state().fence.flatten());
         }

@@ -16,7 +16,7 @@ use s3s::{Body, S3Response};
 use serde::Deserialize;
 
 use self::credentials::Issuers;
-use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey, StoreError};
 use crate::metrics;
 
 /// The path prefix of fencegate's own endpoints on the main listener. No bucket name can start
@@ -157,6 +157,8 @@ enum LeaseError {
     TokensExhausted,
     #[error("fence state unknown: {0}")]
     Unavailable(String),
+    #[error("fence state unknown: {message}; retry in {retry_after_s} s")]
+    Recovering { message: String, retry_after_s: u64 },
     #[error("registrations need a credential with role = \"issuer\"")]
     NotIssuer,
     #[error(
@@ -349,6 +351,9 @@ impl LeaseService {
 
     async fn apply(&self, name: &ResourceKey, command: LeaseCommand, now_ms: u64) -> Result<LeaseOutcome, LeaseError> {
         self.gate.lease(name, command, now_ms).await.map_err(|e| match e {
+            AdmitError::StoreUnavailable(e @ StoreError::Recovering { retry_after_ms }) => {
+                LeaseError::Recovering { message: e.to_string(), retry_after_s: retry_after_ms.div_ceil(1000) }
+            }
             AdmitError::StoreUnavailable(e) => LeaseError::Unavailable(e.to_string()),
             other => LeaseError::Unavailable(other.to_string()),
         })
@@ -435,14 +440,20 @@ fn problem(error: &LeaseError) -> S3Response<Body> {
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
         LeaseError::Gone => (StatusCode::GONE, "LeaseGone"),
         LeaseError::TokensExhausted => (StatusCode::CONFLICT, "FencingTokensExhausted"),
-        LeaseError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable"),
+        LeaseError::Unavailable(_) | LeaseError::Recovering { .. } => {
+            (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable")
+        }
     };
     let mut body = crate::problem::document(status, code, &error.to_string());
     if let LeaseError::Held { holder, remaining_ms } = error {
         body["holder"] = serde_json::json!(holder);
         body["remaining_ms"] = serde_json::json!(remaining_ms);
     }
-    json_response(status, crate::problem::CONTENT_TYPE, &body)
+    let mut resp = json_response(status, crate::problem::CONTENT_TYPE, &body);
+    if let LeaseError::Recovering { retry_after_s, .. } = error {
+        resp.headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+    }
+    resp
 }
 
 fn json_response(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> S3Response<Body> {

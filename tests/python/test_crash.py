@@ -75,3 +75,31 @@ def test_graceful_restart_keeps_fences(fg):
     with pytest.raises(ClientError) as exc_info:
         fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"11")
     assert_stale(exc_info, 12)
+
+
+def test_a_grant_after_an_unclean_stop_is_refused_at_once_with_retry_after(fencegate):
+    """After an unclean stop no fence advances for `fencing.inflight_deadline_ms` (D): a write
+    admitted before the crash may still commit. Before: a grant then hung for D (30 s by
+    default) while `fencegate-lease` gave up after 5 s. Now it is answered at once, 503
+    `FenceStoreUnavailable` with `Retry-After` (the rest of D, rounded up), and granted once that
+    time has passed."""
+    import json
+    import time
+
+    from fencegate_testlib import quote_resource, signed_raw_request
+
+    d_ms = 3000
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": d_ms}})
+    fg.restart(kill=True)
+    path = "/_fencegate/v1/leases/" + quote_resource("job:after-crash")
+    body = json.dumps({"holder": "worker", "ttl_ms": 10000}).encode()
+    started = time.monotonic()
+    r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
+    took = time.monotonic() - started
+    assert r.status == 503 and json.loads(r.body)["title"] == "FenceStoreUnavailable", (r.status, r.body)
+    retry_after = int(r.headers["retry-after"])
+    assert 1 <= retry_after <= d_ms // 1000, r.headers
+    assert took < d_ms / 1000 / 2, f"the refusal took {took:.2f}s: it waited"
+    time.sleep(retry_after)
+    r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
+    assert r.status == 201, (r.status, r.body)
