@@ -25,6 +25,8 @@ pub struct Service {
     pub(super) inner: S3Service,
     pub(super) lean: Option<Arc<LeanPath>>,
     pub(super) front: Arc<super::Front>,
+    /// The region named to a client that signed for none (`upstream.region`).
+    pub(super) region: String,
 }
 
 impl Service {
@@ -35,6 +37,9 @@ impl Service {
         // upload and serves no other service: neither is read.
         let signature = match Signature::of(req.method(), req.uri().query(), req.headers()) {
             Ok(Signature::Form) => Err(FrontError::NotSupported("POST Object (a browser form upload)")),
+            Ok(_) if let Some(got) = super::signed::unusable_region(req.uri().query(), req.headers()) => {
+                Err(FrontError::WrongRegion { got, expected: self.region.clone() })
+            }
             other => other,
         };
         match signature {

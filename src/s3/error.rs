@@ -35,6 +35,8 @@ pub enum FrontError {
         "Only one auth mechanism allowed; only the X-Amz-Algorithm query parameter or the Authorization header should be specified"
     )]
     TwoAuthMechanisms,
+    #[error("The authorization header is malformed; the region '{got}' is wrong; expecting '{expected}'")]
+    WrongRegion { got: String, expected: String },
     #[error("X-Amz-Expires must be at most 604800 seconds (7 days)")]
     PresignTooLong,
     #[error("the fencing token header ({header}) and object metadata ({metadata}) disagree")]
@@ -135,7 +137,7 @@ impl FrontError {
             Self::TokenMismatch { .. } | Self::Unsigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
             Self::HeadersNotSigned(_) | Self::SigV2Date | Self::SigV2Refused(_) => (S::FORBIDDEN, "AccessDenied"),
             Self::SigV2Off => (S::BAD_REQUEST, "InvalidRequest"),
-            Self::AuthorizationMalformed => (S::BAD_REQUEST, "AuthorizationHeaderMalformed"),
+            Self::AuthorizationMalformed | Self::WrongRegion { .. } => (S::BAD_REQUEST, "AuthorizationHeaderMalformed"),
             Self::TwoAuthMechanisms => (S::BAD_REQUEST, "InvalidArgument"),
             Self::RequestTimeTooSkewed => (S::FORBIDDEN, "RequestTimeTooSkewed"),
             Self::PresignTooLong => (S::BAD_REQUEST, "AuthorizationQueryParametersError"),
@@ -192,7 +194,14 @@ impl FrontError {
         xml.push_str("</Code><Message>");
         // Written escaped straight into the body: no message string to make and copy again.
         let _ = write!(XmlEscaped(&mut xml), "{self}");
-        xml.push_str("</Message><RequestId>");
+        xml.push_str("</Message>");
+        if let Self::WrongRegion { expected, .. } = &self {
+            // What clients read to sign again for the right region (s3cmd, the AWS SDKs).
+            xml.push_str("<Region>");
+            let _ = XmlEscaped(&mut xml).write_str(expected);
+            xml.push_str("</Region>");
+        }
+        xml.push_str("<RequestId>");
         let _ = XmlEscaped(&mut xml).write_str(request_id);
         xml.push_str("</RequestId></Error>");
         let mut resp = http::Response::new(s3s::Body::from(xml));

@@ -57,7 +57,7 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(auth::Service { inner: builder.build(), lean, front: route_front })
+    Ok(auth::Service { inner: builder.build(), lean, front: route_front, region: config.upstream.region.clone() })
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;

@@ -155,6 +155,26 @@ pub fn is_form_upload(method: &Method, headers: &HeaderMap) -> bool {
             .any(|v| v.as_bytes().windows(9).any(|w| w.eq_ignore_ascii_case(b"multipart")))
 }
 
+/// The region of a SigV4 credential scope (in the `Authorization` header or the query), when
+/// the S3 library would refuse it as no region at all (`US`, as s3cmd signs by default): S3
+/// answers such a request 400 `AuthorizationHeaderMalformed` naming the region to sign for,
+/// and clients correct themselves from that answer.
+pub fn unusable_region(query: Option<&str>, headers: &HeaderMap) -> Option<String> {
+    let from_header = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("AWS4-HMAC-SHA256 "))
+        .and_then(credential_scope)
+        .map(str::to_owned);
+    let credential = from_header.or_else(|| {
+        form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+            .find(|(name, _)| name == "X-Amz-Credential")
+            .map(|(_, value)| value.into_owned())
+    })?;
+    let region = credential.split('/').nth(2)?;
+    s3s::region::Region::new(region.into()).is_err().then(|| region.to_owned())
+}
+
 /// The credential of a SigV4 `Authorization` value (after the algorithm).
 fn credential_scope(rest: &str) -> Option<&str> {
     let credential = rest.trim_start().strip_prefix("Credential=")?;

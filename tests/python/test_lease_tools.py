@@ -823,3 +823,38 @@ def test_a_killed_fencegate_lease_takes_its_command_with_it(gate, background):
     gone = wait_until(lambda: not (set(sleepers) & set(session_procs(bg.sid))) or None, timeout=5,
                       what="the command to be stopped")
     assert gone, session_procs(bg.sid)
+
+
+def test_s3cmd_with_its_default_region_corrects_itself(gate, tmp_path):
+    """Before: s3cmd signs for region "US" by default, and fencegate (its S3 library) answered
+    400 `InvalidRequest` ("invalid region"), which s3cmd cannot act on: every command failed.
+    Now fencegate answers as S3 does, 400 `AuthorizationHeaderMalformed` with the region to
+    sign for in `<Region>`, and s3cmd signs again for it: a fenced put and a listing work."""
+    fg = gate
+    if shutil.which("s3cmd") is None:
+        pytest.skip("s3cmd is not installed (apt-get install s3cmd)")
+    host, port = fg.s3_addr
+    cfg = tmp_path / "s3cfg"
+    cfg.write_text(f"[default]\naccess_key = {ACCESS_KEY}\nsecret_key = {SECRET_KEY}\nhost_base = {host}:{port}\n"
+                   f"host_bucket = {host}:{port}\nuse_https = False\nsignature_v2 = False\n")
+    src = tmp_path / "report.txt"
+    src.write_bytes(b"s3cmd's report")
+
+    def s3cmd(*args):
+        return subprocess.run(["s3cmd", "-c", str(cfg), *args], capture_output=True, text=True,
+                              timeout=TOOL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+    # A bucket s3cmd has not seen: it signs for "US" until told the region.
+    fresh = unique("s3cmd")
+    r = s3cmd("mb", f"s3://{fresh}")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    r = s3cmd("put", str(src), f"s3://{fresh}/x.txt", "--add-header=Fencing-Token:1")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    r = s3cmd("put", str(src), f"s3://{fg.bucket}/data/s3cmd.txt", "--add-header=Fencing-Token:4")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert upstream_bytes(fg, "data/s3cmd.txt") == b"s3cmd's report"
+    assert fence_of(fg, "job:tools") == 4
+    r = s3cmd("put", str(src), f"s3://{fg.bucket}/data/s3cmd.txt", "--add-header=Fencing-Token:3")
+    assert r.returncode != 0 and "FencingTokenStale" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    r = s3cmd("ls", f"s3://{fg.bucket}/data/")
+    assert r.returncode == 0 and "data/s3cmd.txt" in r.stdout, (r.returncode, r.stdout, r.stderr)
