@@ -858,3 +858,81 @@ def test_s3cmd_with_its_default_region_corrects_itself(gate, tmp_path):
     assert r.returncode != 0 and "FencingTokenStale" in r.stderr, (r.returncode, r.stdout, r.stderr)
     r = s3cmd("ls", f"s3://{fg.bucket}/data/")
     assert r.returncode == 0 and "data/s3cmd.txt" in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+
+# Worker A of the classic scenario with another tool: `$COPY` copies A's content to the key.
+WORKER_A_TOOL = """
+trap '' TERM
+i=0
+while [ $i -lt 60 ]; do
+  i=$((i + 1))
+  if sh -c "$COPY"; then
+    echo "A: write $i ok"
+  else
+    echo "A: write $i refused"
+    exit 3
+  fi
+  sleep 0.2
+done
+echo "A: loop ended"
+"""
+
+
+def tool_copy(tool: str, fg, tmp_path: Path, key: str) -> tuple:
+    """The shell command that copies $SRC to `key` with `tool` under the lease credentials
+    `fencegate-lease` puts in the environment, and the variables it needs."""
+    host, port = fg.s3_addr
+    if tool == "rclone":
+        env = {"RCLONE_CONFIG_FG_TYPE": "s3", "RCLONE_CONFIG_FG_PROVIDER": "Other", "RCLONE_CONFIG_FG_ENV_AUTH": "true",
+               "RCLONE_CONFIG_FG_ENDPOINT": fg.s3_url, "RCLONE_CONFIG_FG_REGION": "us-east-1",
+               "RCLONE_CONFIG": os.devnull}
+        return f'rclone copyto --s3-no-check-bucket "$SRC" "fg:{fg.bucket}/{key}"', env
+    cfg = tmp_path / "s3cfg"
+    # No keys in the file: s3cmd takes the lease credential from the environment.
+    cfg.write_text(f"[default]\nhost_base = {host}:{port}\nhost_bucket = {host}:{port}\nuse_https = False\n"
+                   "signature_v2 = False\n")
+    return f's3cmd -c {cfg} --no-progress put "$SRC" "s3://{fg.bucket}/{key}"', {}
+
+
+@pytest.mark.parametrize("tool", ["rclone", "s3cmd"])
+def test_classic_scenario_with_rclone_and_s3cmd(gate, tmp_path, background, tool):
+    """The classic scenario with tools nobody on the project tuned for, unmodified under
+    `fencegate-lease run`: A (which ignores SIGTERM) writes with `tool`, is frozen past its TTL,
+    B takes over and writes with the aws CLI, A wakes and writes again: refused, B's bytes stay
+    at the upstream, A's run exits 75 (or 3, its own refused write first), nothing of A's
+    outlives it."""
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed (apt-get install {tool})")
+    fg = gate
+    key = f"data/classic-{tool}.txt"
+    a_src, b_src = tmp_path / "a.txt", tmp_path / "b.txt"
+    a_data = b"written by worker A\n" + os.urandom(1024)
+    b_data = b"written by worker B\n" + os.urandom(1024)
+    a_src.write_bytes(a_data)
+    b_src.write_bytes(b_data)
+    copy, extra = tool_copy(tool, fg, tmp_path, key)
+    env_a = tool_env(fg, SRC=str(a_src), COPY=copy, **extra)
+    a = background(lease_cmd("job:tools", "--ttl-ms", str(A_TTL_MS), "--grace-ms", "8000", "--holder", "worker-a",
+                             command=["sh", "-c", WORKER_A_TOOL]), env_a, f"worker-a-{tool}")
+    wait_until(lambda: "A: write 1 ok" in a.out() or a.proc.poll() is not None, timeout=30,
+               what="worker A's first write")
+    assert a.proc.poll() is None, f"A ended early: rc={a.proc.returncode}\n{a.out()}\n{a.err()}"
+    a_token = granted_token(a.err(), "job:tools")
+    assert upstream_bytes(fg, key) == a_data
+
+    freeze_session(a.sid)
+    frozen_at = time.monotonic()
+    ok_before = a.out().count(" ok\n")
+    t = b_takes_over_from_frozen_a(fg, a, frozen_at, b_src, f"s3://{fg.bucket}/{key}", wait_ms=5000,
+                                   a_exit_timeout=30)
+    print(f"\n===== classic scenario ({tool}) =====")
+    t.print_runs()
+    final = upstream_bytes(fg, key)
+    stamp = upstream_head(fg, key)["Metadata"].get("fencing-token")
+    assert_b_kept_the_key(fg, t, a_token, final, stamp, b_data, f"B's object was overwritten after A ({tool}) woke up")
+    assert t.rc_a in (EXIT_LOST, 3), (t.rc_a, t.out_a, t.err_a)
+    assert re.search(r"A: write \d+ refused", t.out_a), t.out_a
+    assert t.out_a.count(" ok\n") - ok_before <= 1, t.out_a
+    assert not session_procs(a.sid), f"A's processes outlived it: {session_procs(a.sid)}"
+    # Nothing of A's left behind: no unfinished upload (the tools write these small files whole).
+    assert not fg.moto.list_multipart_uploads(Bucket=fg.bucket).get("Uploads"), "an upload was left behind"
