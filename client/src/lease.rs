@@ -115,6 +115,11 @@ impl Transport for LeaseClient {
     }
 }
 
+/// The first pause before a release that got no answer is sent again; then doubling, up to
+/// [`RELEASE_RETRY_MAX`].
+const RELEASE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const RELEASE_RETRY_MAX: Duration = Duration::from_secs(1);
+
 /// A lease held by this process. Renewed in the background until released, lost or dropped.
 ///
 /// Watch [`Lease::lost`] (or [`Lease::watch`]) in the code doing the work and stop writing
@@ -267,7 +272,20 @@ impl Lease {
     /// [`LeaseError::Gone`] means it was not ours any more. The lost signal fires either way.
     pub async fn release(mut self) -> Result<(), LeaseError> {
         self.stop_heartbeat().await;
-        let result = self.transport.release(&self.shared.name, &self.shared.lease_id).await;
+        // A release that got no answer (fencegate restarting, unreachable, 5xx) is tried again
+        // until the lease would have expired anyway: one that failed once held the lease for
+        // its whole TTL.
+        let mut pause = RELEASE_RETRY_FIRST;
+        let result = loop {
+            let result = self.transport.release(&self.shared.name, &self.shared.lease_id).await;
+            match &result {
+                Err(error) if error.is_retryable() && Instant::now() + pause < self.shared.deadline() => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RELEASE_RETRY_MAX);
+                }
+                _ => break result,
+            }
+        };
         match &result {
             Ok(()) => self.shared.end(LeaseStatus::Released),
             Err(LeaseError::Gone) => self.shared.end(LeaseStatus::Lost(LostReason::Refused)),
@@ -419,8 +437,23 @@ mod tests {
         }
 
         fn release<'a>(&'a self, _name: &'a str, lease_id: &'a str) -> BoxFuture<'a, Result<(), LeaseError>> {
-            self.released.lock().unwrap().push(lease_id.to_owned());
-            Box::pin(async move { if lease_id == "id-1" { Ok(()) } else { Err(LeaseError::Gone) } })
+            let attempt = {
+                let mut released = self.released.lock().unwrap();
+                released.push(lease_id.to_owned());
+                released.iter().filter(|id| *id == lease_id).count()
+            };
+            Box::pin(async move {
+                match lease_id {
+                    "id-1" => Ok(()),
+                    // Unreachable twice (fencegate restarting), then released.
+                    "id-flaky" if attempt <= 2 => {
+                        Err(LeaseError::Transport { endpoint: "http://fg".into(), cause: "refused".into() })
+                    }
+                    "id-flaky" => Ok(()),
+                    "id-down" => Err(LeaseError::Timeout { after_ms: 10 }),
+                    _ => Err(LeaseError::Gone),
+                }
+            })
         }
     }
 
@@ -537,6 +570,27 @@ mod tests {
         let (stale, _) = start(&transport, "id-2");
         assert!(matches!(stale.release().await, Err(LeaseError::Gone)));
         assert_eq!(*transport.released.lock().unwrap(), vec!["id-1".to_owned(), "id-2".to_owned()]);
+    }
+
+    /// A release with no answer is sent again until it gets one, or until the lease would have
+    /// expired anyway (then the lease is abandoned: fencegate lets it expire).
+    #[tokio::test(start_paused = true)]
+    async fn a_release_without_an_answer_is_retried_until_the_lease_would_expire() {
+        let transport = Scripted::new(vec![]);
+        let (flaky, _) = start(&transport, "id-flaky");
+        flaky.release().await.unwrap();
+        let attempts = |id: &str| transport.released.lock().unwrap().iter().filter(|x| *x == id).count();
+        assert_eq!(attempts("id-flaky"), 3);
+        let (down, t0) = start(&transport, "id-down");
+        let watch = down.watch();
+        assert!(matches!(down.release().await, Err(LeaseError::Timeout { .. })));
+        assert_eq!(*watch.borrow(), LeaseStatus::Abandoned);
+        let took = Instant::now() - t0;
+        assert!(
+            took <= Duration::from_secs(1) && attempts("id-down") > 3,
+            "{took:?}, {} attempts",
+            attempts("id-down")
+        );
     }
 
     /// Dropping a lease stops its renewals and fires the signal.

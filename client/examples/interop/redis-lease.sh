@@ -1,60 +1,110 @@
 #!/bin/sh
-# A Redis lease (SET NX PX) whose fencing token comes from an INCR counter, registered with
-# fencegate at grant time (PUT /v1/fences/{resource}), then one fenced write, a renewal and a
-# release. Needs redis-cli, curl (7.75+ for --aws-sigv4) and python3 (for URL-encoding).
+# A worker under a Redis lease (SET NX PX, its token an INCR counter): docs/leases.md,
+# "Tokens issued elsewhere", the Redis functions and then the shell loop, exactly as the page has
+# them (tests/python/test_lease_recipes.py checks that they agree, and runs them).
 #
-#   FENCEGATE_S3=http://127.0.0.1:9000 FENCEGATE_ADMIN=http://127.0.0.1:9001 sh redis-lease.sh
-set -eu
+#   RESOURCE=job:invoices TTL_MS=10000 sh redis-lease.sh write:invoices.txt=invoices.txt sleep:5000
 
-S3=${FENCEGATE_S3:-http://127.0.0.1:9000}
-ADMIN=${FENCEGATE_ADMIN:-http://127.0.0.1:9001}
-REDIS=${REDIS_CLI:-redis-cli}
-RESOURCE=${RESOURCE:-job:invoices}
-HOLDER=${HOLDER:-worker-$$}
-TTL_MS=${TTL_MS:-10000}
-BUCKET=${BUCKET:-reports}
-SIGV4="--aws-sigv4 aws:amz:us-east-1:s3 --user fencegate-dev:fencegate-dev-secret"
-ENCODED=$(python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$RESOURCE")
+redis() { timeout 2 redis-cli "$@"; }
+grant() {
+  redis EVAL "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+                return redis.call('INCR', KEYS[2]) end
+              return false" 2 "lease:$RESOURCE" "fence:$RESOURCE" "$HOLDER" "$TTL_MS"
+}
+renew() {
+  redis EVAL "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+              return 0" 1 "lease:$RESOURCE" "$HOLDER" "$TTL_MS"
+}
+release() {
+  redis EVAL "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+              return 0" 1 "lease:$RESOURCE" "$HOLDER" >/dev/null
+}
+behind() {  # Redis lost the counter: move it up to the fence, so the next grant is above it
+  redis EVAL "if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
+                redis.call('SET', KEYS[1], ARGV[1]) end
+              return 1" 1 "fence:$RESOURCE" "$1" >/dev/null
+}
 
-# 1. Grant: the lease key and the next token in one atomic script, so that a token is only
-#    ever handed out together with the lease.
-TOKEN=$($REDIS EVAL "
-  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return redis.call('INCR', KEYS[2])
-  end
-  return false" 2 "lease:$RESOURCE" "fence:$RESOURCE" "$HOLDER" "$TTL_MS")
-if [ -z "$TOKEN" ]; then
-  echo "held by $($REDIS GET "lease:$RESOURCE")"; exit 1
-fi
+S3=http://127.0.0.1:9000 ADMIN=http://127.0.0.1:9001
+RESOURCE=${RESOURCE:-job:invoices} HOLDER=${HOLDER:-worker-$$} TTL_MS=${TTL_MS:-10000}
+WAIT_MS=${WAIT_MS:-0} BUCKET=${BUCKET:-reports}
+KEYS="${AWS_ACCESS_KEY_ID:-fencegate-dev}:${AWS_SECRET_ACCESS_KEY:-fencegate-dev-secret}"
+STATE=$(mktemp -d) HEARTBEAT=
+trap '[ -z "$HEARTBEAT" ] || kill "$HEARTBEAT" 2>/dev/null; rm -rf "$STATE"' EXIT
+now_ms() { date +%s%3N; }
+lost() { [ -e "$STATE/lost" ] || [ "$(now_ms)" -ge "$(cat "$STATE/deadline")" ]; }
+stop() { echo "lease_lost reason=$(cat "$STATE/lost" 2>/dev/null || echo deadline)"; exit 5; }
 
-# 2. Register the token before the first write: from now on every older token is refused.
-#    409 means the counter is behind fencegate's fence (Redis lost data without AOF): move it
-#    past the fence, drop this lease and start again.
-STATUS=$(curl -sS -o /tmp/fence.$$ -w '%{http_code}' -X PUT -d "{\"token\": $TOKEN}" "$ADMIN/v1/fences/$ENCODED")
-if [ "$STATUS" = 409 ]; then
-  CURRENT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["token"])' /tmp/fence.$$)
-  $REDIS SET "fence:$RESOURCE" "$CURRENT" >/dev/null
-  $REDIS DEL "lease:$RESOURCE" >/dev/null
-  echo "counter was behind the fence ($TOKEN < $CURRENT); moved it, try again"; exit 1
-fi
-[ "$STATUS" = 200 ] || { echo "registration failed: $STATUS $(cat /tmp/fence.$$)"; exit 1; }
-echo "acquired token=$TOKEN"
+# 1. Take the lease (waiting up to WAIT_MS) and register its token: from that answer on,
+#    fencegate refuses every older token on RESOURCE. The local deadline is TTL after the
+#    sending of the grant, so the holder gives up before the issuer frees the lease.
+give_up=$(($(now_ms) + WAIT_MS)) refused=0
+while :; do
+  sent=$(now_ms)
+  TOKEN=$(grant) || TOKEN=
+  if [ -n "$TOKEN" ]; then
+    status=$(curl -sS -o "$STATE/fence" -w '%{http_code}' -X PUT -d "{\"token\": $TOKEN}" \
+      "$ADMIN/v1/fences/$(printf %s "$RESOURCE" | jq -sRr @uri)") || status=000
+    if [ "$status" = 200 ]; then
+      echo $((sent + TTL_MS)) > "$STATE/deadline"
+      echo "lease_acquired token=$TOKEN holder=$HOLDER"
+      break
+    fi
+    release
+    [ "$status" = 409 ] || { echo "registration failed status=$status"; exit 1; }
+    fence=$(jq -r .token "$STATE/fence") refused=$((refused + 1))
+    echo "registration refused token=$TOKEN fence=$fence"   # the issuer went back
+    if [ "$refused" -ge 3 ] || ! behind "$fence"; then exit 6; fi
+    continue
+  fi
+  [ "$(now_ms)" -lt "$give_up" ] || { echo "lease_held resource=$RESOURCE"; exit 3; }
+  sleep 0.2
+done
 
-# 3. Write with the token (the bucket must exist: aws s3 mb, or any S3 client).
-echo "invoice run by $HOLDER" > /tmp/body.$$
-curl -fsS $SIGV4 -H "Fencing-Token: $TOKEN" -H "Fencing-Resource: $RESOURCE" \
-     -H "x-amz-content-sha256: UNSIGNED-PAYLOAD" -T /tmp/body.$$ "$S3/$BUCKET/invoices.txt"
-echo "wrote key=invoices.txt token=$TOKEN"
+# 2. Heartbeat every TTL/3 in the background. The lease is lost when a renewal is refused, or
+#    when TTL has passed since the sending of the last renewal that succeeded.
+heartbeat() {
+  while sleep "$((TTL_MS / 3))e-3"; do
+    sent=$(now_ms)
+    answer=$(renew) || answer=unknown
+    if [ "$answer" = 1 ]; then
+      echo $((sent + TTL_MS)) > "$STATE/next" && mv "$STATE/next" "$STATE/deadline"
+      echo "heartbeat_latency ms=$(($(now_ms) - sent))"
+    elif [ "$answer" != unknown ] || [ "$(now_ms)" -ge "$(cat "$STATE/deadline")" ]; then
+      if [ "$answer" = unknown ]; then reason=deadline; else reason=refused; fi
+      echo "$reason" > "$STATE/lost"; echo "lease_lost reason=$reason"; return
+    fi
+  done
+}
+heartbeat & HEARTBEAT=$!
 
-# 4. Renew (every TTL/3): only while the lease is still ours.
-RENEWED=$($REDIS EVAL "
-  if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-  return 0" 1 "lease:$RESOURCE" "$HOLDER" "$TTL_MS")
-[ "$RENEWED" = 1 ] && echo "renewed" || { echo "lease lost: stop writing"; exit 1; }
+# 3. The work. Every write carries the token and the resource, signed; none starts once the
+#    lease is lost. A write that was already on its way when the lease went is fencegate's.
+for step in "$@"; do
+  case $step in
+    write:*=*)
+      key=${step#write:} file=${step#*=}; key=${key%%=*}
+      if lost; then stop; fi
+      status=$(curl -sS -o "$STATE/answer" -w '%{http_code}' --aws-sigv4 aws:amz:us-east-1:s3 --user "$KEYS" \
+        -H "Fencing-Token: $TOKEN" -H "Fencing-Resource: $RESOURCE" -H "x-amz-content-sha256: UNSIGNED-PAYLOAD" \
+        -T "$file" "$S3/$BUCKET/$key") || status=000
+      case $status in
+        200) echo "wrote key=$key token=$TOKEN" ;;
+        409) echo "write refused key=$key status=409 code=$(sed -n 's:.*<Code>\(.*\)</Code>.*:\1:p' "$STATE/answer")"
+             echo "lease_lost reason=fenced"; exit 4 ;;
+        *) echo "write failed key=$key status=$status"; exit 1 ;;
+      esac ;;
+    sleep:*)
+      end=$(($(now_ms) + ${step#sleep:}))
+      while [ "$(now_ms)" -lt "$end" ]; do
+        if lost; then stop; fi
+        sleep "$((TTL_MS / 10))e-3"
+      done ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+  esac
+done
 
-# 5. Release: compare-and-delete.
-$REDIS EVAL "
-  if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-  return 0" 1 "lease:$RESOURCE" "$HOLDER" >/dev/null
-echo "released"
-rm -f /tmp/fence.$$ /tmp/body.$$
+# 4. Done: stop the heartbeat, then release (compare-and-delete).
+kill "$HEARTBEAT"; HEARTBEAT=
+if lost; then stop; fi
+release; echo released
