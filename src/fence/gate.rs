@@ -32,6 +32,10 @@ impl CallerId {
     }
 }
 
+/// How many times the release of a grant whose outcome is unknown is sent (see
+/// `Gate::withdraw_grant`): about a minute of tries.
+const WITHDRAW_TRIES: usize = 32;
+
 /// The gate's named limits.
 #[derive(Debug, Clone)]
 pub struct GateLimits {
@@ -321,9 +325,21 @@ impl Gate {
             // A grant is above every token this replica has seen, whatever the store says.
             *floor = (*floor).max(slot.state().fence.flatten());
         }
+        let granting = match &command {
+            LeaseCommand::Acquire { lease_id, .. } => Some(lease_id.clone()),
+            _ => None,
+        };
         let outcome = {
             let _io = slot.io.lock().await;
-            let outcome = self.store.lease(resource, command, now_ms).await?;
+            let outcome = match self.store.lease(resource, command, now_ms).await {
+                Ok(outcome) => outcome,
+                Err(error) => {
+                    if let (Some(lease_id), StoreError::Timeout { .. } | StoreError::Backend(_)) = (granting, &error) {
+                        self.withdraw_grant(resource, lease_id, now_ms);
+                    }
+                    return Err(error.into());
+                }
+            };
             if let LeaseOutcome::Granted(lease) = &outcome {
                 let mut state = slot.state();
                 let fence = state.fence.flatten().max(Some(lease.token));
@@ -339,6 +355,35 @@ impl Gate {
             outcome
         };
         Ok(outcome)
+    }
+
+    /// A grant answered with an error whose outcome is unknown (the store did not answer in
+    /// time, or its connection broke after the call was sent) may still be applied: nobody was
+    /// told its lease id, so a lease it made would be held by no one for its whole TTL (a ghost
+    /// lease, seen when Redis stalled). Its release (compare-and-delete on the id) is sent after
+    /// it, and again until one is answered, for at most [`WITHDRAW_TRIES`] tries: it removes
+    /// the lease if the grant was applied, and does nothing if it was not. Sent after the grant
+    /// on the same store, it is applied after it (the embedded store's one writer, a Redis
+    /// connection's order).
+    fn withdraw_grant(&self, resource: &ResourceKey, lease_id: String, now_ms: u64) {
+        let (store, resource) = (self.store.clone(), resource.clone());
+        metrics::lease_event("grant_withdrawn");
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            for _ in 0..WITHDRAW_TRIES {
+                let release = LeaseCommand::Release { lease_id: lease_id.clone() };
+                match store.lease(&resource, release, now_ms).await {
+                    Ok(_) => return,
+                    Err(error) => tracing::debug!(%error, resource = resource.as_str(), "withdrawing a grant"),
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            tracing::warn!(
+                resource = resource.as_str(),
+                "a grant answered with an error could not be withdrawn: if it was applied, its lease expires by itself"
+            );
+        });
     }
 
     /// The fence of `resource` as the store has it.

@@ -138,3 +138,39 @@ def test_race_across_replicas_two_objects(two_replicas):
     with pytest.raises(ClientError) as exc_info:
         reader.head_object(Bucket=bucket, Key="part-a")
     assert status_of(exc_info.value) == 404
+
+
+def test_a_grant_answered_with_an_error_leaves_no_ghost_lease(fencegate, redis_server):
+    """Before: with Redis stalled (here `CLIENT PAUSE WRITE` past `store.timeout_ms`), a grant
+    was answered 503 and applied when Redis woke: the lease stayed held, for its whole TTL, by a
+    holder that had been told it had none and had gone (2 times in 3). Now fencegate sends that
+    grant's release after it (compare-and-delete on its id, which nobody was told): once Redis
+    is back, the name is free for the next holder at once."""
+    import json
+    import time
+
+    from fencegate_testlib import quote_resource, signed_raw_request
+
+    bucket = "ghostbkt"
+    fg = with_redis(fencegate, redis_server, local_buckets=(bucket,),
+                    config={"upstream": {"probe_bucket": bucket}, "store": {"timeout_ms": 500}})
+    path = "/_fencegate/v1/leases/" + quote_resource("job:ghost")
+    head = {"Content-Type": "application/json"}
+    # A first grant and release: the name's state is in Redis (and the scripts are loaded).
+    r = signed_raw_request(fg, "POST", path, head, json.dumps({"holder": "warm", "ttl_ms": 60000}).encode())
+    assert r.status == 201, (r.status, r.body)
+    r = signed_raw_request(fg, "DELETE", path, head, json.dumps({"lease_id": json.loads(r.body)["lease_id"]}).encode())
+    assert r.status == 204, (r.status, r.body)
+
+    assert redis_server.command(b"CLIENT PAUSE 1500 WRITE").startswith(b"+OK")
+    r = signed_raw_request(fg, "POST", path, head, json.dumps({"holder": "gone", "ttl_ms": 60000}).encode())
+    assert r.status == 503, (r.status, r.body)  # the holder is told it has nothing, and goes
+    time.sleep(2.0)  # Redis is back: the paused grant was applied, then its release
+    deadline = time.monotonic() + 10
+    while True:
+        r = signed_raw_request(fg, "POST", path, head, json.dumps({"holder": "next", "ttl_ms": 60000}).encode())
+        if r.status == 201 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status == 201, f"the name is held by a ghost: {r.status} {r.body!r}"
+    assert json.loads(r.body)["holder"] == "next"
