@@ -134,8 +134,8 @@ impl Refusal {
     /// for a store that lost its state.
     pub fn retry_after_s(&self) -> Option<u64> {
         match self {
-            Self::StoreUnavailable(StoreError::Recovering { retry_after_ms }) => {
-                Some(retry_after_ms.div_ceil(1000).max(1))
+            Self::StoreUnavailable(e) if e.retry_after_ms().is_some() => {
+                Some(e.retry_after_ms().unwrap_or(1000).div_ceil(1000).max(1))
             }
             _ if self.fault() == Fault::Client => None,
             _ => Some(1),

@@ -94,6 +94,11 @@ async fn acquire_when_free(c: &LeaseClient, name: &str, holder: &str, ttl: Durat
             Err(LeaseError::Held { remaining_ms, .. }) if tokio::time::Instant::now() < give_up => {
                 tokio::time::sleep(Duration::from_millis(remaining_ms + 10)).await;
             }
+            // After the kill, grants are refused (503, Retry-After) until the writes of the
+            // process before can no longer commit: try again, as a client should.
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             Err(e) => panic!("acquire {name}: {e:?}"),
         }
     }

@@ -315,12 +315,15 @@ impl Gate {
             // While no fence may advance (after an unclean start), a grant is refused at once
             // with the time to retry: a caller waiting D for it gives up first (5 s, for
             // `fencegate-lease`), and retries anyway.
-            if let Some(from) = *self.writes_from.lock().expect("gate lock poisoned") {
-                let now = Instant::now();
-                if from > now {
-                    let retry_after_ms = millis(from - now).max(1);
-                    return Err(AdmitError::StoreUnavailable(StoreError::Recovering { retry_after_ms }));
+            let holding = *self.writes_from.lock().expect("gate lock poisoned");
+            if let Some(from) = holding.filter(|from| *from > Instant::now()) {
+                // A live lease is still answered as held: its holder's rival learns that, not
+                // to come back in a moment.
+                if let Some(live) = self.store.lease_record(resource).await?.filter(|l| l.is_live(now_ms)) {
+                    return Ok(LeaseOutcome::Held { remaining_ms: live.expires_at_ms - now_ms, holder: live.holder });
                 }
+                let retry_after_ms = millis(from.saturating_duration_since(Instant::now())).max(1);
+                return Err(AdmitError::StoreUnavailable(StoreError::UncleanStart { retry_after_ms }));
             }
             // A grant is above every token this replica has seen, whatever the store says.
             *floor = (*floor).max(slot.state().fence.flatten());

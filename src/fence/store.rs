@@ -32,6 +32,20 @@ pub enum StoreError {
         "the fence store lost its state (flushed, restarted empty, or failed over): nothing is admitted for {retry_after_ms} ms more, until writes that were in flight before can no longer commit"
     )]
     Recovering { retry_after_ms: u64 },
+    #[error(
+        "the last fencegate process did not shut down cleanly: no fence advances for {retry_after_ms} ms more, until writes it sent can no longer commit"
+    )]
+    UncleanStart { retry_after_ms: u64 },
+}
+
+impl StoreError {
+    /// When the same call can succeed, if the store said so.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        match self {
+            Self::Recovering { retry_after_ms } | Self::UncleanStart { retry_after_ms } => Some(*retry_after_ms),
+            _ => None,
+        }
+    }
 }
 
 /// Durable, monotonic per-resource fences.

@@ -16,7 +16,7 @@ use s3s::{Body, S3Response};
 use serde::Deserialize;
 
 use self::credentials::Issuers;
-use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey, StoreError};
+use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
 use crate::metrics;
 
 /// The path prefix of fencegate's own endpoints on the main listener. No bucket name can start
@@ -351,9 +351,10 @@ impl LeaseService {
 
     async fn apply(&self, name: &ResourceKey, command: LeaseCommand, now_ms: u64) -> Result<LeaseOutcome, LeaseError> {
         self.gate.lease(name, command, now_ms).await.map_err(|e| match e {
-            AdmitError::StoreUnavailable(e @ StoreError::Recovering { retry_after_ms }) => {
-                LeaseError::Recovering { message: e.to_string(), retry_after_s: retry_after_ms.div_ceil(1000) }
-            }
+            AdmitError::StoreUnavailable(e) if e.retry_after_ms().is_some() => LeaseError::Recovering {
+                message: e.to_string(),
+                retry_after_s: e.retry_after_ms().unwrap_or(1000).div_ceil(1000),
+            },
             AdmitError::StoreUnavailable(e) => LeaseError::Unavailable(e.to_string()),
             other => LeaseError::Unavailable(other.to_string()),
         })
