@@ -10,12 +10,14 @@ COPY bench/Cargo.toml bench/Cargo.toml
 RUN mkdir -p src client/src client/examples bench/src \
  && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
  && touch client/src/lib.rs && mkdir -p client/src/bin && echo 'fn main() {}' > client/src/bin/fencegate-worker.rs \
+ && echo 'fn main() {}' > client/src/bin/fencegate-lease.rs \
  && echo 'fn main() {}' > bench/src/main.rs \
- && cargo build --release --locked --bin fencegate \
+ && cargo build --release --locked --bin fencegate --bin fencegate-lease \
  && rm -rf src client bench
 COPY . .
 # The sources are newer than the placeholder build: only fencegate itself is compiled again.
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin fencegate
+RUN touch src/main.rs src/lib.rs client/src/lib.rs client/src/bin/fencegate-lease.rs \
+ && cargo build --release --locked --bin fencegate --bin fencegate-lease
 
 FROM debian:bookworm-slim
 RUN apt-get update \
@@ -26,6 +28,8 @@ RUN apt-get update \
  && mkdir -p /var/lib/fencegate /etc/fencegate \
  && chown 10001:10001 /var/lib/fencegate
 COPY --from=build /src/target/release/fencegate /usr/local/bin/fencegate
+# The workers' tool: `docker run --entrypoint fencegate-lease ...` (README, "Docker").
+COPY --from=build /src/target/release/fencegate-lease /usr/local/bin/fencegate-lease
 COPY config/container.toml /etc/fencegate/fencegate.toml
 # A numeric user, so that runtimes enforcing non-root can check it without /etc/passwd.
 USER 10001:10001

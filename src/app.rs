@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use hyper::service::service_fn;
@@ -18,9 +17,6 @@ use crate::server::{self, ConnectionLimits};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
 use crate::threads::{CloseOnDrop, ServingThreads};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
-
-/// How long open requests may finish after shutdown was asked for.
-const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
 
 /// Everything fencegate runs, built from a config.
 pub struct App {
@@ -309,6 +305,9 @@ impl App {
             ServingThreads::start(self.config.server.serving_threads()).context("server.threads: cannot start")?,
         );
         let _close_threads = CloseOnDrop(threads.clone());
+        // The whole stop, open requests and writes in flight included, fits in
+        // `server.shutdown_timeout_ms` (below the 10 s a container runtime gives before SIGKILL).
+        let shutdown_timeout = ms(self.config.server.shutdown_timeout_ms);
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut admin_stop = stop_rx.clone();
         let mut s3_stop = stop_rx;
@@ -320,7 +319,7 @@ impl App {
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },
-            SHUTDOWN_DRAIN,
+            shutdown_timeout,
             None,
         ));
         let (s3_threads, tls) = (threads.clone(), self.tls.clone());
@@ -328,16 +327,19 @@ impl App {
             let stop = async move {
                 let _ = s3_stop.wait_for(|stop| *stop).await;
             };
-            server::run(s3_listener, tls, s3_service, limits, stop, SHUTDOWN_DRAIN, Some(s3_threads)).await;
+            server::run(s3_listener, tls, s3_service, limits, stop, shutdown_timeout, Some(s3_threads)).await;
         });
         shutdown.await;
+        let stop_by = tokio::time::Instant::now() + shutdown_timeout;
         tracing::info!("shutting down: finishing open requests");
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
         // No more admissions (a detached request could still be waiting for one); writes whose
         // client left may still wait for their upstream outcome.
         self.gate.close();
-        let settle_by = tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms);
+        // Past the budget, a write still in flight is left to the next start, which holds
+        // advances for D (as after a crash): stopping sooner is safe, only slower to resume.
+        let settle_by = (tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms)).min(stop_by);
         while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < settle_by {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }

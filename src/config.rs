@@ -98,6 +98,12 @@ pub struct ServerConfig {
     /// web page whose name was rebound to this address cannot reach the admin API.
     #[serde(default)]
     pub admin_host_names: Vec<String>,
+    /// How long a stop (SIGTERM, SIGINT) may take: open requests finish and writes in flight
+    /// settle within it; what is still in flight after it is left to the next start (which
+    /// then holds advances for `fencing.inflight_deadline_ms`, as after a crash). Below the 10 s
+    /// `docker stop` and Kubernetes give before SIGKILL.
+    #[serde(default = "defaults::shutdown_timeout_ms")]
+    pub shutdown_timeout_ms: u64,
     /// Accept SigV2 signatures (off by default, as S3 in every region opened since 2014). SigV2
     /// signs neither the body nor the fencing headers: a SigV2 request never raises a fence,
     /// grants a lease or registers a token, and its `Date` must be within 15 minutes.
@@ -474,6 +480,9 @@ mod defaults {
     }
     pub fn body_bytes_max() -> u64 {
         5 * 1024 * 1024 * 1024
+    }
+    pub fn shutdown_timeout_ms() -> u64 {
+        8_000
     }
     pub fn header_read_timeout_ms() -> u64 {
         10_000
@@ -863,6 +872,9 @@ impl Config {
         }
         if self.fencing.inflight_per_resource_max == 0 {
             return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
+        }
+        if self.server.shutdown_timeout_ms == 0 {
+            return Err(("server.shutdown_timeout_ms", "must be greater than 0".into()));
         }
         if self.store.idempotency_records_bytes_max == 0 {
             return Err(("store.idempotency_records_bytes_max", "must be greater than 0".into()));

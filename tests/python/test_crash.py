@@ -103,3 +103,39 @@ def test_a_grant_after_an_unclean_stop_is_refused_at_once_with_retry_after(fence
     time.sleep(retry_after)
     r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
     assert r.status == 201, (r.status, r.body)
+
+
+def test_a_stop_with_an_upload_in_flight_fits_its_timeout_and_the_next_start_holds(fencegate):
+    """Before: a graceful stop with an upload in flight waited 10 s for open requests and then
+    up to `fencing.inflight_deadline_ms` for writes in flight (17.7 s seen), past the 10 s
+    `docker stop` gives before SIGKILL. Now the whole stop fits in
+    `server.shutdown_timeout_ms` (here 2 s); the write left in flight makes the next start hold
+    advances (a grant: 503 with Retry-After), as after a crash, so nothing older can commit
+    after a newer token."""
+    import json
+    import signal
+    import socket
+    import time
+
+    from fencegate_testlib import build_head, quote_resource, sign_headers, signed_raw_request
+
+    fg = fencegate(config={"server": {"shutdown_timeout_ms": 2000}, "fencing": {"inflight_deadline_ms": 20000}},
+                   local_buckets=("stopbkt",))
+    host, port = fg.s3_addr
+    path = "/stopbkt/held"
+    headers = sign_headers("PUT", host, port, path, {"Fencing-Token": "3", "Content-Length": "100000"})
+    sock = socket.create_connection(fg.s3_addr, timeout=10)
+    try:
+        sock.sendall(build_head("PUT", path, headers) + b"x" * 1000)  # admitted; the body never ends
+        time.sleep(0.5)
+        started = time.monotonic()
+        fg.proc.send_signal(signal.SIGTERM)
+        fg.proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        sock.close()
+    assert took < 2.0 + 2.5, f"the stop took {took:.1f}s with server.shutdown_timeout_ms = 2000"
+    fg.start()
+    r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("stopbkt/held"),
+                           {"Content-Type": "application/json"}, json.dumps({"holder": "h", "ttl_ms": 1000}).encode())
+    assert r.status == 503 and "retry-after" in r.headers, (r.status, r.headers, r.body)
