@@ -48,6 +48,7 @@ fn describe_and_register() {
         ("fencegate_precondition_conflicts_total", "Conditional writes the upstream refused, by result"),
         ("fencegate_body_aborted_total", "Request bodies rejected while streaming, by reason"),
         ("fencegate_lease_events_total", "Lease service events"),
+        ("fencegate_lease_reads_refused_total", "Reads signed with a lease credential whose lease lapsed"),
         ("fencegate_registrations_revoked_total", "Registrations of in-flight writes a replica could not keep"),
         ("fencegate_store_rollbacks_repaired_total", "Times a shared store was found below this replica's mark"),
         (
@@ -193,6 +194,11 @@ pub fn body_aborted(reason: &'static str) {
 
 /// A lease service event: `granted`, `renewed`, `released`, `gone` (a renewal or release of a
 /// lease that is not live any more, i.e. a holder that lost its lease).
+/// A read signed with a lease credential whose lease lapsed (403 `ExpiredToken`).
+pub fn lease_read_refused() {
+    counter!("fencegate_lease_reads_refused_total").increment(1);
+}
+
 pub fn lease_event(event: &'static str) {
     counter!("fencegate_lease_events_total", "event" => event).increment(1);
 }

@@ -196,6 +196,7 @@ impl Front {
             duration_ms = field::Empty,
         );
         let started = Instant::now();
+        let read = matches!(req.method, Method::GET | Method::HEAD);
         // A field recorded twice shows twice: the decision is recorded once, at admission or
         // at the refusal, and what failed after admission goes to `error`.
         let mut decided = false;
@@ -211,7 +212,10 @@ impl Front {
             }
             Err(error) => {
                 let decision = error.decision();
-                if decision != "error" {
+                if read && matches!(error, FrontError::LeaseExpired) {
+                    // A read is no write decision: counted apart.
+                    metrics::lease_read_refused();
+                } else if decision != "error" {
                     metrics::decision(decision);
                 }
                 if !decided {

@@ -388,3 +388,28 @@ def test_an_issuer_restricted_to_buckets_moves_only_fences_inside_them(fencegate
     # Inside: its own bucket's objects, and a resource bound inside it by a rule.
     assert register(f"{inside}/mine", 5).status == 200
     assert lease("job:reports").status == 201
+
+
+def test_a_read_refused_for_a_lapsed_lease_is_no_write_decision(leased):
+    """Reads signed with a lease credential whose lease lapsed get 403 `ExpiredToken`; they were
+    counted in `fencegate_decisions_total{outcome="lease_expired"}` with the writes, which made
+    a dashboard of refused writes count reads. Now they are counted apart, in
+    `fencegate_lease_reads_refused_total`; a refused write still counts as a decision."""
+    import time
+
+    from fencegate_testlib import metric, metric_samples
+
+    fg = leased
+    g = grant(fg, "job:reports", ttl_ms=500)
+    s3 = leased_client(fg, g)
+    s3.put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"r")
+    time.sleep(0.8)
+    before = metric_samples(fg)
+    status, code, _ = refusal(lambda: s3.get_object(Bucket=fg.bucket, Key="reports/r.csv"))
+    assert (status, code) == (403, "ExpiredToken")
+    status, code, _ = refusal(lambda: s3.put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"late"))
+    assert (status, code) == (403, "ExpiredToken")
+    after = metric_samples(fg)
+    assert metric(after, "fencegate_lease_reads_refused_total") - metric(before, "fencegate_lease_reads_refused_total") == 1
+    decisions = "fencegate_decisions_total"
+    assert metric(after, decisions, outcome="lease_expired") - metric(before, decisions, outcome="lease_expired") == 1
