@@ -2,8 +2,8 @@
 marked block is read from the markdown file and run for real (shell blocks with bash -e, Python
 blocks with python3, fencegate TOML through `fencegate check-config` and `serve`) against
 fencegate on the shipped config/fencegate.toml, real redis-server, moto_server, boto3 and the aws
-CLI. What a test changes in an example: the docs' addresses (127.0.0.1:9000 and :9001) become
-the test instance's, and a `cargo build` line is left to scripts/test (a test never runs cargo);
+CLI (the lease recipes against real Redis, PostgreSQL, etcd and ZooKeeper servers). What a test
+changes in an example: the docs' addresses (127.0.0.1:9000 and :9001) become the test instance's, and a `cargo build` line is left to scripts/test (a test never runs cargo);
 some Python examples get the test's own checks appended, run after them in the same process.
 Every check looks at what landed: exit codes, HTTP statuses, the objects and stamps at the
 upstream, the fences. And every code block of those files is either
@@ -37,6 +37,9 @@ from fencegate_testlib import (
     signed_raw_request,
     status_of,
 )
+from lease_recipes import EXAMPLE as RECIPE_EXAMPLES
+from lease_recipes import SERVICES as RECIPE_SERVICES
+from lease_recipes import SHELL_LOOP, Workers, need, running_issuer
 
 SHIPPED_CONFIG = REPO_ROOT / "config" / "fencegate.toml"
 EXAMPLE_TIMEOUT_S = 120  # one example, start to end
@@ -226,16 +229,20 @@ def test_readme_boto3(start, tmp_path):
 
 @runs("README.md", "aws-cli", "curl")
 def test_readme_aws_cli_and_curl(start, tmp_path):
-    """The aws CLI (token as metadata) and curl (token header) examples write and stamp the object."""
+    """The aws CLI (token as metadata) example makes its file, writes and stamps the object, and
+    its stale write with token 11 is refused (409 FencingTokenStale, as the comment shows); the
+    curl (token header) example writes it again and prints 200."""
     fg = start()
     make_bucket(fg)  # as the boto3 example does
-    (tmp_path / "11.csv").write_bytes(b"from the aws CLI\n")
-    ok(run_sh(localize(block("README.md", "aws-cli").code, fg.s3_addr, fg.admin_addr), tmp_path))
-    assert at_upstream(fg, "reports", "2026/11.csv") == b"from the aws CLI\n"
+    r = ok(run_sh(localize(block("README.md", "aws-cli").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"id,amount\n1,100\n"
     assert stamp(fg, "reports", "2026/11.csv") == "12"
+    assert "refused: token 11 is older than the fence" in r.stdout, r.stdout
+    assert "(FencingTokenStale)" in r.stderr and "fencing token 11 is older than the current fence 12" in r.stderr, r.stderr
 
     (tmp_path / "11.csv").write_bytes(b"from curl\n")
-    ok(run_sh(localize(block("README.md", "curl").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    r = ok(run_sh(localize(block("README.md", "curl").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert r.stdout.strip().endswith("200"), r.stdout
     assert at_upstream(fg, "reports", "2026/11.csv") == b"from curl\n"
     assert stamp(fg, "reports", "2026/11.csv") == "12"
     assert fence(fg, "reports/2026/11.csv") == 12
@@ -546,27 +553,36 @@ def test_leases_fencegate_lease_run(start, tmp_path):
     assert "AccessDenied" in r.stderr, r.stderr
 
 
-@runs("docs/leases.md", "redis-lease")
-def test_leases_redis_issuer(start, tmp_path, redis_server):
-    """The Redis recipe against a real redis-server (`redis-cli` in PATH reaches it)."""
+@runs("docs/leases.md", SHELL_LOOP, *RECIPE_EXAMPLES.values())
+@pytest.mark.parametrize("service", RECIPE_SERVICES)
+def test_leases_issuer_recipes(service, start, tmp_path):
+    """Each issuer recipe as the page has it (a shell one: the service's functions, then the loop),
+    on the shipped config and its defaults (`job:invoices`, bucket `reports`), against the real
+    server (Redis, PostgreSQL, one etcd member, ZooKeeper): the lease granted and its token
+    registered, a heartbeat, a fenced write stamped with the token, and a release that frees the
+    lease (the next worker gets it at once, with a higher token). `test_lease_recipes.py` plays
+    the classic scenario and the issuers' restarts with the same workers."""
+    need(service)
     fg = start()
     make_bucket(fg)
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    wrapper = bindir / "redis-cli"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("redis-cli")} -p {redis_server.port} "$@"\n')
-    wrapper.chmod(0o755)
     (tmp_path / "invoices.txt").write_bytes(b"invoices of the day\n")
-    env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
-    r = ok(run_sh(localize(block("docs/leases.md", "redis-lease").code, fg.s3_addr, fg.admin_addr), tmp_path, env))
-    assert r.stdout.splitlines()[-2:] == ["1", "1"], r.stdout  # renewed, released
-    counter = subprocess.run([str(wrapper), "GET", "fence:job:invoices"], capture_output=True, text=True, timeout=30)
-    token = int(counter.stdout.strip())
-    assert token >= 1 and fence(fg, "job:invoices") == token
+    with running_issuer(service, tmp_path / service, etcd_members=1) as issuer:
+        workers = Workers(service, fg, tmp_path, {**issuer.env, "TTL_MS": "1500"})
+        try:
+            first = workers.run("worker-1", ["write:invoices.txt=invoices.txt", "sleep:1200"])
+            second = workers.run("worker-2", [])  # no waiting: the release must have freed it
+        finally:
+            workers.close()
+    assert first.proc.returncode == 0 and second.proc.returncode == 0, (first.output, second.output)
+    token = first.token()
+    for line in (f"lease_acquired token={token} holder=worker-1", f"wrote key=invoices.txt token={token}",
+                 "released"):
+        assert line in first.output.splitlines(), first.output
+    assert first.heartbeats_ms() and first.lines("lease_lost") == [], first.output
+    assert second.token() > token, second.output
+    assert fence(fg, "job:invoices") == second.token()
     assert at_upstream(fg, "reports", "invoices.txt") == b"invoices of the day\n"
     assert stamp(fg, "reports", "invoices.txt") == str(token)
-    held = subprocess.run([str(wrapper), "EXISTS", "lease:job:invoices"], capture_output=True, text=True, timeout=30)
-    assert held.stdout.strip() == "0", held.stdout
 
 
 # --------------------------------------------------------------------------------------------
