@@ -60,10 +60,14 @@ while :; do
   sleep 0.2
 done
 
-# 2. Heartbeat every TTL/3 in the background. The lease is lost when a renewal is refused, or
-#    when TTL has passed since the sending of the last renewal that succeeded.
+# 2. Heartbeat every TTL/3 in the background (counted from the previous one's sending). The lease
+#    is lost when a renewal is refused, or when TTL has passed since the sending of the last
+#    renewal that succeeded.
 heartbeat() {
-  while sleep "$((TTL_MS / 3))e-3"; do
+  next=$(now_ms)
+  while :; do
+    next=$((next + TTL_MS / 3)) sent=$(now_ms)
+    if [ "$next" -gt "$sent" ]; then sleep "$((next - sent))e-3"; else next=$sent; fi
     sent=$(now_ms)
     answer=$(renew) || answer=unknown
     if [ "$answer" = 1 ]; then
