@@ -213,6 +213,17 @@ for _version, _expected in (("s3v4", 200), ("s3", 400)):
 # --------------------------------------------------------------------------------------------
 
 
+@runs("README.md", "quick-try")
+def test_readme_quick_try(start, tmp_path):
+    """The quick start's first example: a bucket, B's write with token 12, A's with token 11
+    refused; the statuses printed are the ones its comments give, and B's bytes stay."""
+    fg = start()
+    r = ok(run_sh(localize(block("README.md", "quick-try").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert r.stdout.split() == ["200", "200", "409"], r.stdout
+    assert at_upstream(fg, "reports", "summary.txt") == b"from B\n"
+    assert stamp(fg, "reports", "summary.txt") == "12"
+
+
 @runs("README.md", "boto3")
 def test_readme_boto3(start, tmp_path):
     """The boto3 hook writes with its token, and leaves presigned URLs usable without a header."""
