@@ -13,6 +13,7 @@ marked).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -562,6 +563,43 @@ def test_leases_fencegate_lease_run(start, tmp_path):
     assert fence(fg, "reports/summary.bin") == 2
     assert at_upstream(fg, "reports", "other.bin") is None
     assert "AccessDenied" in r.stderr, r.stderr
+
+
+@runs("docs/leases.md", "rclone-config", "rclone-run")
+def test_leases_rclone_directory_under_one_lease(start, tmp_path):
+    """The worked rclone example: fencegate with the page's `workers.toml` included, the bucket
+    made with the operator's key, a directory copied by rclone under one lease taken with the
+    lessee key; every object lands stamped with the lease's token, and the lessee key cannot
+    register a token."""
+    if shutil.which("rclone") is None:
+        pytest.skip("rclone is not installed (apt-get install rclone; scripts/test does)")
+    lease_bin = Path(os.environ.get("FENCEGATE_LEASE_BIN", REPO_ROOT / "target" / "debug" / "fencegate-lease"))
+    workers = tmp_path / "workers.toml"
+    workers.write_text(block("docs/leases.md", "rclone-config").code)
+    fg = start(env={"FENCEGATE_INCLUDE": str(workers)})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fencegate-lease").symlink_to(lease_bin)
+    # No CA bundle of this machine's: rclone (its AWS SDK) refuses one with its own transport.
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RCLONE_CONFIG": os.devnull, "AWS_CA_BUNDLE": ""}
+    r = ok(run_sh(localize(block("docs/leases.md", "rclone-run").code, fg.s3_addr, fg.admin_addr), tmp_path, env))
+    token = fence(fg, "job:reports-2026")
+    assert token == 1, (token, r.stderr)
+    ops = s3_client_ex(fg.s3_url, access_key="ops", secret_key="ops-secret-of-your-own")
+    for i in (1, 2, 3):
+        got = ops.get_object(Bucket="reports", Key=f"2026/part-{i}.csv")
+        assert got["Body"].read() == f"row {i}\n".encode()
+        assert got["Metadata"].get("fencing-token") == "1", got["Metadata"]
+    host, port = fg.s3_addr
+    register = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--aws-sigv4", "aws:amz:us-east-1:s3",
+         "--user", "worker-1:worker-secret-of-your-own", "-H", "Content-Type: application/json",
+         "-H", "x-amz-content-sha256: " + hashlib.sha256(b'{"token": 99}').hexdigest(),
+         "-X", "PUT", "--data-binary", '{"token": 99}',
+         f"http://{host}:{port}/_fencegate/v1/fences/job%3Areports-2026"],
+        capture_output=True, text=True, timeout=30)
+    assert register.stdout == "403", (register.stdout, register.stderr)
+    assert fence(fg, "job:reports-2026") == 1
 
 
 @runs("docs/leases.md", SHELL_LOOP, *RECIPE_EXAMPLES.values())
