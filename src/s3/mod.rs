@@ -89,6 +89,9 @@ pub struct Front {
     upload_ids_tied_to_keys: bool,
     /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
     scopes: std::collections::HashMap<String, Scopes>,
+    /// Access keys with `role = "lessee"`: their writes never raise a fence, whatever
+    /// `fencing.advance` says (a lease grant moves it by one; a write could move it to 2^64-1).
+    lessees: std::collections::HashSet<String>,
     /// The clock leases expire by (the lease service's), for requests signed with a lease
     /// credential.
     clock: Arc<dyn crate::lease::Clock>,
@@ -153,6 +156,12 @@ impl Front {
             upload_ids_tied_to_keys: false,
             show_stamp: config.fencing.show_stamp,
             writes_advance: config.fencing.advance.writes_advance(),
+            lessees: config
+                .credentials
+                .iter()
+                .filter(|c| c.role == crate::config::Role::Lessee)
+                .map(|c| c.access_key_id.clone())
+                .collect(),
             scopes: config
                 .credentials
                 .iter()
@@ -294,7 +303,9 @@ impl Front {
             body,
             trailers: req.trailing_headers,
             content_length,
-            may_advance: self.writes_advance && !signature.is_sigv2(),
+            may_advance: self.writes_advance
+                && !signature.is_sigv2()
+                && !signer.is_some_and(|key| self.lessees.contains(key)),
             caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
             scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
         };

@@ -176,8 +176,9 @@ def test_a_lessee_takes_leases_but_never_registers(fg):
     """Before: a worker needed an issuer key to take a lease, and the same key registered token
     2^64-1, after which no lease on the resource was ever granted again
     (`FencingTokensExhausted`). Now `role = "lessee"` acquires, renews and releases leases (with
-    lease credentials that write within the lease), and a registration or a fence read through
-    fencegate's own endpoint gets 403 `AccessDenied`: the fence moves only by grants."""
+    lease credentials that write within the lease), a registration or a fence read through
+    fencegate's own endpoint gets 403 `AccessDenied`, and its writes never raise a fence: the
+    fence moves only by grants."""
     name = f"{BUCKET}/lessee-object"  # an object's own resource: its lease credentials write it
     lease_path = "/_fencegate/v1/leases/" + quote_resource(name)
     fence_path = "/_fencegate/v1/fences/" + quote_resource(name)
@@ -201,9 +202,20 @@ def test_a_lessee_takes_leases_but_never_registers(fg):
     assert r.status == 200, r.body
     r = own_call(fg, "DELETE", lease_path, {"lease_id": lease["lease_id"]}, key=LESSEE)
     assert r.status == 204, r.body
+    # Nor does a lessee's write raise a fence, whatever `fencing.advance` says (found by an
+    # adversarial review: with the default "write", one write set it to 2^64-1): 409
+    # `FencingTokenUnregistered`, nothing written.
+    plain = s3_client(fg.s3_url, token=MAX, resource=name, access_key=LESSEE[0], secret_key=LESSEE[1])
+    with pytest.raises(ClientError) as refused:
+        plain.put_object(Bucket=BUCKET, Key="lessee-object", Body=b"locked")
+    assert refused.value.response["Error"]["Code"] == "FencingTokenUnregistered", refused.value.response
+    assert fence_of(fg, name) == 1
     # The next grant goes on from the fence: nobody could push it to the end.
     r = own_call(fg, "POST", lease_path, {"holder": "worker-b", "ttl_ms": 30000}, key=LESSEE)
     assert r.status == 201 and json.loads(r.body)["token"] == 2, r.body
+    # At the fence, a lessee's write goes through.
+    at_fence = s3_client(fg.s3_url, token=2, resource=name, access_key=LESSEE[0], secret_key=LESSEE[1])
+    at_fence.put_object(Bucket=BUCKET, Key="lessee-object", Body=b"with the lease's token")
 
 
 def test_unsigned_or_missigned_calls_reach_no_endpoint(fg):

@@ -193,13 +193,8 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
     // The command must not outlive fencegate-lease, even one killed with SIGKILL (its command
     // would write on until the lease ran out, then run on for ever): a watchdog process stops
     // the command's group when its stdin, held by fencegate-lease alone, closes.
-    let mut watchdog = child.id().and_then(|group| spawn_watchdog(group, grace));
-    let code = supervise_and_end(&mut child, lease, grace).await;
-    if let Some(watchdog) = watchdog.as_mut() {
-        // Stopped before its stdin closes: the command's group is gone, its id free for reuse.
-        let _ = watchdog.kill().await;
-    }
-    code
+    let watchdog = child.id().and_then(|group| spawn_watchdog(group, grace));
+    supervise_and_end(&mut child, lease, grace, watchdog).await
 }
 
 /// Starts `fencegate-lease __watch GROUP GRACE_MS` with a pipe as its stdin.
@@ -229,6 +224,12 @@ fn spawn_watchdog(group: u32, grace: Duration) -> Option<Child> {
 /// with fencegate-lease, or when fencegate-lease stops it.
 async fn watch(group: Pid, grace: Duration) -> u8 {
     use tokio::io::AsyncReadExt;
+    // 0 is the caller's own group and 1 would be every process it may signal: never a
+    // command's group (`run` gives the command a group of its own, its id the command's pid).
+    if group.as_raw() <= 1 {
+        eprintln!("fencegate-lease: __watch needs the process group of a command run by fencegate-lease run");
+        return EXIT_USAGE;
+    }
     let _ignored = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
     let mut stdin = tokio::io::stdin();
     let mut buf = [0u8; 64];
@@ -244,9 +245,24 @@ async fn watch(group: Pid, grace: Duration) -> u8 {
     0
 }
 
-/// Waits for the command (or the loss of the lease), releases, and says how `run` exits.
-async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration) -> u8 {
-    match supervise(child, &lease).await {
+/// Waits for the command (or the loss of the lease), releases, and says how `run` exits. The
+/// watchdog is stopped as soon as the command is known to have ended (or been stopped): from
+/// then on its group id may be reused, and nothing must signal it.
+async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration, mut watchdog: Option<Child>) -> u8 {
+    let supervised = supervise(child, &lease).await;
+    if supervised.is_err() {
+        // Lost: the command is stopped first (its group still exists until it is reaped).
+        let reason = match lease.status() {
+            LeaseStatus::Lost(reason) => reason.to_string(),
+            other => format!("{other:?}"),
+        };
+        eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
+        stop(child, grace).await;
+    }
+    if let Some(watchdog) = watchdog.as_mut() {
+        let _ = watchdog.kill().await;
+    }
+    match supervised {
         // The command ended, but the lease lapsed while it ran (fencegate-lease and the command
         // were frozen past the deadline, and the command finished first when they woke): what
         // it wrote after the lapse was refused, so its own status would say too much.
@@ -258,15 +274,7 @@ async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration) -> 
             release(lease).await;
             status.code().map_or_else(|| 128 + status.signal().unwrap_or(0) as u8, |c| c as u8)
         }
-        Err(Lost) => {
-            let reason = match lease.status() {
-                LeaseStatus::Lost(reason) => reason.to_string(),
-                other => format!("{other:?}"),
-            };
-            eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
-            stop(child, grace).await;
-            EXIT_LOST
-        }
+        Err(Lost) => EXIT_LOST,
     }
 }
 
