@@ -42,7 +42,7 @@ impl Signature {
         if is_form_upload(method, headers) {
             return Ok(Self::Form);
         }
-        let (mut v4_query, mut v2_query, mut signed) = (false, false, None);
+        let (mut v4_query, mut v2_query, mut signed, mut credential) = (false, false, None, None);
         for (name, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
             // Names as the library matches them: exactly.
             if name == "X-Amz-Signature" {
@@ -51,6 +51,8 @@ impl Signature {
                 v2_query = true;
             } else if name == "X-Amz-SignedHeaders" {
                 signed = Some(value.to_ascii_lowercase());
+            } else if name == "X-Amz-Credential" {
+                credential = Some(value.into_owned());
             } else if name.eq_ignore_ascii_case("X-Amz-Expires")
                 && value.parse::<u64>().is_ok_and(|seconds| seconds > PRESIGN_EXPIRES_MAX_S)
             {
@@ -92,9 +94,6 @@ impl Signature {
             return Ok(Self::V4 { signed: signed_headers(rest).unwrap_or_default().to_owned(), presigned: false });
         }
         if v4_query {
-            let credential = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
-                .find(|(name, _)| name == "X-Amz-Credential")
-                .map(|(_, value)| value.into_owned());
             check_service(credential.as_deref())?;
             return Ok(Self::V4 { signed: signed.unwrap_or_default(), presigned: true });
         }

@@ -511,14 +511,14 @@ def assert_b_kept_the_key(fg, t: Takeover, a_token: int, final: bytes, stamp, b_
     assert stamp == str(t.b_token)
 
 
-# Worker A: a bounded loop of `aws s3 cp` of A's content to one key. "stubborn" ignores SIGTERM
+# Worker A: a bounded loop of `{copy}` writing A's content to one key. "stubborn" ignores SIGTERM
 # (a worker that does not stop when told), so its late writes reach fencegate.
-WORKER_A = """
+WORKER_A_LOOP = """
 {trap}
 i=0
 while [ $i -lt 60 ]; do
   i=$((i + 1))
-  if "$AWS" s3 cp --only-show-errors "$SRC" "$DST"; then
+  if {copy}; then
     echo "A: write $i ok"
   else
     echo "A: write $i refused"
@@ -528,6 +528,8 @@ while [ $i -lt 60 ]; do
 done
 echo "A: loop ended"
 """
+# With the aws CLI (`{trap}` left to fill).
+WORKER_A = WORKER_A_LOOP.replace("{copy}", '"$AWS" s3 cp --only-show-errors "$SRC" "$DST"')
 
 
 @pytest.mark.parametrize("worker", ["obedient", "stubborn"])
@@ -860,22 +862,8 @@ def test_s3cmd_with_its_default_region_corrects_itself(gate, tmp_path):
     assert r.returncode == 0 and "data/s3cmd.txt" in r.stdout, (r.returncode, r.stdout, r.stderr)
 
 
-# Worker A of the classic scenario with another tool: `$COPY` copies A's content to the key.
-WORKER_A_TOOL = """
-trap '' TERM
-i=0
-while [ $i -lt 60 ]; do
-  i=$((i + 1))
-  if sh -c "$COPY"; then
-    echo "A: write $i ok"
-  else
-    echo "A: write $i refused"
-    exit 3
-  fi
-  sleep 0.2
-done
-echo "A: loop ended"
-"""
+# Worker A of the classic scenario with another tool (stubborn): `$COPY` copies A's content.
+WORKER_A_TOOL = WORKER_A_LOOP.format(trap="trap '' TERM", copy='sh -c "$COPY"')
 
 
 def tool_copy(tool: str, fg, tmp_path: Path, key: str) -> tuple:
