@@ -344,6 +344,11 @@ pub struct FencingConfig {
     /// sees only its own.
     #[serde(default)]
     pub show_stamp: bool,
+    /// How long a multipart upload made under a superseded token is left to its creator (who
+    /// may still abort it) before fencegate aborts it; 0: never. At least the longest an
+    /// admitted completion of it can take, so that none is cut short.
+    #[serde(default = "defaults::abort_stale_uploads_after_ms")]
+    pub abort_stale_uploads_after_ms: u64,
 }
 
 impl Default for FencingConfig {
@@ -361,6 +366,7 @@ impl Default for FencingConfig {
             advance: defaults::fencing_advance(),
             rules: Vec::new(),
             show_stamp: false,
+            abort_stale_uploads_after_ms: defaults::abort_stale_uploads_after_ms(),
         }
     }
 }
@@ -546,6 +552,13 @@ mod defaults {
     }
     pub fn inflight_per_resource_max() -> usize {
         1024
+    }
+    /// An hour: a stale worker that wakes from a pause of minutes (a VM suspension, a long
+    /// GC) still finds its upload to abort itself and sees its own error; an operator has
+    /// time to look; and parts do not sit at the upstream for the day S3's shortest lifecycle
+    /// rule would keep them.
+    pub fn abort_stale_uploads_after_ms() -> u64 {
+        3_600_000
     }
     pub fn cached_resources_max() -> usize {
         100_000
@@ -835,6 +848,17 @@ impl Config {
             if value == 0 {
                 return Err((key, "must be greater than 0".into()));
             }
+        }
+        let completion_ms = self.fencing.inflight_deadline_ms.max(self.upstream.request_timeout_ms);
+        if self.fencing.abort_stale_uploads_after_ms != 0 && self.fencing.abort_stale_uploads_after_ms < completion_ms {
+            return Err((
+                "fencing.abort_stale_uploads_after_ms",
+                format!(
+                    "must be 0 (never) or at least {completion_ms} (fencing.inflight_deadline_ms and \
+                     upstream.request_timeout_ms): a completion admitted before the fence rose may still commit \
+                     until then"
+                ),
+            ));
         }
         if self.server.tls_cert_path.is_some() != self.server.tls_key_path.is_some() {
             return Err((

@@ -49,6 +49,10 @@ fn describe_and_register() {
         ("fencegate_body_aborted_total", "Request bodies rejected while streaming, by reason"),
         ("fencegate_lease_events_total", "Lease service events"),
         ("fencegate_lease_reads_refused_total", "Reads signed with a lease credential whose lease lapsed"),
+        (
+            "fencegate_stale_uploads_aborted_total",
+            "Multipart uploads of superseded tokens aborted, by who: their creator, or fencegate after the delay",
+        ),
         ("fencegate_registrations_revoked_total", "Registrations of in-flight writes a replica could not keep"),
         ("fencegate_store_rollbacks_repaired_total", "Times a shared store was found below this replica's mark"),
         (
@@ -86,6 +90,9 @@ fn describe_and_register() {
         "fencegate_store_wait_failures_total",
     ] {
         counter!(name).absolute(0);
+    }
+    for by in ["creator", "fencegate"] {
+        counter!("fencegate_stale_uploads_aborted_total", "by" => by).absolute(0);
     }
     gauge!("fencegate_inflight_writes").set(0.0);
 }
@@ -197,6 +204,11 @@ pub fn body_aborted(reason: &'static str) {
 /// A read signed with a lease credential whose lease lapsed (403 `ExpiredToken`).
 pub fn lease_read_refused() {
     counter!("fencegate_lease_reads_refused_total").increment(1);
+}
+
+/// A multipart upload of a superseded token aborted, `by` its creator or by fencegate's sweep.
+pub fn stale_upload_aborted(by: &'static str) {
+    counter!("fencegate_stale_uploads_aborted_total", "by" => by).increment(1);
 }
 
 pub fn lease_event(event: &'static str) {

@@ -2,7 +2,7 @@
 //! loads, advances and reopens (a restart of fencegate) give exactly the answers of a plain
 //! in-memory model, so fences never go back (G1) and every acknowledged advance survives a
 //! restart (G2); lease commands give the answers of `fence::apply_lease`; and the API
-//! gateway's idempotency records keep their contract.
+//! gateway's idempotency records and the multipart upload records keep their contracts.
 
 mod common;
 
@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use fencegate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord,
-    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseStore, ResourceKey, Store,
+    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseStore, ResourceKey, Store, UploadRecord, UploadStore,
 };
 use fencegate::store::{EmbeddedStore, MemoryStore, RedisStore};
 use proptest::prelude::*;
@@ -377,6 +377,70 @@ async fn record_contract(store: &dyn IdempotencyStore, name: &str) {
         IdempotencyBegin::Claimed
     );
     store.idempotency_finish(&key, "d", None).await.unwrap();
+}
+
+/// Every store keeps the upload records' contract: a record is found by bucket and upload id
+/// (an upload id that is another's prefix, or the same id in another bucket, is another
+/// upload), survives a reopen, is forgotten once removed, and a walk in pages of any size
+/// visits every record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_keeps_the_upload_record_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    upload_contract(&EmbeddedStore::open(dir.path()).unwrap(), "embedded").await;
+    let reopened = Embedded { dir }.open().await;
+    assert_eq!(reopened.upload_get("b1", "id-7").await.unwrap().map(|r| r.token), Some(FenceToken(7)), "reopened");
+    let redis = common::RedisServer::start().await;
+    upload_contract(&redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await, "redis").await;
+    upload_contract(&MemoryStore::default(), "memory").await;
+    #[cfg(feature = "etcd")]
+    {
+        let etcd = common::EtcdCluster::start(1).await;
+        let store =
+            fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
+                .await
+                .unwrap();
+        upload_contract(&store, "etcd").await;
+    }
+}
+
+async fn upload_contract(store: &dyn UploadStore, name: &str) {
+    let record = |bucket: &str, id: &str, token: u64| UploadRecord {
+        bucket: bucket.into(),
+        key: format!("data/{id}"),
+        path: format!("/{bucket}/data/{id}"),
+        upload_id: id.into(),
+        resource: "job:uploads".into(),
+        token: FenceToken(token),
+        creator: "AKIA".into(),
+        created_at_ms: 1,
+    };
+    assert_eq!(store.upload_get("b1", "id-7").await.unwrap(), None, "{name}");
+    let kept: Vec<UploadRecord> =
+        (0..23).map(|n| record(if n % 2 == 0 { "b1" } else { "b2" }, &format!("id-{n}"), n)).collect();
+    for r in &kept {
+        store.upload_put(r).await.unwrap();
+    }
+    assert_eq!(store.upload_get("b1", "id-7").await.unwrap(), None, "{name}: id-7 is in b2");
+    assert_eq!(store.upload_get("b2", "id-7").await.unwrap(), Some(kept[7].clone()), "{name}");
+    assert_eq!(store.upload_get("b2", "id-").await.unwrap(), None, "{name}: a prefix is another id");
+    store.upload_put(&record("b1", "id-7", 7)).await.unwrap();
+    for page in [1, 5, 23, 100] {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut cursor = None;
+        for _ in 0..1000 {
+            let got = store.uploads(cursor.take(), page).await.unwrap();
+            seen.extend(got.records.iter().map(UploadRecord::storage_name));
+            match got.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(seen.len(), 24, "{name}: a walk in pages of {page} sees every record");
+    }
+    store.upload_remove("b2", "id-7").await.unwrap();
+    store.upload_remove("b2", "never-kept").await.unwrap();
+    assert_eq!(store.upload_get("b2", "id-7").await.unwrap(), None, "{name}: removed");
+    assert_eq!(store.upload_get("b1", "id-7").await.unwrap().map(|r| r.token), Some(FenceToken(7)), "{name}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
-    SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, decide,
+    SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
 };
 use crate::config::millis;
 use crate::metrics;
@@ -243,6 +243,11 @@ impl Gate {
     /// The API gateway's idempotency records, in the same store.
     pub fn idempotency_records(&self) -> IdempotencyRecords {
         IdempotencyRecords::new(self.store.clone())
+    }
+
+    /// The multipart uploads made with a token, in the same store.
+    pub fn upload_records(&self) -> UploadRecords {
+        UploadRecords::new(self.store.clone())
     }
 
     /// Admits a write with `token` on `resource`: advances the fence durably if `token` is

@@ -1,5 +1,6 @@
 //! The fence core: tokens, the pure decision, the store trait and the gate that orders writes,
-//! and the idempotency records the API gateway keeps in the same store.
+//! and what else the same store keeps: the API gateway's idempotency records and the multipart
+//! uploads made under each token.
 
 mod bounds;
 mod decision;
@@ -10,6 +11,7 @@ pub mod outcome;
 mod store;
 mod timed;
 mod token;
+mod uploads;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN};
 pub use decision::{Decision, decide};
@@ -21,7 +23,8 @@ pub use idempotency::{
 pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
 pub use store::{
     AdvanceOutcome, FenceStore, IdempotencyStore, LeaseStore, SharedAdmit, SharedRegistry, Store, StoreError,
-    StoreEvent,
+    StoreEvent, UploadStore,
 };
-pub use timed::{IdempotencyRecords, TimedStore};
+pub use timed::{IdempotencyRecords, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};
+pub use uploads::{UploadPage, UploadRecord};

@@ -4,7 +4,7 @@ use async_trait::async_trait;
 
 use super::{
     FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome, LeaseRecord,
-    ResourceKey,
+    ResourceKey, UploadPage, UploadRecord,
 };
 
 /// The result of a check-and-advance.
@@ -134,10 +134,29 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
 }
 
-/// A fence store as fencegate opens one: fences, leases and idempotency records in one place.
-pub trait Store: FenceStore + LeaseStore + IdempotencyStore {}
+/// The multipart uploads created with a token (`super::uploads`), kept where the fences are so
+/// that every replica of a shared store sees them. Names are [`UploadRecord::name`].
+#[async_trait]
+pub trait UploadStore: Send + Sync + 'static {
+    /// Keeps `record`, durably once this returns (replacing one under the same name).
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError>;
 
-impl<T: FenceStore + LeaseStore + IdempotencyStore> Store for T {}
+    /// The record of upload `upload_id` in `bucket`, if one is kept.
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError>;
+
+    /// Forgets an upload (completed or aborted); nothing if none is kept.
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError>;
+
+    /// Up to about `limit` records from `cursor` on (`None`: from the start), in an order that
+    /// visits every record kept for the whole walk once at least.
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError>;
+}
+
+/// A fence store as fencegate opens one: fences, leases, idempotency records and uploads in one
+/// place.
+pub trait Store: FenceStore + LeaseStore + IdempotencyStore + UploadStore {}
+
+impl<T: FenceStore + LeaseStore + IdempotencyStore + UploadStore> Store for T {}
 
 /// The answer of a shared store to "may this write go ahead?".
 #[derive(Debug, Clone, PartialEq, Eq)]

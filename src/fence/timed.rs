@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     AdvanceOutcome, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome,
-    LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError,
+    LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError, UploadPage, UploadRecord,
 };
 use crate::config::millis;
 use crate::metrics;
@@ -102,5 +102,35 @@ impl IdempotencyRecords {
         record: Option<&IdempotencyRecord>,
     ) -> Result<(), StoreError> {
         self.0.call(self.0.store.idempotency_finish(key, claim, record)).await
+    }
+}
+
+/// The multipart uploads made with a token, timed like every store call.
+#[derive(Clone)]
+pub struct UploadRecords(TimedStore);
+
+impl UploadRecords {
+    pub fn new(store: TimedStore) -> Self {
+        Self(store)
+    }
+
+    /// See [`super::UploadStore::upload_put`].
+    pub async fn put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        self.0.call(self.0.store.upload_put(record)).await
+    }
+
+    /// See [`super::UploadStore::upload_get`].
+    pub async fn get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        self.0.call(self.0.store.upload_get(bucket, upload_id)).await
+    }
+
+    /// See [`super::UploadStore::upload_remove`].
+    pub async fn remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        self.0.call(self.0.store.upload_remove(bucket, upload_id)).await
+    }
+
+    /// See [`super::UploadStore::uploads`].
+    pub async fn page(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        self.0.call(self.0.store.uploads(cursor, limit)).await
     }
 }

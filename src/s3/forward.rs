@@ -131,14 +131,22 @@ impl Front {
         request: Request,
         admitted: Admitted,
     ) -> Result<S3Response<Body>, FrontError> {
+        Ok(client_response(self.send_admitted(request, &admitted).await?))
+    }
+
+    /// [`Self::forward_admitted`], the upstream's answer as it came.
+    pub(super) async fn send_admitted(
+        &self,
+        request: Request,
+        admitted: &Admitted,
+    ) -> Result<http::Response<Body>, FrontError> {
         let path = request.path_and_query();
         let headers = upstream_headers(&request.headers, &self.wire);
         let check = trailer_check(&request);
         let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
         let body = WriteBody::Streamed(Body::http_body(body));
-        let result = self.send_write("fenced_write", &admitted, request.method, &path, headers, body).await;
-        let resp = self.settle_body(result, &report, &admitted).await?;
-        Ok(client_response(resp))
+        let result = self.send_write("fenced_write", admitted, request.method, &path, headers, body).await;
+        self.settle_body(result, &report, admitted).await
     }
 
     /// Reads the XML answer of a write (CopyObject, CompleteMultipartUpload, DeleteObjects),

@@ -7,7 +7,7 @@
 //! The map: `mod.rs` takes a request from classification to admission; `put.rs`, `copy.rs`,
 //! `delete.rs` and `multipart.rs` are the fenced writes, each around the one conditional write
 //! of `conditional.rs`; `delete_objects.rs` fences each key of a batch on its own resource and
-//! stamp; `objects.rs` is what fencegate knows of an object; `checks.rs`, `scopes.rs` and `leased.rs` decide what a request may do; `wire.rs`
+//! stamp; `uploads.rs` keeps no multipart upload of a superseded token behind; `objects.rs` is what fencegate knows of an object; `checks.rs`, `scopes.rs` and `leased.rs` decide what a request may do; `wire.rs`
 //! reads the token and resource; `error.rs` is every refusal, rendered as S3 XML.
 
 mod auth;
@@ -27,6 +27,7 @@ mod put;
 mod scopes;
 mod service;
 mod signed;
+mod uploads;
 mod wire;
 
 use std::sync::Arc;
@@ -52,6 +53,7 @@ use self::forward::{client_response, forwarded_query, upstream_headers};
 use self::multipart::COMPLETE_REQUEST_BYTES_MAX;
 use self::objects::EtagCache;
 use self::scopes::Scopes;
+use self::uploads::upload_of;
 use crate::config::Config;
 use crate::fence::outcome::detached;
 use crate::fence::{CallerId, FenceToken, Gate, Permit, ResourceKey};
@@ -112,6 +114,8 @@ struct Request {
     may_advance: bool,
     /// Who signed it, for its share of a resource's writes in flight.
     caller: Option<CallerId>,
+    /// The access key that signed it (the issuer's, for a lease credential).
+    signer: Option<String>,
     /// The signer's `[[credentials]] buckets`, when it is restricted: the resources it names
     /// must be inside them.
     scoped: Option<String>,
@@ -275,6 +279,13 @@ impl Front {
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
+        if op == Op::AbortMultipartUpload
+            && let Some(signer) = signer
+            && let Some(resp) =
+                self.abort_own_stale_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
+        {
+            return Ok(resp);
+        }
         let lease = match &lease {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
@@ -307,6 +318,7 @@ impl Front {
                 && !signature.is_sigv2()
                 && !signer.is_some_and(|key| self.lessees.contains(key)),
             caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
+            signer: signer.map(str::to_owned),
             scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
         };
         if !op.is_fenced_write() {
@@ -404,11 +416,24 @@ impl Front {
             // Boxed: the largest of these futures, which would make every write's as large.
             Op::CopyObject => Box::pin(self.copy_object(request, admitted)).await,
             Op::DeleteObject => self.delete_object(request, admitted).await,
-            Op::CompleteMultipartUpload => self.complete_multipart(request, admitted).await,
+            Op::CompleteMultipartUpload | Op::AbortMultipartUpload => {
+                let upload = upload_of(&request);
+                let resp = match op {
+                    Op::CompleteMultipartUpload => self.complete_multipart(request, admitted).await?,
+                    _ => self.forward_admitted(request, admitted).await?,
+                };
+                // An upload completed or aborted through fencegate is not left behind.
+                if resp.status.is_none_or(|s| s.is_success())
+                    && let Some((bucket, upload_id)) = upload
+                {
+                    self.forget_upload(&bucket, &upload_id).await;
+                }
+                Ok(resp)
+            }
             Op::CreateMultipartUpload => {
                 let mut request = request;
                 stamp(&mut request.headers, token);
-                self.forward_admitted(request, admitted).await
+                self.create_multipart(request, admitted).await
             }
             Op::ObjectSubresourceWrite => {
                 // Tagging, ACL, retention, legal hold change the object: refused by a newer

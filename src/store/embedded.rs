@@ -13,7 +13,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
-    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, apply_lease,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, UploadPage, UploadRecord,
+    UploadStore, apply_lease,
 };
 
 /// resource name → fence token.
@@ -25,6 +26,8 @@ const LEASES: TableDefinition<&str, &str> = TableDefinition::new("leases");
 const IDEMPOTENCY: TableDefinition<&str, (u64, &str, &[u8])> = TableDefinition::new("idempotency");
 /// (expiry ms, record name): the sweep's index, oldest first.
 const IDEMPOTENCY_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idempotency_expiry");
+/// `bucket/upload id` → the multipart upload made with a token, as JSON (an [`UploadRecord`]).
+const UPLOADS: TableDefinition<&str, &str> = TableDefinition::new("uploads");
 
 /// redb's page cache when none is configured (`store.cache_bytes_max`).
 pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
@@ -98,6 +101,12 @@ enum WriteRequest {
         json: Option<Vec<u8>>,
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+    /// Keep (or, with `None`, forget) the upload record under `name`.
+    Upload {
+        name: String,
+        json: Option<String>,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
 }
 
 /// The outcome of one request inside a committed batch.
@@ -107,6 +116,7 @@ enum WriteOutcome {
     /// The live record that was already there, if any.
     IdempotencyBegin(Option<Vec<u8>>),
     IdempotencyFinish,
+    Upload,
 }
 
 impl WriteRequest {
@@ -116,10 +126,12 @@ impl WriteRequest {
             (Self::Lease { reply, .. }, Ok(WriteOutcome::Lease(o))) => drop(reply.send(Ok(o))),
             (Self::IdempotencyBegin { reply, .. }, Ok(WriteOutcome::IdempotencyBegin(o))) => drop(reply.send(Ok(o))),
             (Self::IdempotencyFinish { reply, .. }, Ok(WriteOutcome::IdempotencyFinish)) => drop(reply.send(Ok(()))),
+            (Self::Upload { reply, .. }, Ok(WriteOutcome::Upload)) => drop(reply.send(Ok(()))),
             (Self::Advance { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::Lease { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::IdempotencyBegin { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::IdempotencyFinish { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
+            (Self::Upload { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             _ => unreachable!("outcomes are produced per request kind"),
         }
     }
@@ -174,6 +186,7 @@ impl EmbeddedStore {
             txn.open_table(LEASES)?;
             txn.open_table(IDEMPOTENCY)?;
             txn.open_table(IDEMPOTENCY_EXPIRY)?;
+            txn.open_table(UPLOADS)?;
             let opened_clean = txn.open_table(META)?.remove(CLEAN_SHUTDOWN)?.is_some();
             txn.commit()?;
             Ok(opened_clean)
@@ -361,6 +374,58 @@ impl IdempotencyStore for EmbeddedStore {
     }
 }
 
+#[async_trait]
+impl UploadStore for EmbeddedStore {
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let json = serde_json::to_string(record).expect("an upload record serialises");
+        self.submit(WriteRequest::Upload { name: record.storage_name(), json: Some(json), reply }, answer).await
+    }
+
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        self.check_poisoned()?;
+        let name = UploadRecord::name(bucket, upload_id);
+        let read = || -> Result<Option<String>, redb::Error> {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(UPLOADS)?;
+            Ok(table.get(name.as_str())?.map(|v| v.value().to_owned()))
+        };
+        let json = read().map_err(|e| StoreError::Backend(Box::new(e)))?;
+        json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
+    }
+
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let name = UploadRecord::name(bucket, upload_id);
+        self.submit(WriteRequest::Upload { name, json: None, reply }, answer).await
+    }
+
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        self.check_poisoned()?;
+        let db = self.db.clone();
+        let limit = limit.max(1);
+        let page = tokio::task::spawn_blocking(move || -> Result<Vec<String>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(UPLOADS)?;
+            let from = cursor.unwrap_or_default();
+            let mut jsons = Vec::with_capacity(limit + 1);
+            for entry in table.range(from.as_str()..)?.take(limit + 1) {
+                jsons.push(entry?.1.value().to_owned());
+            }
+            Ok(jsons)
+        })
+        .await
+        .map_err(|e| StoreError::Backend(Box::new(e)))?
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let mut records = page
+            .iter()
+            .map(|j| serde_json::from_str(j).map_err(|e| StoreError::Backend(Box::new(e))))
+            .collect::<Result<Vec<UploadRecord>, _>>()?;
+        let next = (records.len() > limit).then(|| records.pop().expect("one past the page").storage_name());
+        Ok(UploadPage { records, next })
+    }
+}
+
 /// The one thread that writes: takes every queued change, applies them in one transaction,
 /// commits (fsync) once, then answers each caller.
 struct Writer {
@@ -420,6 +485,7 @@ impl Writer {
             let mut leases = txn.open_table(LEASES)?;
             let mut records = txn.open_table(IDEMPOTENCY)?;
             let mut expiry = txn.open_table(IDEMPOTENCY_EXPIRY)?;
+            let mut uploads = txn.open_table(UPLOADS)?;
             for request in batch.iter_mut() {
                 let outcome = match request {
                     WriteRequest::Advance { resource, token, .. } => {
@@ -521,6 +587,13 @@ impl Writer {
                             _ => {} // not ours any more: it expired and was claimed again
                         }
                         WriteOutcome::IdempotencyFinish
+                    }
+                    WriteRequest::Upload { name, json, .. } => {
+                        match json {
+                            Some(json) => drop(uploads.insert(name.as_str(), json.as_str())?),
+                            None => drop(uploads.remove(name.as_str())?),
+                        }
+                        WriteOutcome::Upload
                     }
                 };
                 outcomes.push(outcome);

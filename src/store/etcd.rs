@@ -16,6 +16,7 @@
 //!   when their leases expire (see `registrations` for when a replica withdraws them)
 //! - `fg/k/<r>\0<digest>`  the API gateway's idempotency record (JSON), on an etcd lease that
 //!   ends with the route's retention
+//! - `fg/u/<bucket>/<upload id>`  a multipart upload made with a token (JSON `UploadRecord`)
 //!
 //! Announcements are etcd's own watch on `fg/f/`: every change of a fence is an event, in
 //! revision order, resumed from the last revision seen after a reconnect.
@@ -38,7 +39,7 @@ use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry,
-    StoreError, apply_lease,
+    StoreError, UploadPage, UploadRecord, UploadStore, apply_lease,
 };
 use crate::metrics;
 
@@ -46,6 +47,13 @@ const FENCES: &str = "fg/f/";
 const LEASES: &str = "fg/l/";
 const INFLIGHT: &str = "fg/i/";
 const RECORDS: &str = "fg/k/";
+const UPLOADS: &str = "fg/u/";
+/// The end of the range of [`UPLOADS`] (`/` + 1 is `0`).
+const UPLOADS_END: &str = "fg/u0";
+
+fn upload_key(bucket: &str, upload_id: &str) -> String {
+    format!("{UPLOADS}{}", UploadRecord::name(bucket, upload_id))
+}
 
 fn fence_key(resource: &ResourceKey) -> String {
     format!("{FENCES}{}", resource.as_str())
@@ -501,6 +509,43 @@ impl IdempotencyStore for EtcdStore {
             }
             attempts.again()?;
         }
+    }
+}
+
+#[async_trait]
+impl UploadStore for EtcdStore {
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        let json = serde_json::to_vec(record).expect("an upload record serialises");
+        let put = TxnOp::put(upload_key(&record.bucket, &record.upload_id), json, None);
+        self.commit(vec![], vec![put]).await.map(|_| ())
+    }
+
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        let read = self.read(&[&upload_key(bucket, upload_id)]).await?.remove(0);
+        read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("upload record"))).transpose()
+    }
+
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        self.commit(vec![], vec![TxnOp::delete(upload_key(bucket, upload_id), None)]).await.map(|_| ())
+    }
+
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        let limit = limit.max(1);
+        let from = format!("{UPLOADS}{}", cursor.unwrap_or_default());
+        let range = || {
+            let (mut kv, from) = (self.client.kv_client(), from.clone());
+            let options =
+                GetOptions::new().with_range(UPLOADS_END).with_limit(i64::try_from(limit + 1).unwrap_or(i64::MAX));
+            async move { kv.get(from, Some(options)).await }
+        };
+        let resp = read_bounded(self.timeout, range).await?;
+        let mut records = resp
+            .kvs()
+            .iter()
+            .map(|kv| serde_json::from_slice(kv.value()).map_err(|_| corrupt("upload record")))
+            .collect::<Result<Vec<UploadRecord>, _>>()?;
+        let next = (records.len() > limit).then(|| records.pop().expect("one past the page").storage_name());
+        Ok(UploadPage { records, next })
     }
 }
 

@@ -1,7 +1,7 @@
 //! A fence store in memory: not durable, so never selectable by config. It exists for unit
 //! tests of the gate and as the reference the other stores are compared with.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -9,7 +9,8 @@ use async_trait::async_trait;
 
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
-    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, apply_lease,
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, UploadPage, UploadRecord,
+    UploadStore, apply_lease,
 };
 
 #[derive(Default)]
@@ -17,6 +18,7 @@ pub struct MemoryStore {
     fences: Mutex<HashMap<ResourceKey, FenceToken>>,
     leases: Mutex<HashMap<ResourceKey, LeaseRecord>>,
     idempotency: Mutex<HashMap<IdempotencyKey, IdempotencyRecord>>,
+    uploads: Mutex<BTreeMap<String, UploadRecord>>,
     /// Makes every call fail, to test that callers fail closed.
     failing: AtomicBool,
 }
@@ -145,5 +147,35 @@ impl IdempotencyStore for MemoryStore {
             }
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl UploadStore for MemoryStore {
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        self.check()?;
+        self.uploads.lock().expect("memory store lock").insert(record.storage_name(), record.clone());
+        Ok(())
+    }
+
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        self.check()?;
+        Ok(self.uploads.lock().expect("memory store lock").get(&UploadRecord::name(bucket, upload_id)).cloned())
+    }
+
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        self.check()?;
+        self.uploads.lock().expect("memory store lock").remove(&UploadRecord::name(bucket, upload_id));
+        Ok(())
+    }
+
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        self.check()?;
+        let uploads = self.uploads.lock().expect("memory store lock");
+        let from = cursor.unwrap_or_default();
+        let mut records: Vec<UploadRecord> =
+            uploads.range(from..).take(limit.max(1) + 1).map(|(_, r)| r.clone()).collect();
+        let next = (records.len() > limit.max(1)).then(|| records.pop().expect("one past the page").storage_name());
+        Ok(UploadPage { records, next })
     }
 }

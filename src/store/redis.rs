@@ -12,6 +12,10 @@
 //! - `fg:{r}:idem:<d>`  the API gateway's idempotency record of request digest `d` (hash:
 //!   claim, record as JSON), expiring by itself (`PEXPIRE`) after the route's retention
 //!
+//! And of every resource: `fg:uploads`, a hash of the multipart uploads made with a token
+//! (`bucket/upload id` → JSON `UploadRecord`), with no time to live, so no eviction policy
+//! drops one.
+//!
 //! Advances are announced on the channel `fg:advances` as `<token> <resource>`, so every
 //! replica cancels its older uploads still streaming on that resource.
 
@@ -34,6 +38,7 @@ use crate::config::millis;
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
+    UploadPage, UploadRecord, UploadStore,
 };
 use crate::metrics;
 
@@ -1022,6 +1027,43 @@ impl IdempotencyStore for RedisStore {
         inv.arg(claim).arg(record.map(encode_record).unwrap_or_default());
         let _changed: i64 = self.connection.invoke(&inv).await.map_err(backend)?;
         Ok(())
+    }
+}
+
+/// The hash of multipart uploads made with a token.
+const UPLOADS_KEY: &str = "fg:uploads";
+
+#[async_trait]
+impl UploadStore for RedisStore {
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        let json = serde_json::to_string(record).expect("an upload record serialises");
+        let cmd = redis::cmd("HSET").arg(UPLOADS_KEY).arg(record.storage_name()).arg(json).to_owned();
+        let _added: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        Ok(())
+    }
+
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        let cmd = redis::cmd("HGET").arg(UPLOADS_KEY).arg(UploadRecord::name(bucket, upload_id)).to_owned();
+        let json: Option<String> = self.connection.query(&cmd).await.map_err(backend)?;
+        json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
+    }
+
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        let cmd = redis::cmd("HDEL").arg(UPLOADS_KEY).arg(UploadRecord::name(bucket, upload_id)).to_owned();
+        let _removed: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        Ok(())
+    }
+
+    /// HSCAN: its cursor is Redis's, and a walk may see a record twice, never miss one.
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        let cursor = cursor.unwrap_or_else(|| "0".into());
+        let cmd = redis::cmd("HSCAN").arg(UPLOADS_KEY).arg(&cursor).arg("COUNT").arg(limit.max(1)).to_owned();
+        let (next, fields): (String, Vec<String>) = self.connection.query(&cmd).await.map_err(backend)?;
+        let records = fields
+            .chunks_exact(2)
+            .map(|pair| serde_json::from_str(&pair[1]).map_err(|e| StoreError::Backend(Box::new(e))))
+            .collect::<Result<Vec<UploadRecord>, _>>()?;
+        Ok(UploadPage { records, next: (next != "0").then_some(next) })
     }
 }
 

@@ -64,6 +64,10 @@ BAD_CONFIGS = {
     # A word that is no level would be read as a log target and silence every other log.
     "unknown-log-level": ('[log]\nlevel = "verbose"\n', {}, "log.level", None),
     "log-directive-without-level": ('[log]\nlevel = "info,fencegate=loud"\n', {}, "log.level", None),
+    # Below the longest an admitted completion may take (fencing.inflight_deadline_ms), the
+    # sweep could abort an upload whose completion may still commit.
+    "stale-upload-delay-below-the-deadline": ("", {"FENCEGATE_FENCING__ABORT_STALE_UPLOADS_AFTER_MS": "1000"},
+                                              "fencing.abort_stale_uploads_after_ms", None),
 }
 
 

@@ -630,6 +630,10 @@ def test_classic_scenario_mid_multipart_upload(gate, tmp_path, background):
     assert re.search(r"upload failed: .* \((FencingTokenStale|ExpiredToken)\) when calling the "
                      r"(UploadPart|CompleteMultipartUpload) operation", t.err_a), t.err_a
     assert not session_procs(a.sid)
+    # The CLI aborts its failed upload with its lease credentials: allowed, though its lease
+    # lapsed, because the upload is its own (before, the abort was refused and the upload and
+    # its parts stayed at the upstream).
+    assert leftover == [], leftover
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""No multipart upload of a superseded token is left behind (SPEC section 12).
+
+Before: a worker whose token went stale mid-upload could not abort its own upload (409: the
+abort is a fenced write), a writer without a token got 428, and nothing else aborted it: every
+such upload stayed at the upstream with its parts, on moto and on the local upstream alike.
+
+Now every upload created with a token is recorded in the fence store with that token and its
+creator. The creator may abort it after its token went stale; nobody else may with the stale
+token, and no upload of a newer token can be aborted with an older one. fencegate aborts the
+uploads of superseded tokens `fencing.abort_stale_uploads_after_ms` after it saw them superseded,
+never sooner.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import ACCESS_KEY, SECRET_KEY, metric, metric_samples, unique, wait_until
+
+OTHER = ("AKIAOTHERISSUER00001", "other-issuer-secret-key-000000000000001")
+RESOURCE = "job:uploads"
+
+
+def start(fencegate, moto_server, upstream_kind: str, **fencing):
+    bucket = unique("stale")
+    rules = [{"bucket": bucket, "prefix": "data/", "resource": RESOURCE}]
+    credentials = [{"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "role": "issuer"},
+                   {"access_key_id": OTHER[0], "secret_access_key": OTHER[1], "role": "issuer"}]
+    config = {"fencing": dict(rules=rules, **fencing), "credentials": credentials}
+    if upstream_kind == "moto":
+        moto_server.client().create_bucket(Bucket=bucket)
+        fg = fencegate(upstream=dict(moto_server.upstream_config(), request_timeout_ms=2000), config=config)
+    else:
+        config["upstream"] = {"request_timeout_ms": 2000}
+        fg = fencegate(config=config, local_buckets=(bucket,))
+    fg.bucket = bucket
+    return fg
+
+
+def open_uploads(fg) -> set:
+    """The upload ids the upstream still holds in the bucket (listed through fencegate: a read)."""
+    listed = fg.client().list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
+    return {u["UploadId"] for u in listed}
+
+
+def begin(fg, token: int, key: str, client=None) -> str:
+    s3 = client or fg.client(token=token)
+    upload = s3.create_multipart_upload(Bucket=fg.bucket, Key=key)["UploadId"]
+    s3.upload_part(Bucket=fg.bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"p" * 1024)
+    return upload
+
+
+def refused(call) -> tuple:
+    with pytest.raises(ClientError) as info:
+        call()
+    e = info.value.response
+    return e["ResponseMetadata"]["HTTPStatusCode"], e["Error"]["Code"]
+
+
+@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
+def test_the_creator_aborts_its_own_upload_after_its_token_went_stale(fencegate, moto_server, upstream_kind):
+    fg = start(fencegate, moto_server, upstream_kind)
+    stale = begin(fg, 5, "data/a.bin")
+    # The same stale token from another credential is not the creator.
+    theirs = begin(fg, 5, "data/theirs.bin", client=fg.client(token=5, access_key=OTHER[0], secret_key=OTHER[1]))
+    # Written before the fence rose past 5, the record survives a restart.
+    fg.restart()
+    other_stale = fg.client(token=5, access_key=OTHER[0], secret_key=OTHER[1])
+    fg.client(token=6).put_object(Bucket=fg.bucket, Key="data/b.txt", Body=b"new holder")
+    newer = begin(fg, 6, "data/c.bin")
+    assert {stale, theirs, newer} <= open_uploads(fg)
+
+    old = fg.client(token=5)
+    # An upload of the newer token cannot be aborted with the older one.
+    assert refused(lambda: old.abort_multipart_upload(Bucket=fg.bucket, Key="data/c.bin", UploadId=newer)) \
+        == (409, "FencingTokenStale")
+    # Nor can another credential's upload, with the same stale token.
+    assert refused(lambda: old.abort_multipart_upload(Bucket=fg.bucket, Key="data/theirs.bin", UploadId=theirs)) \
+        == (409, "FencingTokenStale")
+    # Named under another key, the upload is not the one the record is for (404 where the
+    # upload id is checked against its key first, as S3 does).
+    assert refused(lambda: old.abort_multipart_upload(Bucket=fg.bucket, Key="data/c.bin", UploadId=stale)) \
+        in {(409, "FencingTokenStale"), (404, "NoSuchUpload")}
+    assert {stale, theirs, newer} <= open_uploads(fg)
+    # Its own, it may: the abort commits nothing.
+    old.abort_multipart_upload(Bucket=fg.bucket, Key="data/a.bin", UploadId=stale)
+    assert open_uploads(fg) == {theirs, newer}
+    # Its other writes stay refused.
+    assert refused(lambda: old.put_object(Bucket=fg.bucket, Key="data/a.bin", Body=b"late")) \
+        == (409, "FencingTokenStale")
+    assert refused(lambda: old.upload_part(Bucket=fg.bucket, Key="data/c.bin", UploadId=newer, PartNumber=2,
+                                           Body=b"late")) == (409, "FencingTokenStale")
+    other_stale.abort_multipart_upload(Bucket=fg.bucket, Key="data/theirs.bin", UploadId=theirs)
+    assert open_uploads(fg) == {newer}
+    samples = metric_samples(fg)
+    assert metric(samples, "fencegate_stale_uploads_aborted_total", by="creator") == 2
+    assert metric(samples, "fencegate_stale_uploads_aborted_total", by="fencegate") == 0
+
+
+@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
+def test_uploads_of_superseded_tokens_are_aborted_after_the_delay_never_before(
+        fencegate, moto_server, upstream_kind):
+    """The bound: an upload superseded at `r` is aborted in [r + X, r + X + 2 periods] (the sweep
+    sees it superseded within one period of `r`, and aborts it at the first sweep past X after
+    that), X = fencing.abort_stale_uploads_after_ms, a period X/4 but at least 1 s."""
+    after_ms = 3000
+    fg = start(fencegate, moto_server, upstream_kind, abort_stale_uploads_after_ms=after_ms,
+               inflight_deadline_ms=2000)
+    abandoned = begin(fg, 5, "data/abandoned.bin")
+    completed = begin(fg, 5, "data/done.bin")
+    parts = fg.client(token=5).list_parts(Bucket=fg.bucket, Key="data/done.bin", UploadId=completed)["Parts"]
+    fg.client(token=5).complete_multipart_upload(
+        Bucket=fg.bucket, Key="data/done.bin", UploadId=completed,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": parts[0]["ETag"]}]})
+    fg.client(token=6).put_object(Bucket=fg.bucket, Key="data/b.txt", Body=b"new holder")
+    superseded_at = time.monotonic()
+    current = begin(fg, 6, "data/current.bin")
+    period_s = max(after_ms / 4, 1000) / 1000
+
+    # Just before the bound the abandoned upload is still there.
+    time.sleep(max(0.0, superseded_at + after_ms / 1000 - 0.3 - time.monotonic()))
+    assert abandoned in open_uploads(fg), "aborted before fencing.abort_stale_uploads_after_ms"
+    wait_until(lambda: abandoned not in open_uploads(fg), timeout=2 * period_s + 1.5, interval=0.1,
+               what="the abandoned upload aborted by fencegate")
+    assert time.monotonic() - superseded_at <= after_ms / 1000 + 2 * period_s + 1.5
+    # The newer token's upload stays, and completes.
+    assert current in open_uploads(fg)
+    s3 = fg.client(token=6)
+    parts = s3.list_parts(Bucket=fg.bucket, Key="data/current.bin", UploadId=current)["Parts"]
+    s3.complete_multipart_upload(Bucket=fg.bucket, Key="data/current.bin", UploadId=current,
+                                 MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": parts[0]["ETag"]}]})
+    assert open_uploads(fg) == set()
+    assert fg.client().get_object(Bucket=fg.bucket, Key="data/done.bin")["Body"].read() == b"p" * 1024
+    samples = metric_samples(fg)
+    # The completed upload was forgotten on completion: no abort was sent for it.
+    assert metric(samples, "fencegate_stale_uploads_aborted_total", by="fencegate") == 1
+    assert "aborted an upload of a superseded token" in fg.log_tail(200)
+
