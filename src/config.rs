@@ -849,14 +849,18 @@ impl Config {
                 return Err((key, "must be greater than 0".into()));
             }
         }
-        let completion_ms = self.fencing.inflight_deadline_ms.max(self.upstream.request_timeout_ms);
+        // A completion admitted just before its upload's token was superseded reaches the
+        // upstream within the request timeout and commits within D of that (the assumption),
+        // measured on clocks that may run apart by the drift allowed everywhere else.
+        let completion_ms = self.upstream.request_timeout_ms.saturating_add(self.fencing.inflight_deadline_ms);
+        let completion_ms = (completion_ms as f64 * (1.0 + crate::fence::CLOCK_RATE_DRIFT_MAX)).ceil() as u64;
         if self.fencing.abort_stale_uploads_after_ms != 0 && self.fencing.abort_stale_uploads_after_ms < completion_ms {
             return Err((
                 "fencing.abort_stale_uploads_after_ms",
                 format!(
-                    "must be 0 (never) or at least {completion_ms} (fencing.inflight_deadline_ms and \
-                     upstream.request_timeout_ms): a completion admitted before the fence rose may still commit \
-                     until then"
+                    "must be 0 (never) or at least {completion_ms} (upstream.request_timeout_ms plus \
+                     fencing.inflight_deadline_ms, and 8 % for clock drift): a completion admitted before its \
+                     upload was superseded may still commit until then"
                 ),
             ));
         }

@@ -172,6 +172,8 @@ enum LeaseOp {
     /// Renew / release the `.1`-th lease id handed out so far (modulo their count).
     Renew(u8, usize),
     Release(u8, usize),
+    /// Withdraw the `.1`-th lease id handed out so far, as the gate does after a grant failed.
+    Withdraw(u8, usize),
     Advance(u8, u64),
 }
 
@@ -181,6 +183,7 @@ fn lease_op() -> impl Strategy<Value = LeaseOp> {
         4 => (resource.clone(), prop::option::of(0u64..30)).prop_map(|(r, f)| LeaseOp::Acquire(r, f)),
         3 => (resource.clone(), 0usize..8).prop_map(|(r, i)| LeaseOp::Renew(r, i)),
         3 => (resource.clone(), 0usize..8).prop_map(|(r, i)| LeaseOp::Release(r, i)),
+        1 => (resource.clone(), 0usize..8).prop_map(|(r, i)| LeaseOp::Withdraw(r, i)),
         2 => (resource, 0u64..30).prop_map(|(r, t)| LeaseOp::Advance(r, t)),
     ]
 }
@@ -226,6 +229,7 @@ async fn run_leases<H: Harness>(harness: &H, ops: Vec<LeaseOp>) {
             }
             LeaseOp::Renew(r, i) => (r, LeaseCommand::Renew { lease_id: pick(&ids, i) }),
             LeaseOp::Release(r, i) => (r, LeaseCommand::Release { lease_id: pick(&ids, i) }),
+            LeaseOp::Withdraw(r, i) => (r, LeaseCommand::Withdraw { lease_id: pick(&ids, i) }),
         };
         let want = untimed(model.lease(&key(r), command.clone(), now_ms).await.unwrap());
         let got = untimed(store.lease(&key(r), command.clone(), now_ms).await.unwrap());
@@ -377,6 +381,45 @@ async fn record_contract(store: &dyn IdempotencyStore, name: &str) {
         IdempotencyBegin::Claimed
     );
     store.idempotency_finish(&key, "d", None).await.unwrap();
+}
+
+/// On a shared store a grant's bytes can arrive after its withdrawal's (its connection broke,
+/// a stalled Redis served the new connection first; an etcd transaction applied late): such a
+/// grant does nothing, and the fence does not move. A withdrawal after its grant removes the
+/// lease and keeps the fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_arrives_after_its_withdrawal_does_nothing() {
+    let redis = common::RedisServer::start().await;
+    late_grant(&redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await, "redis").await;
+    #[cfg(feature = "etcd")]
+    {
+        let etcd = common::EtcdCluster::start(1).await;
+        let store =
+            fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
+                .await
+                .unwrap();
+        late_grant(&store, "etcd").await;
+    }
+}
+
+async fn late_grant(store: &dyn Store, name: &str) {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let resource = ResourceKey::new("job:withdrawn").unwrap();
+    let grant =
+        |id: &str| LeaseCommand::Acquire { holder: "h".into(), ttl_ms: 60_000, lease_id: id.into(), floor: None };
+    let withdraw = |id: &str| LeaseCommand::Withdraw { lease_id: id.into() };
+    store.advance(&resource, FenceToken(4)).await.unwrap();
+    assert_eq!(store.lease(&resource, withdraw("late"), now).await.unwrap(), LeaseOutcome::Gone, "{name}");
+    assert_eq!(store.lease(&resource, grant("late"), now).await.unwrap(), LeaseOutcome::Gone, "{name}: late grant");
+    assert_eq!(store.load(&resource).await.unwrap(), Some(FenceToken(4)), "{name}: the fence did not move");
+    assert_eq!(store.lease_record(&resource).await.unwrap(), None, "{name}: no ghost lease");
+    let LeaseOutcome::Granted(lease) = store.lease(&resource, grant("on-time"), now).await.unwrap() else {
+        panic!("{name}: another grant is made");
+    };
+    assert_eq!(lease.token, FenceToken(5), "{name}");
+    assert_eq!(store.lease(&resource, withdraw("on-time"), now).await.unwrap(), LeaseOutcome::Released, "{name}");
+    assert_eq!(store.lease_record(&resource).await.unwrap(), None, "{name}: withdrawn");
+    assert_eq!(store.load(&resource).await.unwrap(), Some(FenceToken(5)), "{name}: fences only go up");
 }
 
 /// Every store keeps the upload records' contract: a record is found by bucket and upload id

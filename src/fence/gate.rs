@@ -2,7 +2,7 @@
 //! write with a newer one was forwarded (G2, G3). See `docs/design.md`, section 3.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -35,6 +35,10 @@ impl CallerId {
 /// How many times the release of a grant whose outcome is unknown is sent (see
 /// `Gate::withdraw_grant`): about a minute of tries.
 const WITHDRAW_TRIES: usize = 32;
+
+/// Withdrawals in the background at most. One more is sent once, inline, and then left: a
+/// grant it misses, if applied, expires with its TTL.
+const WITHDRAWALS_MAX: usize = 1024;
 
 /// The gate's named limits.
 #[derive(Debug, Clone)]
@@ -93,6 +97,10 @@ pub struct Gate {
     writes_from: Mutex<Option<Instant>>,
     /// Set at shutdown: no more admissions, so that "no write in flight" stays true.
     closed: AtomicBool,
+    /// Grants being withdrawn in the background ([`Gate::withdraw_grant`]), at most
+    /// [`WITHDRAWALS_MAX`]: a store outage with many grants asked does not grow tasks without
+    /// end.
+    withdrawals: Arc<AtomicUsize>,
 }
 
 /// The in-memory state of one resource in use.
@@ -193,6 +201,7 @@ impl Gate {
             next_write_id: AtomicU64::new(1),
             writes_from: Mutex::new(None),
             closed: AtomicBool::new(false),
+            withdrawals: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -368,19 +377,27 @@ impl Gate {
     /// A grant answered with an error whose outcome is unknown (the store did not answer in
     /// time, or its connection broke after the call was sent) may still be applied: nobody was
     /// told its lease id, so a lease it made would be held by no one for its whole TTL (a ghost
-    /// lease, seen when Redis stalled). Its release (compare-and-delete on the id) is sent after
-    /// it, and again until one is answered, for at most [`WITHDRAW_TRIES`] tries: it removes
-    /// the lease if the grant was applied, and does nothing if it was not. Sent after the grant
-    /// on the same store, it is applied after it (the embedded store's one writer, a Redis
-    /// connection's order).
+    /// lease, seen when Redis stalled). It is withdrawn ([`LeaseCommand::Withdraw`]), again
+    /// until the store answers, for at most [`WITHDRAW_TRIES`] tries: the withdrawal removes the
+    /// lease if the grant was applied, and leaves a tombstone that a grant applied after it
+    /// finds and does nothing (the grant's bytes may reach a shared store after the withdrawal's,
+    /// on a connection that broke).
     fn withdraw_grant(&self, resource: &ResourceKey, lease_id: String, now_ms: u64) {
         let (store, resource) = (self.store.clone(), resource.clone());
         metrics::lease_event("grant_withdrawn");
+        let pending = self.withdrawals.clone();
+        let tries = if pending.fetch_add(1, Ordering::AcqRel) < WITHDRAWALS_MAX {
+            WITHDRAW_TRIES
+        } else {
+            metrics::lease_event("grant_withdrawal_capped");
+            1
+        };
         tokio::spawn(async move {
+            let _pending = DecrementOnDrop(pending);
             let mut pause = Duration::from_millis(100);
-            for _ in 0..WITHDRAW_TRIES {
-                let release = LeaseCommand::Release { lease_id: lease_id.clone() };
-                match store.lease(&resource, release, now_ms).await {
+            for _ in 0..tries {
+                let withdraw = LeaseCommand::Withdraw { lease_id: lease_id.clone() };
+                match store.lease(&resource, withdraw, now_ms).await {
                     Ok(_) => return,
                     Err(error) => tracing::debug!(%error, resource = resource.as_str(), "withdrawing a grant"),
                 }
@@ -864,6 +881,15 @@ fn rollback_repaired(resource: &ResourceKey, had: Option<FenceToken>, mark: Opti
         floor = mark.map(|t| t.0),
         "FENCE STORE ROLLBACK: the store answered lower than this replica has seen; raised it back"
     );
+}
+
+/// Counts one pending withdrawal down when its task ends.
+struct DecrementOnDrop(Arc<AtomicUsize>);
+
+impl Drop for DecrementOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]

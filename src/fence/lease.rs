@@ -40,7 +40,20 @@ pub enum LeaseCommand {
     Release {
         lease_id: String,
     },
+    /// Takes back a grant that was answered with an error (its outcome unknown): releases the
+    /// lease if the grant was applied, live or not, and makes sure it is never applied later.
+    /// A shared store keeps a tombstone of `lease_id` that a grant arriving after it (a
+    /// connection's late bytes, a transaction applied late) finds, and does nothing; the
+    /// embedded store applies its changes in order, so the grant came first or never.
+    Withdraw {
+        lease_id: String,
+    },
 }
+
+/// How long a shared store keeps a withdrawn grant's tombstone: far longer than a grant can
+/// stay in flight (it is bounded by `store.timeout_ms` on the caller's side, by a stalled
+/// store's own recovery on the other).
+pub const WITHDRAWN_GRANT_TTL_MS: u64 = 600_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseOutcome {
@@ -122,6 +135,12 @@ pub fn apply_lease(
                     fence: None,
                     lease: LeaseWrite::Put(record),
                 }
+            }
+            _ => keep(LeaseOutcome::Gone),
+        },
+        LeaseCommand::Withdraw { lease_id } => match current {
+            Some(l) if l.lease_id == lease_id => {
+                LeaseTransition { outcome: LeaseOutcome::Released, fence: None, lease: LeaseWrite::Delete }
             }
             _ => keep(LeaseOutcome::Gone),
         },

@@ -20,7 +20,9 @@ pub use idempotency::{
     AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
     fingerprint,
 };
-pub use lease::{LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, apply_lease};
+pub use lease::{
+    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, WITHDRAWN_GRANT_TTL_MS, apply_lease,
+};
 pub use store::{
     AdvanceOutcome, FenceStore, IdempotencyStore, LeaseStore, SharedAdmit, SharedRegistry, Store, StoreError,
     StoreEvent, UploadStore,

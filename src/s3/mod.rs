@@ -282,7 +282,7 @@ impl Front {
         if op == Op::AbortMultipartUpload
             && let Some(signer) = signer
             && let Some(resp) =
-                self.abort_own_stale_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
+                self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
         {
             return Ok(resp);
         }
@@ -411,6 +411,9 @@ impl Front {
         *admitted = true;
         let deadline = tokio::time::Instant::now() + self.request_timeout;
         let admitted = Admitted { token, resource, permit, deadline };
+        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload) {
+            self.take_over_upload(&request, &admitted).await?;
+        }
         match op {
             Op::PutObject => self.put_object(request, admitted).await,
             // Boxed: the largest of these futures, which would make every write's as large.

@@ -40,10 +40,8 @@ pub fn service(
     front.upload_ids_tied_to_keys =
         enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
     let route_front = Arc::new(front);
-    if config.fencing.abort_stale_uploads_after_ms > 0 {
-        let after = crate::config::ms(config.fencing.abort_stale_uploads_after_ms);
-        tokio::spawn(route_front.clone().sweep_stale_uploads(after));
-    }
+    let after = Some(config.fencing.abort_stale_uploads_after_ms).filter(|ms| *ms > 0).map(crate::config::ms);
+    tokio::spawn(route_front.clone().sweep_uploads(after));
     let route =
         FencegateRoute { front: route_front.clone(), leases, issuers: issuers.clone(), sigv2: config.server.sigv2 };
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.

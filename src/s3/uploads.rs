@@ -1,10 +1,12 @@
 //! No upload left behind (SPEC section 12). Every multipart upload created with a token is
 //! recorded in the fence store, with that token and its creator, before the client learns its
-//! id. The creator may abort it after its token went stale (an abort commits nothing, and the
-//! record proves the upload is not a newer holder's); fencegate aborts the uploads of
-//! superseded tokens `fencing.abort_stale_uploads_after_ms` after it saw them superseded; a
-//! completion or an abort through fencegate forgets the record. Design and crash points:
-//! `docs/design.md`, "Uploads left behind".
+//! id; a newer token that sends a part or the completion of it takes it over (the record gets
+//! its token before the step is forwarded). The token and signer of the record may abort it
+//! whatever became of the token (an abort commits nothing, and the record shows no newer
+//! token uses the upload); fencegate aborts the uploads of superseded tokens
+//! `fencing.abort_stale_uploads_after_ms` after it saw them superseded; a completion or an
+//! abort through fencegate forgets the record, and so does the sweep once the upstream no
+//! longer has the upload. Design and crash points: `docs/design.md`, "Uploads left behind".
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -23,6 +25,14 @@ use crate::refusal::Refusal;
 
 /// Upload records read per page of a sweep.
 const SWEEP_PAGE: usize = 256;
+
+/// The sweep runs every quarter of `fencing.abort_stale_uploads_after_ms`, within these.
+const SWEEP_PERIOD_MIN: Duration = Duration::from_secs(1);
+const SWEEP_PERIOD_MAX: Duration = Duration::from_secs(60);
+
+/// How old a record is before the sweep asks the upstream whether its upload still exists, and
+/// how often it asks again.
+const VERIFY_EVERY: Duration = Duration::from_secs(3600);
 
 impl Front {
     /// CreateMultipartUpload (admitted, stamped): forwarded, and the upload recorded before
@@ -63,11 +73,11 @@ impl Front {
         Ok(client_response(resp))
     }
 
-    /// AbortMultipartUpload by the upload's creator after its token went stale: allowed when
-    /// the record shows that this token, this signer and this resource created it, whatever
-    /// the lease it was made under has become. `None`: not such an abort (the token is the
-    /// fence, or the upload is not this creator's), and the request goes the usual way.
-    pub(super) async fn abort_own_stale_upload(
+    /// AbortMultipartUpload by the upload's owner: the token and signer of its record, on its
+    /// resource and key. Allowed whatever became of the token (superseded, or a lease that
+    /// lapsed with no successor): the record shows that no newer token uses the upload. `None`:
+    /// no such record, and the request goes the usual way (the gate).
+    pub(super) async fn abort_own_upload(
         &self,
         target: &Target,
         query: Option<&str>,
@@ -87,25 +97,40 @@ impl Front {
                 None => return Ok(None),
             },
         };
-        let fence = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?;
-        if fence.is_none_or(|fence| fence <= token) {
-            return Ok(None);
-        }
         let record = self.gate.upload_records().get(bucket, &upload_id).await.map_err(Refusal::StoreUnavailable)?;
         let Some(record) = record
             .filter(|r| r.key == *key && r.token == token && r.creator == signer && r.resource == resource.as_str())
         else {
             return Ok(None);
         };
+        let stale = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?.is_some_and(|f| f > token);
         let span = tracing::Span::current();
         span.record("resource", resource.as_str());
         span.record("token", token.0);
-        span.record("decision", "stale_upload_aborted");
-        let resp = self.abort_upload(&record, "abort_stale_upload").await?;
-        if resp.status().is_success() {
+        span.record("decision", "own_upload_aborted");
+        let resp = self.abort_upload(&record, "abort_own_upload").await?;
+        if stale && resp.status().is_success() {
             metrics::stale_upload_aborted("creator");
         }
         Ok(Some(client_response(resp)))
+    }
+
+    /// A part or the completion of an upload, admitted with a token newer than its record's:
+    /// the upload is that token's from now on, before the step is forwarded. Neither its
+    /// former owner nor the sweep may abort it then.
+    pub(super) async fn take_over_upload(&self, request: &Request, admitted: &Admitted) -> Result<(), FrontError> {
+        let Some((bucket, upload_id)) = upload_of(request) else { return Ok(()) };
+        let records = self.gate.upload_records();
+        let record = records.get(&bucket, &upload_id).await.map_err(Refusal::StoreUnavailable)?;
+        let Some(record) = record.filter(|r| r.token < admitted.token) else { return Ok(()) };
+        let taken = UploadRecord {
+            token: admitted.token,
+            creator: request.signer.clone().unwrap_or_default(),
+            resource: admitted.resource.as_str().to_owned(),
+            ..record
+        };
+        records.put(&taken).await.map_err(Refusal::StoreUnavailable)?;
+        Ok(())
     }
 
     /// Sends AbortMultipartUpload for `record`'s upload, and forgets the record once the
@@ -128,67 +153,120 @@ impl Front {
         }
     }
 
-    /// Aborts the uploads whose token was superseded `after` ago or more, for as long as the
-    /// process runs. Every replica of a shared store sweeps; an upload aborted twice is
-    /// answered 404 the second time, and forgotten.
-    pub async fn sweep_stale_uploads(self: Arc<Self>, after: Duration) {
-        let period = (after / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
-        let mut superseded_since = HashMap::new();
+    /// For as long as the process runs: aborts the uploads whose token was superseded `after`
+    /// ago or more (`None`: never), and forgets the records of uploads the upstream no longer
+    /// has (completed or aborted around fencegate, or by a lifecycle rule). Every replica of a
+    /// shared store sweeps; an upload aborted twice is answered 404 the second time.
+    pub async fn sweep_uploads(self: Arc<Self>, after: Option<Duration>) {
+        let period = after.map_or(SWEEP_PERIOD_MAX, |after| (after / 4).clamp(SWEEP_PERIOD_MIN, SWEEP_PERIOD_MAX));
+        let mut sweep = Sweep::default();
         loop {
             tokio::time::sleep(period).await;
-            if let Err(error) = self.sweep(after, &mut superseded_since).await {
-                tracing::warn!(%error, "sweeping the uploads of superseded tokens failed; trying again later");
+            if let Err(error) = self.sweep(after, &mut sweep).await {
+                tracing::warn!(%error, "sweeping the upload records failed; trying again later");
             }
         }
     }
 
-    /// One walk over the upload records. `superseded_since`: when this process first saw each
-    /// upload's token below its fence (a restart starts the wait again: later, never sooner).
-    async fn sweep(&self, after: Duration, superseded_since: &mut HashMap<String, Instant>) -> Result<(), StoreError> {
+    /// One walk over the upload records.
+    async fn sweep(&self, after: Option<Duration>, sweep: &mut Sweep) -> Result<(), StoreError> {
         let records = self.gate.upload_records();
-        let mut superseded = HashSet::new();
+        let mut walked = HashSet::new();
         let mut cursor = None;
         loop {
             let page = records.page(cursor.take(), SWEEP_PAGE).await?;
             for record in page.records {
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
-                if self.gate.fence(&resource).await?.is_none_or(|fence| fence <= record.token) {
-                    continue;
-                }
                 let name = record.storage_name();
-                let since = *superseded_since.entry(name.clone()).or_insert_with(Instant::now);
-                superseded.insert(name);
-                if since.elapsed() < after {
-                    continue;
-                }
-                match self.abort_upload(&record, "abort_stale_upload").await {
-                    Ok(resp) if resp.status().is_success() => {
-                        metrics::stale_upload_aborted("fencegate");
-                        tracing::info!(
-                            bucket = %record.bucket,
-                            key = %record.key,
-                            upload_id = %record.upload_id,
-                            token = record.token.0,
-                            "aborted an upload of a superseded token"
-                        );
-                    }
-                    Ok(resp) if resp.status() == StatusCode::NOT_FOUND => {}
-                    Ok(resp) => {
-                        tracing::warn!(status = %resp.status(), upload_id = %record.upload_id, "aborting an upload of a superseded token failed")
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, upload_id = %record.upload_id, "aborting an upload of a superseded token failed")
+                walked.insert(name.clone());
+                let superseded = self.gate.fence(&resource).await?.is_some_and(|fence| fence > record.token);
+                if !superseded {
+                    sweep.superseded_since.remove(&name);
+                } else if let Some(after) = after {
+                    let since = *sweep.superseded_since.entry(name.clone()).or_insert_with(Instant::now);
+                    if since.elapsed() >= after {
+                        self.abort_superseded(&record).await?;
+                        continue;
                     }
                 }
+                self.verify_upload(&record, sweep).await;
             }
             match page.next {
                 Some(next) => cursor = Some(next),
                 None => break,
             }
         }
-        superseded_since.retain(|name, _| superseded.contains(name));
+        sweep.superseded_since.retain(|name, _| walked.contains(name));
+        sweep.verified.retain(|name, _| walked.contains(name));
         Ok(())
     }
+
+    /// Aborts an upload superseded long enough, unless a newer token took it over since the
+    /// walk read its record (read again just before).
+    async fn abort_superseded(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        let now = self.gate.upload_records().get(&record.bucket, &record.upload_id).await?;
+        if now.as_ref().is_none_or(|now| now.token != record.token) {
+            return Ok(());
+        }
+        match self.abort_upload(record, "abort_stale_upload").await {
+            Ok(resp) if resp.status().is_success() => {
+                metrics::stale_upload_aborted("fencegate");
+                tracing::info!(
+                    bucket = %record.bucket,
+                    key = %record.key,
+                    upload_id = %record.upload_id,
+                    token = record.token.0,
+                    "aborted an upload of a superseded token"
+                );
+            }
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => {}
+            Ok(resp) => tracing::warn!(
+                status = %resp.status(),
+                upload_id = %record.upload_id,
+                "aborting an upload of a superseded token failed"
+            ),
+            Err(error) => {
+                tracing::warn!(%error, upload_id = %record.upload_id, "aborting an upload of a superseded token failed")
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the record of an upload the upstream no longer has: asked for uploads recorded
+    /// more than [`VERIFY_EVERY`] ago, at most once per [`VERIFY_EVERY`] each (a ListParts of
+    /// one part).
+    async fn verify_upload(&self, record: &UploadRecord, sweep: &mut Sweep) {
+        let name = record.storage_name();
+        let recorded_ms = self.clock.now_ms().saturating_sub(record.created_at_ms);
+        let verified_recently = sweep.verified.get(&name).is_some_and(|at| at.elapsed() < VERIFY_EVERY);
+        if u128::from(recorded_ms) < VERIFY_EVERY.as_millis() || verified_recently {
+            return;
+        }
+        sweep.verified.insert(name, Instant::now());
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("max-parts", "1")
+            .append_pair("uploadId", &record.upload_id)
+            .finish();
+        let path = format!("{}?{query}", record.path);
+        match self.send("verify_upload", Method::GET, &path, HeaderMap::new(), Body::empty()).await {
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => {
+                tracing::info!(upload_id = %record.upload_id, "the upstream no longer has a recorded upload: forgotten");
+                self.forget_upload(&record.bucket, &record.upload_id).await;
+            }
+            Ok(_) => {}
+            Err(error) => tracing::debug!(%error, upload_id = %record.upload_id, "checking a recorded upload failed"),
+        }
+    }
+}
+
+/// What the sweep remembers between walks (in memory: a restart starts the waits again, so an
+/// abort comes later, never sooner).
+#[derive(Default)]
+struct Sweep {
+    /// When this process first saw each upload's token below its fence.
+    superseded_since: HashMap<String, Instant>,
+    /// When each upload was last looked for at the upstream.
+    verified: HashMap<String, Instant>,
 }
 
 /// The bucket and upload id a multipart step names.

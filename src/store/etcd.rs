@@ -17,6 +17,8 @@
 //! - `fg/k/<r>\0<digest>`  the API gateway's idempotency record (JSON), on an etcd lease that
 //!   ends with the route's retention
 //! - `fg/u/<bucket>/<upload id>`  a multipart upload made with a token (JSON `UploadRecord`)
+//! - `fg/w/<r>\0<lease id>`  a grant withdrawn after an error, on an etcd lease of
+//!   `WITHDRAWN_GRANT_TTL_MS`: the grant's own transaction, applied late, finds it and fails
 //!
 //! Announcements are etcd's own watch on `fg/f/`: every change of a fence is an event, in
 //! revision order, resumed from the last revision seen after a reconnect.
@@ -39,7 +41,7 @@ use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, SharedAdmit, SharedRegistry,
-    StoreError, UploadPage, UploadRecord, UploadStore, apply_lease,
+    StoreError, UploadPage, UploadRecord, UploadStore, WITHDRAWN_GRANT_TTL_MS, apply_lease,
 };
 use crate::metrics;
 
@@ -48,8 +50,13 @@ const LEASES: &str = "fg/l/";
 const INFLIGHT: &str = "fg/i/";
 const RECORDS: &str = "fg/k/";
 const UPLOADS: &str = "fg/u/";
+const WITHDRAWN: &str = "fg/w/";
 /// The end of the range of [`UPLOADS`] (`/` + 1 is `0`).
 const UPLOADS_END: &str = "fg/u0";
+
+fn withdrawn_key(resource: &ResourceKey, lease_id: &str) -> String {
+    format!("{WITHDRAWN}{}\0{lease_id}", resource.as_str())
+}
 
 fn upload_key(bucket: &str, upload_id: &str) -> String {
     format!("{UPLOADS}{}", UploadRecord::name(bucket, upload_id))
@@ -389,15 +396,40 @@ impl LeaseStore for EtcdStore {
         now_ms: u64,
     ) -> Result<LeaseOutcome, StoreError> {
         let (fkey, lkey) = (fence_key(resource), lease_key(resource));
+        // A grant and its withdrawal meet at the withdrawn grant's tombstone.
+        let tkey = match &command {
+            LeaseCommand::Acquire { lease_id, .. } | LeaseCommand::Withdraw { lease_id } => {
+                Some(withdrawn_key(resource, lease_id))
+            }
+            _ => None,
+        };
         let attempts = Attempts::new(self.timeout);
+        let mut tombstone_lease = None;
         loop {
-            let mut reads = self.read(&[&fkey, &lkey]).await?;
-            let (lease, fence) = (reads.remove(1), reads.remove(0));
+            let mut reads = self.read(&[&fkey, &lkey, tkey.as_deref().unwrap_or(&lkey)]).await?;
+            let (withdrawn, lease, fence) = (reads.remove(2), reads.remove(1), reads.remove(0));
             let stored = fence.token()?;
             let current: Option<LeaseRecord> =
                 lease.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()?;
-            let transition = apply_lease(stored, current.as_ref(), command.clone(), now_ms);
+            let mut when = vec![fence.unchanged(&fkey), lease.unchanged(&lkey)];
             let mut ops = Vec::new();
+            match (&command, &tkey) {
+                (LeaseCommand::Acquire { .. }, Some(tkey)) => {
+                    if withdrawn.value.is_some() {
+                        return Ok(LeaseOutcome::Gone);
+                    }
+                    when.push(withdrawn.unchanged(tkey));
+                }
+                (LeaseCommand::Withdraw { .. }, Some(tkey)) => {
+                    let id = match tombstone_lease {
+                        Some(id) => id,
+                        None => *tombstone_lease.insert(self.grant_lease(ttl_seconds(WITHDRAWN_GRANT_TTL_MS)).await?),
+                    };
+                    ops.push(TxnOp::put(tkey.as_str(), "", Some(PutOptions::new().with_lease(id))));
+                }
+                _ => {}
+            }
+            let transition = apply_lease(stored, current.as_ref(), command.clone(), now_ms);
             if let Some(new) = transition.fence {
                 ops.push(TxnOp::put(fkey.as_str(), new.0.to_string(), None));
             }
@@ -409,7 +441,7 @@ impl LeaseStore for EtcdStore {
                 }
                 LeaseWrite::Delete => ops.push(TxnOp::delete(lkey.as_str(), None)),
             }
-            if ops.is_empty() || self.commit(vec![fence.unchanged(&fkey), lease.unchanged(&lkey)], ops).await? {
+            if ops.is_empty() || self.commit(when, ops).await? {
                 if let (LeaseOutcome::Granted(_), LeaseCommand::Acquire { floor: Some(floor), .. }) =
                     (&transition.outcome, &command)
                     && stored.is_none_or(|s| s < *floor)

@@ -9,6 +9,9 @@
 //!   that token may be in flight on that replica), scored by deadline (ms, Redis clock); see
 //!   `registrations` for how a replica shares and withdraws its member
 //! - `fg:{r}:lease`     the lease (hash: holder, lease_id, token, ttl_ms, expires_at_ms)
+//! - `fg:{r}:withdrawn` the lease ids of grants taken back after an error (hash, expiring
+//!   `WITHDRAWN_GRANT_TTL_MS` after the last): a grant that arrives after its withdrawal does
+//!   nothing
 //! - `fg:{r}:idem:<d>`  the API gateway's idempotency record of request digest `d` (hash:
 //!   claim, record as JSON), expiring by itself (`PEXPIRE`) after the route's retention
 //!
@@ -152,8 +155,10 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 return {1, cur}
 ";
 
-/// KEYS: fence, lease, epoch, quiet. ARGV: op ('acquire'|'renew'|'release'), lease_id, holder,
-/// ttl_ms, channel, resource, floor or '', and for a grant known epoch, fresh epoch, quiet ms.
+/// KEYS: fence, lease, epoch, quiet, withdrawn. ARGV: op ('acquire'|'renew'|'release'|'withdraw'),
+/// lease_id, holder, ttl_ms (a withdrawal: its tombstone's), channel, resource, floor or '', and
+/// for a grant known epoch, fresh epoch, quiet ms. A grant whose lease id was withdrawn does
+/// nothing ('gone').
 /// Implements `fence::apply_lease` with Redis's clock; a grant is above the stored fence and
 /// the floor, and passes the epoch gate first ({'epoch' | 'quiet', mark, '', '', '', quiet ms}).
 /// Returns {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}, and for
@@ -175,7 +180,15 @@ local now = now_ms()
 local l = redis.call('HMGET', KEYS[2], 'holder', 'lease_id', 'token', 'ttl_ms', 'expires_at_ms')
 local live = l[1] and tonumber(l[5]) > now
 local op = ARGV[1]
+if op == 'withdraw' then
+  redis.call('HSET', KEYS[5], ARGV[2], '1')
+  redis.call('PEXPIRE', KEYS[5], ARGV[4])
+  if l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
+  redis.call('DEL', KEYS[2])
+  return {'released', '', '', '', '', ''}
+end
 if op == 'acquire' then
+  if redis.call('HEXISTS', KEYS[5], ARGV[2]) == 1 then return {'gone', '', '', '', '', ''} end
   local g = epoch_gate(KEYS[3], KEYS[4], ARGV[8], ARGV[9], ARGV[10], true)
   if g then return {g[1], g[2], '', '', '', tostring(g[3])} end
   if live then return {'held', l[1], '', '', '', tostring(tonumber(l[5]) - now)} end
@@ -892,6 +905,9 @@ impl LeaseStore for RedisStore {
             }
             LeaseCommand::Renew { lease_id } => ("renew", lease_id, String::new(), String::new(), None),
             LeaseCommand::Release { lease_id } => ("release", lease_id, String::new(), String::new(), None),
+            LeaseCommand::Withdraw { lease_id } => {
+                ("withdraw", lease_id, String::new(), crate::fence::WITHDRAWN_GRANT_TTL_MS.to_string(), None)
+            }
         };
         let fence = key(resource, "fence");
         let marked = EpochKeys::of(&fence);
@@ -901,7 +917,7 @@ impl LeaseStore for RedisStore {
             |reply: &Vec<Value>| matches!(reply.first().map(as_string).as_deref(), Some("granted" | "renewed"));
         let reply: Vec<Value> = loop {
             let mut inv = self.lease.key(&fence);
-            inv.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
+            inv.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet).key(key(resource, "withdrawn"));
             inv.arg(op).arg(&lease_id).arg(&holder).arg(&ttl_ms).arg(ANNOUNCE_CHANNEL).arg(resource.as_str());
             inv.arg(floor.map(|f| f.0.to_string()).unwrap_or_default());
             inv.arg(self.epochs.get(marked.slot)).arg(&fresh).arg(self.quiet_ms);
@@ -922,12 +938,13 @@ impl LeaseStore for RedisStore {
                         // knows its id. Released at once (best effort: it may not replicate
                         // either, and then only expiry frees it).
                         let mut release = self.lease.key(key(resource, "fence"));
-                        release.key(key(resource, "lease"));
+                        release.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
+                        release.key(key(resource, "withdrawn"));
                         release
-                            .arg("release")
+                            .arg("withdraw")
                             .arg(&lease_id)
                             .arg("")
-                            .arg("")
+                            .arg(crate::fence::WITHDRAWN_GRANT_TTL_MS)
                             .arg(ANNOUNCE_CHANNEL)
                             .arg(resource.as_str());
                         release.arg("");
