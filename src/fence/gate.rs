@@ -32,9 +32,10 @@ impl CallerId {
     }
 }
 
-/// How many times the release of a grant whose outcome is unknown is sent (see
-/// `Gate::withdraw_grant`): about a minute of tries.
-const WITHDRAW_TRIES: usize = 32;
+/// How long the withdrawal of a grant whose outcome is unknown is sent again while the store
+/// does not answer (see `Gate::withdraw_grant`): half the time its tombstone is kept, so the
+/// tombstone outlives any grant the store can still apply after it.
+const WITHDRAW_FOR: Duration = Duration::from_millis(super::WITHDRAWN_GRANT_TTL_MS / 2);
 
 /// Withdrawals in the background at most. One more is sent once, inline, and then left: a
 /// grant it misses, if applied, expires with its TTL.
@@ -378,7 +379,7 @@ impl Gate {
     /// time, or its connection broke after the call was sent) may still be applied: nobody was
     /// told its lease id, so a lease it made would be held by no one for its whole TTL (a ghost
     /// lease, seen when Redis stalled). It is withdrawn ([`LeaseCommand::Withdraw`]), again
-    /// until the store answers, for at most [`WITHDRAW_TRIES`] tries: the withdrawal removes the
+    /// until the store answers, for at most [`WITHDRAW_FOR`]: the withdrawal removes the
     /// lease if the grant was applied, and leaves a tombstone that a grant applied after it
     /// finds and does nothing (the grant's bytes may reach a shared store after the withdrawal's,
     /// on a connection that broke).
@@ -386,20 +387,23 @@ impl Gate {
         let (store, resource) = (self.store.clone(), resource.clone());
         metrics::lease_event("grant_withdrawn");
         let pending = self.withdrawals.clone();
-        let tries = if pending.fetch_add(1, Ordering::AcqRel) < WITHDRAWALS_MAX {
-            WITHDRAW_TRIES
+        let until = if pending.fetch_add(1, Ordering::AcqRel) < WITHDRAWALS_MAX {
+            Instant::now() + WITHDRAW_FOR
         } else {
             metrics::lease_event("grant_withdrawal_capped");
-            1
+            Instant::now()
         };
         tokio::spawn(async move {
             let _pending = DecrementOnDrop(pending);
             let mut pause = Duration::from_millis(100);
-            for _ in 0..tries {
+            loop {
                 let withdraw = LeaseCommand::Withdraw { lease_id: lease_id.clone() };
                 match store.lease(&resource, withdraw, now_ms).await {
                     Ok(_) => return,
                     Err(error) => tracing::debug!(%error, resource = resource.as_str(), "withdrawing a grant"),
+                }
+                if Instant::now() + pause >= until {
+                    break;
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));

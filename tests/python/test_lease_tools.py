@@ -708,6 +708,29 @@ def test_the_lease_is_released_when_the_command_ends(gate):
     assert r.status == 201, (r.status, r.body)
 
 
+def test_what_the_command_left_running_ends_before_the_release(gate, tmp_path):
+    """A command that leaves a job in the background (`job &`, not waited for) ends normally;
+    the job holds the lease's credentials. Before: it ran on after fencegate-lease released the
+    lease and exited. Now it is stopped before the release (SIGTERM, SIGKILL after the grace),
+    one that ignores SIGTERM too."""
+    fg = gate
+    pids = tmp_path / "pids"
+    # Their output goes elsewhere: they would hold this test's pipes open.
+    script = (f"sleep 300 >/dev/null 2>&1 & echo $! >> {pids}; "
+              f"sh -c 'trap \"\" TERM; while :; do sleep 0.1; done' >/dev/null 2>&1 & echo $! >> {pids}; exit 0")
+    started = time.monotonic()
+    rc, out, err = run_leased(fg, "job:leftovers", ["sh", "-c", script], "--ttl-ms", "60000", "--grace-ms", "1000")
+    assert rc == 0, explain(fg, rc, out, err)
+    assert "the command left processes running; stopping them" in err, err
+    assert err.index("stopping them") < err.index("fencegate-lease: released job:leftovers"), err
+    left = [int(p) for p in pids.read_text().split()]
+    assert len(left) == 2
+    alive = [p for p in left if Path(f"/proc/{p}").exists() and "Z" not in
+             Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[:1]]
+    assert alive == [], f"left running after fencegate-lease exited: {alive}"
+    assert time.monotonic() - started < 30
+
+
 # --------------------------------------------------------------------------------------------
 # a worker's key, exits and messages (the lease workflow without loose ends)
 # --------------------------------------------------------------------------------------------

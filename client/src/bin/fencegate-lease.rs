@@ -249,7 +249,11 @@ async fn watch(group: Pid, grace: Duration) -> u8 {
 /// watchdog is stopped as soon as the command is known to have ended (or been stopped): from
 /// then on its group id may be reused, and nothing must signal it.
 async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration, mut watchdog: Option<Child>) -> u8 {
+    let group = child.id().map(|id| Pid::from_raw(id as i32));
     let supervised = supervise(child, &lease).await;
+    if supervised.is_ok() {
+        stop_leftovers(group, grace).await;
+    }
     if supervised.is_err() {
         // Lost: the command is stopped first (its group still exists until it is reaped).
         let reason = match lease.status() {
@@ -318,6 +322,22 @@ async fn received(handler: &mut Option<tokio::signal::unix::Signal>) {
     if !delivered {
         std::future::pending::<()>().await;
     }
+}
+
+/// What the command left running in its process group when it ended (a `job &` it did not
+/// wait for) holds the lease's credentials: it is stopped before the lease is released
+/// (SIGTERM, SIGKILL after `grace`). The group id cannot be another's while a member is left.
+async fn stop_leftovers(group: Option<Pid>, grace: Duration) {
+    let Some(group) = group else { return };
+    if killpg(group, Signal::SIGTERM).is_err() {
+        return;
+    }
+    eprintln!("fencegate-lease: the command left processes running; stopping them");
+    let until = Instant::now() + grace;
+    while Instant::now() < until && killpg(group, None).is_ok() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = killpg(group, Signal::SIGKILL);
 }
 
 /// SIGTERM to the command's process group, SIGKILL after `grace`.
