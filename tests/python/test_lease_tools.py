@@ -92,6 +92,20 @@ def gate(fencegate, moto_server):
     return fg
 
 
+@pytest.fixture(params=["moto", "local"])
+def any_gate(request, fencegate, moto_server):
+    """`gate` in front of moto, or of the local upstream. The local upstream is read through
+    fencegate (its reads pass through as they are); `fg.moto` is that client then."""
+    if request.param == "moto":
+        return request.getfixturevalue("gate")
+    bucket = unique("tools")
+    rules = [{"bucket": bucket, "prefix": "data/", "resource": "job:tools"}]
+    fg = fencegate(config={"fencing": {"rules": rules}}, local_buckets=(bucket,))
+    fg.bucket = bucket
+    fg.moto = fg.client()
+    return fg
+
+
 def tool_env(fg, **extra) -> dict:
     """The environment a user gives fencegate-lease: the issuer credential and the endpoint, no
     AWS configuration files, nothing else of AWS (fencegate-lease sets the rest for COMMAND)."""
@@ -533,8 +547,8 @@ WORKER_A = WORKER_A_LOOP.replace("{copy}", '"$AWS" s3 cp --only-show-errors "$SR
 
 
 @pytest.mark.parametrize("worker", ["obedient", "stubborn"])
-def test_classic_scenario_with_the_aws_cli(gate, tmp_path, background, worker):
-    fg = gate
+def test_classic_scenario_with_the_aws_cli(any_gate, tmp_path, background, worker):
+    fg = any_gate
     key = "data/classic.txt"
     dst = f"s3://{fg.bucket}/{key}"
     a_src, b_src = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -585,10 +599,10 @@ def test_classic_scenario_with_the_aws_cli(gate, tmp_path, background, worker):
     assert final == b_data
 
 
-def test_classic_scenario_mid_multipart_upload(gate, tmp_path, background):
+def test_classic_scenario_mid_multipart_upload(any_gate, tmp_path, background):
     """A is frozen in the middle of an `aws s3 cp` multipart upload (parts in flight), B takes
     over and writes the key, A wakes up: nothing of A's upload is committed, B's object stays."""
-    fg = gate
+    fg = any_gate
     key = "data/classic-multipart.bin"
     dst = f"s3://{fg.bucket}/{key}"
     a_src, b_src = tmp_path / "a.bin", tmp_path / "b.txt"
@@ -910,7 +924,7 @@ def tool_copy(tool: str, fg, tmp_path: Path, key: str) -> tuple:
 
 
 @pytest.mark.parametrize("tool", ["rclone", "s3cmd"])
-def test_classic_scenario_with_rclone_and_s3cmd(gate, tmp_path, background, tool):
+def test_classic_scenario_with_rclone_and_s3cmd(any_gate, tmp_path, background, tool):
     """The classic scenario with tools nobody on the project tuned for, unmodified under
     `fencegate-lease run`: A (which ignores SIGTERM) writes with `tool`, is frozen past its TTL,
     B takes over and writes with the aws CLI, A wakes and writes again: refused, B's bytes stay
@@ -918,7 +932,7 @@ def test_classic_scenario_with_rclone_and_s3cmd(gate, tmp_path, background, tool
     outlives it."""
     if shutil.which(tool) is None:
         pytest.skip(f"{tool} is not installed (apt-get install {tool})")
-    fg = gate
+    fg = any_gate
     key = f"data/classic-{tool}.txt"
     a_src, b_src = tmp_path / "a.txt", tmp_path / "b.txt"
     a_data = b"written by worker A\n" + os.urandom(1024)
