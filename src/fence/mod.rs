@@ -12,6 +12,7 @@ mod store;
 mod timed;
 mod token;
 mod uploads;
+mod write;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN};
 pub use decision::{Decision, decide};
@@ -30,3 +31,4 @@ pub use store::{
 pub use timed::{IdempotencyRecords, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};
 pub use uploads::{UploadPage, UploadRecord};
+pub use write::{FencedWrite, WriteFailure};

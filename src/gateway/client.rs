@@ -22,9 +22,6 @@ pub enum SendError {
     /// The connection broke after the request started: the API may have executed it.
     #[error("the upstream connection broke")]
     Broken(#[source] hyper_util::client::legacy::Error),
-    /// The write's body was cut off before it reached the API whole: nothing executed.
-    #[error("the request body was cut off")]
-    CutOff,
 }
 
 pub struct ApiClient {
@@ -75,6 +72,6 @@ impl ApiClient {
 
 impl crate::fence::outcome::Delivery for SendError {
     fn maybe_delivered(&self) -> bool {
-        !matches!(self, Self::NotSent(_) | Self::CutOff)
+        !matches!(self, Self::NotSent(_))
     }
 }

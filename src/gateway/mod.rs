@@ -41,11 +41,10 @@ use self::replay::Collected;
 use self::route::Route;
 use crate::body::{BodyFailure, ForwardBody};
 use crate::config::{Config, RouteMode, millis, ms};
-use crate::fence::CutOff;
-use crate::fence::outcome::{Bounded, bounded_call, detached};
+use crate::fence::outcome::detached;
 use crate::fence::{
-    AmbiguousCause, Decision, FenceToken, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
-    IdempotencyRecord, IdempotencyRecords, Permit, ResourceKey, StoreError, decide, fingerprint,
+    AmbiguousCause, Decision, FenceToken, FencedWrite, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
+    IdempotencyRecord, IdempotencyRecords, Permit, ResourceKey, StoreError, WriteFailure, decide, fingerprint,
 };
 use crate::lease::Clock;
 use crate::metrics;
@@ -335,15 +334,14 @@ impl Gateway {
         }
         // The claim is ours: every path below finishes it, with an outcome or by removing it
         // (nothing reached the API, so a retry may go ahead).
-        let permit = match self.gate.admit_write(&resource, token, route.writes_advance, None).await {
-            Ok(permit) => Arc::new(permit),
+        let write = match self.admit(route, &resource, token).await {
+            Ok(write) => write,
             Err(error) => {
                 self.finish(&key, &claim, None).await;
-                return Err(error.into());
+                return Err(error);
             }
         };
-        self.accepted();
-        let mut req = self.upstream_request(&parts, uri, Body::empty());
+        let mut req = self.upstream_request(&parts, uri, Body::from(body.clone()));
         // Hex, so always a header value; were it not, nothing was sent.
         let Ok(upstream_key) = HeaderValue::from_str(&claim.upstream_key) else {
             self.finish(&key, &claim, None).await;
@@ -352,33 +350,20 @@ impl Gateway {
         let headers = req.headers_mut();
         headers.insert(IDEMPOTENCY_KEY_HEADER, upstream_key);
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-        let deadline = tokio::time::Instant::now() + route.request_timeout;
-        let (forwarded, report) = ForwardBody::new(Body::from(body), Some(permit.clone()), None, 0);
-        *req.body_mut() = Body::http_body(forwarded);
-        let result = self.call_write(route, &permit, deadline, req).await;
-
-        let resp = match (result, report.failure()) {
-            (Err(SendError::CutOff), _) | (_, Some(BodyFailure::Cancelled)) => {
+        let resp = match self.send_write(route, &write, req).await {
+            Ok(resp) => resp,
+            Err(CallFailed::NotSent(error)) => {
                 self.finish(&key, &claim, None).await;
-                return Err(self.cut_off_error(route, &resource, &permit).await);
+                return Err(error);
             }
-            (_, Some(_)) => {
-                self.finish(&key, &claim, None).await;
-                return Err(GatewayError::IncompleteBody);
-            }
-            (Err(SendError::NotSent(e)), None) => {
-                self.finish(&key, &claim, None).await;
-                return Err(GatewayError::UpstreamUnavailable(Box::new(e)));
-            }
-            (Err(e), None) => {
+            Err(CallFailed::Unknown(e)) => {
                 let cause = ambiguous_cause(&e);
                 self.finish(&key, &claim, Some(IdempotencyOutcome::Ambiguous { cause })).await;
                 return Err(unknown_outcome(e, Some(claim.upstream_key.clone())));
             }
-            (Ok(resp), None) => resp,
         };
         // The outcome is known from the head on: newer writes need not wait for the body.
-        drop(permit);
+        drop(write);
         let (head, body) = resp.into_parts();
         if !replay::is_recorded(head.status) {
             self.finish(&key, &claim, None).await;
@@ -447,9 +432,7 @@ impl Gateway {
         token: FenceToken,
         conditional: bool,
     ) -> Result<(http::Response<Incoming>, Arc<Permit>), GatewayError> {
-        let permit = Arc::new(self.gate.admit_write(resource, token, route.writes_advance, None).await?);
-        let deadline = tokio::time::Instant::now() + route.request_timeout;
-        self.accepted();
+        let write = self.admit(route, resource, token).await?;
         if conditional {
             let (name, value) = self.etags.precondition(resource);
             let headers = req.headers_mut();
@@ -457,63 +440,60 @@ impl Gateway {
             headers.remove(header::IF_NONE_MATCH);
             headers.insert(name, value);
         }
-        let (forwarded, report) = ForwardBody::new(body, Some(permit.clone()), None, 0);
-        *req.body_mut() = Body::http_body(forwarded);
-        let result = self.call_write(route, &permit, deadline, req).await;
-        match (result, report.failure()) {
-            (Err(SendError::CutOff), _) | (_, Some(BodyFailure::Cancelled)) => {
-                Err(self.cut_off_error(route, resource, &permit).await)
-            }
-            (_, Some(BodyFailure::TooLarge)) => Err(GatewayError::BodyTooLarge { max: route.body_bytes_max }),
-            (_, Some(_)) => Err(GatewayError::IncompleteBody),
-            (Ok(resp), None) => Ok((resp, permit)),
-            (Err(SendError::NotSent(e)), None) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
-            (Err(e), None) => Err(unknown_outcome(e, None)),
+        *req.body_mut() = body;
+        match self.send_write(route, &write, req).await {
+            Ok(resp) => Ok((resp, write.permit)),
+            Err(CallFailed::NotSent(error)) => Err(error),
+            Err(CallFailed::Unknown(error)) => Err(unknown_outcome(error, None)),
         }
     }
 
-    /// A write cut off before its whole body reached the API: stale, with the fence that did
-    /// it, or past its deadline, or its registration lost.
-    async fn cut_off_error(&self, route: &Route, resource: &ResourceKey, permit: &Permit) -> GatewayError {
-        match permit.cut_off() {
-            Some(CutOff::Deadline) => GatewayError::UpstreamTimeout { after_ms: millis(route.request_timeout) },
-            Some(CutOff::Revoked) => StoreError::Backend("the write's registration could not be kept".into()).into(),
-            Some(CutOff::Superseded) | None => {
-                let token = permit.token();
-                let current = self.gate.fence(resource).await.ok().flatten().unwrap_or(token);
-                Refusal::Stale { presented: token, current }.into()
-            }
-        }
-    }
-
-    /// One call of an admitted write, bounded by the write's deadline and never abandoned once
-    /// its request may have reached the API (`fence::outcome`).
-    async fn call_write(
+    /// Admits a write of `token` on `resource`.
+    async fn admit(
         &self,
         route: &Route,
-        permit: &Arc<Permit>,
-        deadline: tokio::time::Instant,
+        resource: &ResourceKey,
+        token: FenceToken,
+    ) -> Result<FencedWrite, GatewayError> {
+        let permit = self.gate.admit_write(resource, token, route.writes_advance, None).await?;
+        self.accepted();
+        Ok(FencedWrite::new(permit, resource.clone(), route.request_timeout, self.inflight_deadline))
+    }
+
+    /// Sends an admitted write (`fence::write`), its body cancellable by a newer token.
+    async fn send_write(
+        &self,
+        route: &Route,
+        write: &FencedWrite,
         req: http::Request<Body>,
-    ) -> Result<http::Response<Incoming>, SendError> {
-        let started = Instant::now();
-        // An empty body is handed over with the request's head: the HTTP client does not poll
-        // it, so it never marks the write sent itself.
-        if http_body::Body::size_hint(req.body()).exact() == Some(0) && !permit.mark_body_sent() {
-            return Err(SendError::CutOff);
+    ) -> Result<http::Response<Incoming>, CallFailed> {
+        let (parts, body) = req.into_parts();
+        let empty = http_body::Body::size_hint(&body).exact() == Some(0);
+        let (forwarded, report) = ForwardBody::new(body, Some(write.permit.clone()), None, 0);
+        let req = http::Request::from_parts(parts, Body::http_body(forwarded));
+        let result = write.call(&self.gate, "api", empty, route.client.send_unbounded(req)).await;
+        if let Some(failure) = write.body_failure(&self.gate, &report).await {
+            return Err(CallFailed::NotSent(self.write_error(route, failure)));
         }
-        let call = route.client.send_unbounded(req);
-        let permits = std::slice::from_ref(permit);
-        let result = match bounded_call(permits, deadline, self.inflight_deadline, call).await {
-            Bounded::Done(result) => result,
-            Bounded::CutOff => Err(SendError::CutOff),
-            Bounded::Unknown => Err(SendError::Timeout { after_ms: millis(route.request_timeout) }),
-        };
-        let status = result.as_ref().ok().map(|r| r.status().as_u16());
-        metrics::upstream_call("api", started.elapsed(), status);
-        if let Some(status) = status {
-            tracing::Span::current().record("upstream_status", status);
+        match result {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(SendError::NotSent(e))) => Err(CallFailed::NotSent(GatewayError::UpstreamUnavailable(Box::new(e)))),
+            Ok(Err(e)) => Err(CallFailed::Unknown(e)),
+            Err(WriteFailure::OutcomeUnknown { after_ms }) => Err(CallFailed::Unknown(SendError::Timeout { after_ms })),
+            Err(failure) => Err(CallFailed::NotSent(self.write_error(route, failure))),
         }
-        result
+    }
+
+    /// A write that did not commit, as the gateway answers it.
+    fn write_error(&self, route: &Route, failure: WriteFailure) -> GatewayError {
+        match failure {
+            WriteFailure::Superseded { presented, current } => Refusal::Stale { presented, current }.into(),
+            WriteFailure::Deadline { after_ms } => GatewayError::UpstreamTimeout { after_ms },
+            WriteFailure::Revoked => StoreError::Backend("the write's registration could not be kept".into()).into(),
+            WriteFailure::OutcomeUnknown { after_ms } => unknown_outcome(SendError::Timeout { after_ms }, None),
+            WriteFailure::Body(BodyFailure::TooLarge) => GatewayError::BodyTooLarge { max: route.body_bytes_max },
+            WriteFailure::Body(_) => GatewayError::IncompleteBody,
+        }
     }
 
     /// Reads and unfenced writes; a write's broken call is still an unknown outcome.
@@ -529,7 +509,6 @@ impl Gateway {
             Err(e) if write => Err(unknown_outcome(e, None)),
             Err(SendError::Timeout { after_ms }) => Err(GatewayError::UpstreamTimeout { after_ms }),
             Err(SendError::Broken(e)) => Err(GatewayError::UpstreamUnavailable(Box::new(e))),
-            Err(SendError::CutOff) => Err(GatewayError::IncompleteBody),
         }
     }
 
@@ -599,6 +578,14 @@ fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Gateway
         Ok(key) if key.bytes().all(|b| b.is_ascii_graphic()) => Ok(Some(key.to_owned())),
         _ => Err(invalid),
     }
+}
+
+/// How an admitted write's call failed.
+enum CallFailed {
+    /// Nothing of it reached the API whole: it commits nothing, and is answered as this.
+    NotSent(GatewayError),
+    /// It may have reached the API: its outcome is unknown.
+    Unknown(SendError),
 }
 
 fn ambiguous_cause(e: &SendError) -> AmbiguousCause {

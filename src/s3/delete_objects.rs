@@ -5,8 +5,6 @@
 //! per-key precondition, so a DeleteObjects delivered twice (a retrying hop) could delete an
 //! object a newer token wrote in between.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderValue, StatusCode};
@@ -19,7 +17,7 @@ use super::error::FrontError;
 use super::forward::upstream_headers;
 use super::objects::ClientCondition;
 use super::{Admitted, Front, Request, Target};
-use crate::fence::{AdmitError, FenceToken, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, FencedWrite, ResourceKey};
 use crate::metrics;
 use crate::refusal::Refusal;
 
@@ -208,8 +206,7 @@ impl Front {
             match self.gate.admit_write(&resource, token, request.may_advance, request.caller).await {
                 Ok(permit) => {
                     metrics::decision("accepted");
-                    let deadline = tokio::time::Instant::now() + self.request_timeout;
-                    let write = Admitted { token, resource, permit: Arc::new(permit), deadline };
+                    let write = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
                     admitted.extend(objects.into_iter().map(|object| (write.clone(), object)));
                 }
                 Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {

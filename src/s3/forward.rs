@@ -16,9 +16,8 @@ use super::{Admitted, Front, Request, WireContract};
 use crate::amz::{X_AMZ_DECODED_CONTENT_LENGTH, X_AMZ_SDK_CHECKSUM_ALGORITHM, X_AMZ_TRAILER};
 use crate::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
 use crate::config::millis;
-use crate::fence::CutOff;
-use crate::fence::Permit;
-use crate::fence::outcome::{Bounded, bounded_call, hold_for};
+use crate::fence::outcome::hold_for;
+use crate::fence::{Permit, WriteFailure};
 use crate::metrics;
 use crate::server::{REQUEST_HOP_HEADERS, remove_response_hop_headers};
 use crate::upstream::UpstreamError;
@@ -61,8 +60,7 @@ pub(super) enum WriteBody {
 }
 
 impl Front {
-    /// One upstream call of an admitted write, bounded by the write's deadline and never
-    /// abandoned once its request may have reached the upstream (`fence::outcome`).
+    /// One upstream call of an admitted write (`fence::write`).
     pub(super) async fn send_write(
         &self,
         op: &'static str,
@@ -72,55 +70,33 @@ impl Front {
         headers: HeaderMap,
         body: WriteBody,
     ) -> Result<http::Response<Body>, FrontError> {
-        let body = match body {
-            // An empty body is handed over with the request's head: the HTTP client writes a
-            // `Content-Length: 0` request without polling its body, so the body never marks it.
-            WriteBody::Streamed(body) if http_body::Body::size_hint(&body).exact() == Some(0) => {
-                if !admitted.permit.mark_body_sent() {
-                    return Err(self.cut_off_error(admitted).await);
-                }
-                body
+        let (body, in_hand) = match body {
+            WriteBody::Streamed(body) => {
+                let empty = http_body::Body::size_hint(&body).exact() == Some(0);
+                (body, empty)
             }
-            WriteBody::Streamed(body) => body,
-            WriteBody::InMemory(body) => {
-                if !admitted.permit.mark_body_sent() {
-                    return Err(self.cut_off_error(admitted).await);
-                }
-                body
-            }
+            WriteBody::InMemory(body) => (body, true),
         };
         let req = upstream_request(method, path_and_query, headers, body)?;
         let upstream = self.upstream.clone();
-        let started = Instant::now();
-        let call = async move { upstream.send(req).await };
-        let permits = std::slice::from_ref(&admitted.permit);
-        match bounded_call(permits, admitted.deadline, self.unknown_outcome_hold, call).await {
-            Bounded::Done(result) => {
-                let status = result.as_ref().ok().map(|r| r.status().as_u16());
-                metrics::upstream_call(op, started.elapsed(), status);
-                if let Some(status) = status {
-                    tracing::Span::current().record("upstream_status", status);
-                }
-                result.map_err(FrontError::Upstream)
-            }
-            Bounded::CutOff => Err(self.cut_off_error(admitted).await),
-            Bounded::Unknown => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
+        match admitted.call(&self.gate, op, in_hand, async move { upstream.send(req).await }).await {
+            Ok(result) => result.map_err(FrontError::Upstream),
+            Err(failure) => Err(self.write_error(failure)),
         }
     }
 
-    /// The answer for a write that was cut off before its whole body reached the upstream.
-    pub(super) async fn cut_off_error(&self, admitted: &Admitted) -> FrontError {
-        match admitted.permit.cut_off() {
-            Some(CutOff::Deadline) => FrontError::WriteDeadline { after_ms: millis(self.request_timeout) },
-            Some(CutOff::Revoked) => FrontError::RegistrationLost,
-            // Not cancelled, yet not sent: a further call past the write's deadline.
-            None if tokio::time::Instant::now() >= admitted.deadline => {
-                FrontError::WriteDeadline { after_ms: millis(self.request_timeout) }
+    /// A write that did not commit (or may have, unknown to fencegate), as S3 answers it.
+    pub(super) fn write_error(&self, failure: WriteFailure) -> FrontError {
+        match failure {
+            WriteFailure::Superseded { presented, current } => FrontError::StaleWhileStreaming { presented, current },
+            WriteFailure::Deadline { after_ms } => FrontError::WriteDeadline { after_ms },
+            WriteFailure::Revoked => FrontError::RegistrationLost,
+            WriteFailure::OutcomeUnknown { after_ms } => FrontError::OutcomeUnknown { after_ms },
+            WriteFailure::Body(BodyFailure::Checksum(algorithm)) => FrontError::BadDigest { algorithm },
+            WriteFailure::Body(BodyFailure::TooLarge) => {
+                FrontError::TooLarge { bytes: self.body_bytes_max.saturating_add(1), max: self.body_bytes_max }
             }
-            Some(CutOff::Superseded) | None => {
-                let current = self.gate.fence(&admitted.resource).await.ok().flatten().unwrap_or(admitted.token);
-                FrontError::StaleWhileStreaming { presented: admitted.token, current }
-            }
+            WriteFailure::Body(BodyFailure::Client | BodyFailure::Cancelled) => FrontError::IncompleteBody,
         }
     }
 
@@ -181,13 +157,8 @@ impl Front {
         report: &BodyReport,
         admitted: &Admitted,
     ) -> Result<http::Response<Body>, FrontError> {
-        match report.failure() {
-            Some(BodyFailure::Cancelled) => Err(self.cut_off_error(admitted).await),
-            Some(BodyFailure::Checksum(algorithm)) => Err(FrontError::BadDigest { algorithm }),
-            Some(BodyFailure::Client) => Err(FrontError::IncompleteBody),
-            Some(BodyFailure::TooLarge) => {
-                Err(FrontError::TooLarge { bytes: self.body_bytes_max.saturating_add(1), max: self.body_bytes_max })
-            }
+        match admitted.body_failure(&self.gate, report).await {
+            Some(failure) => Err(self.write_error(failure)),
             None => result,
         }
     }

@@ -56,7 +56,7 @@ use self::scopes::Scopes;
 use self::uploads::upload_of;
 use crate::config::Config;
 use crate::fence::outcome::detached;
-use crate::fence::{CallerId, FenceToken, Gate, Permit, ResourceKey};
+use crate::fence::{CallerId, FenceToken, FencedWrite, Gate, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
 use crate::refusal::Refusal;
@@ -127,15 +127,8 @@ impl Request {
     }
 }
 
-/// A write that the gate admitted.
-#[derive(Clone)]
-struct Admitted {
-    token: FenceToken,
-    resource: ResourceKey,
-    permit: Arc<Permit>,
-    /// The whole write's deadline: every upstream call of it ends by then (`fence::outcome`).
-    deadline: tokio::time::Instant,
-}
+/// A write that the gate admitted (`fence::write`).
+type Admitted = FencedWrite;
 
 impl Front {
     fn new(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) -> anyhow::Result<Self> {
@@ -405,12 +398,11 @@ impl Front {
         token: FenceToken,
         admitted: &mut bool,
     ) -> Result<S3Response<Body>, FrontError> {
-        let permit = Arc::new(self.gate.admit_write(&resource, token, request.may_advance, request.caller).await?);
+        let permit = self.gate.admit_write(&resource, token, request.may_advance, request.caller).await?;
         metrics::decision("accepted");
         tracing::Span::current().record("decision", "accepted");
         *admitted = true;
-        let deadline = tokio::time::Instant::now() + self.request_timeout;
-        let admitted = Admitted { token, resource, permit, deadline };
+        let admitted = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
         if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload) {
             self.take_over_upload(&request, &admitted).await?;
         }
