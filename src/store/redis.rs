@@ -57,50 +57,12 @@ pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
 /// a loss, by `init-store` run at the wrong time): the quiet period starts too, unless one
 /// already runs or ran for this mark. The quiet period's end is a value (`until` on Redis's
 /// clock), not a key's time to live: no eviction policy may end it early.
-const LUA_LT: &str = r"
-local function lt(a, b)
-  if #a ~= #b then return #a < #b end
-  return a < b
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function epoch_gate(ekey, qkey, known, fresh, quiet_ms, quiet_applies)
-  local now = now_ms()
-  local mark = redis.call('GET', ekey)
-  if not mark then
-    mark = fresh
-    redis.call('SET', ekey, mark)
-    redis.call('SET', qkey, mark .. ' ' .. (now + tonumber(quiet_ms)))
-  end
-  local q = redis.call('GET', qkey)
-  local q_mark, q_until = nil, 0
-  if q then q_mark, q_until = string.match(q, '^(%S+) (%d+)$') end
-  if known ~= '' and mark ~= known and q_mark ~= mark then
-    q_until = now + tonumber(quiet_ms)
-    redis.call('SET', qkey, mark .. ' ' .. q_until)
-  end
-  local quiet = tonumber(q_until or 0) - now
-  if quiet < 0 then quiet = 0 end
-  if mark ~= known then return {'epoch', mark, quiet} end
-  if quiet_applies and quiet > 0 then return {'quiet', mark, quiet} end
-  return nil
-end
-";
+const LUA_LT: &str = include_str!("lua/common.lua");
 
 /// KEYS: fence, epoch, quiet. ARGV: token, channel, resource, known epoch, fresh epoch,
 /// quiet ms. Returns {advanced 0|1, previous or ''}, or the epoch gate's {-1, mark, quiet ms}
 /// / {-2, mark, quiet ms}.
-const LUA_ADVANCE: &str = r"
-local g = epoch_gate(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], true)
-if g then return {g[1] == 'epoch' and -1 or -2, g[2], g[3]} end
-local cur = redis.call('GET', KEYS[1])
-if cur and not lt(cur, ARGV[1]) then return {0, cur, 0} end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[2], ARGV[1] .. ' ' .. ARGV[3])
-return {1, cur or '', 0}
-";
+const LUA_ADVANCE: &str = include_str!("lua/advance.lua");
 
 /// KEYS: fence, inflight, epoch, quiet. ARGV: token, floor or '', member or '', ttl_ms,
 /// channel, resource, may advance '1' | '0', known epoch, fresh epoch, then members of this
@@ -109,51 +71,13 @@ return {1, cur or '', 0}
 /// fence that may not raise it; nothing changed but a repair) | 'wait'; or the epoch gate's
 /// {'epoch' | 'quiet', quiet ms, mark, 0, ''}. The quiet period is the registrations' time to
 /// live (`ttl_ms`).
-const LUA_ADMIT: &str = r"
-local g = epoch_gate(KEYS[3], KEYS[4], ARGV[8], ARGV[9], ARGV[4], true)
-if g then return {g[1], g[3], g[2], 0, ''} end
-if #ARGV > 9 then redis.call('ZREM', KEYS[2], unpack(ARGV, 10)) end
-local cur = redis.call('GET', KEYS[1])
-local repaired, had = 0, ''
-if ARGV[2] ~= '' and (not cur or lt(cur, ARGV[2])) then
-  repaired, had = 1, (cur or '')
-  redis.call('SET', KEYS[1], ARGV[2])
-  cur = ARGV[2]
-end
-if cur and lt(ARGV[1], cur) then return {'stale', 0, cur, repaired, had} end
-local advanced = 0
-if not cur or lt(cur, ARGV[1]) then
-  if ARGV[7] ~= '1' then return {'unregistered', 0, cur or '', repaired, had} end
-  redis.call('SET', KEYS[1], ARGV[1])
-  redis.call('PUBLISH', ARGV[5], ARGV[1] .. ' ' .. ARGV[6])
-  advanced = 1
-end
-local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  local mt = string.match(m, ':(%d+)$')
-  if mt and lt(mt, ARGV[1]) then return {'wait', advanced, ARGV[1], repaired, had} end
-end
-if ARGV[3] ~= '' then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
-end
-return {'ok', advanced, ARGV[1], repaired, had}
-";
+const LUA_ADMIT: &str = include_str!("lua/admit.lua");
 
 /// KEYS: fence, inflight, epoch, quiet. ARGV: member, ttl_ms, known epoch, fresh epoch. Pushes
 /// a registration in use to a full time to live from now, if it is still there. Returns
 /// {renewed 0|1, fence or ''}, or {2, mark} when the slot's epoch mark is not the one the
 /// replica knew (the store lost its state: the registration is gone).
-const LUA_RENEW: &str = r"
-local g = epoch_gate(KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[2], false)
-if g then return {2, g[2]} end
-local now = now_ms()
-local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-local cur = redis.call('GET', KEYS[1]) or ''
-if not score or tonumber(score) <= now then return {0, cur} end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return {1, cur}
-";
+const LUA_RENEW: &str = include_str!("lua/renew.lua");
 
 /// KEYS: fence, lease, epoch, quiet, withdrawn. ARGV: op ('acquire'|'renew'|'release'|'withdraw'),
 /// lease_id, holder, ttl_ms (a withdrawal: its tombstone's), channel, resource, floor or '', and
@@ -163,81 +87,15 @@ return {1, cur}
 /// the floor, and passes the epoch gate first ({'epoch' | 'quiet', mark, '', '', '', quiet ms}).
 /// Returns {outcome, holder, lease_id, token, ttl_ms, expires_at_ms or remaining_ms}, and for
 /// a grant {..., fence the store had or '', repaired 0|1}.
-const LUA_LEASE: &str = r"
-local function incr(s)
-  if s == '18446744073709551615' then return nil end
-  local digits, carry = {}, 1
-  for i = #s, 1, -1 do
-    local d = tonumber(string.sub(s, i, i)) + carry
-    if d == 10 then d, carry = 0, 1 else carry = 0 end
-    digits[i] = tostring(d)
-  end
-  local out = table.concat(digits)
-  if carry == 1 then out = '1' .. out end
-  return out
-end
-local now = now_ms()
-local l = redis.call('HMGET', KEYS[2], 'holder', 'lease_id', 'token', 'ttl_ms', 'expires_at_ms')
-local live = l[1] and tonumber(l[5]) > now
-local op = ARGV[1]
-if op == 'withdraw' then
-  redis.call('HSET', KEYS[5], ARGV[2], '1')
-  redis.call('PEXPIRE', KEYS[5], ARGV[4])
-  if l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
-  redis.call('DEL', KEYS[2])
-  return {'released', '', '', '', '', ''}
-end
-if op == 'acquire' then
-  if redis.call('HEXISTS', KEYS[5], ARGV[2]) == 1 then return {'gone', '', '', '', '', ''} end
-  local g = epoch_gate(KEYS[3], KEYS[4], ARGV[8], ARGV[9], ARGV[10], true)
-  if g then return {g[1], g[2], '', '', '', tostring(g[3])} end
-  if live then return {'held', l[1], '', '', '', tostring(tonumber(l[5]) - now)} end
-  local cur = redis.call('GET', KEYS[1])
-  local had, repaired = cur or '', '0'
-  if ARGV[7] ~= '' and (not cur or lt(cur, ARGV[7])) then cur, repaired = ARGV[7], '1' end
-  local token = '1'
-  if cur then token = incr(cur) end
-  if not token then return {'exhausted', '', '', '', '', ''} end
-  local expires = tostring(now + tonumber(ARGV[4]))
-  redis.call('SET', KEYS[1], token)
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'holder', ARGV[3], 'lease_id', ARGV[2], 'token', token, 'ttl_ms', ARGV[4], 'expires_at_ms', expires)
-  redis.call('PUBLISH', ARGV[5], token .. ' ' .. ARGV[6])
-  return {'granted', ARGV[3], ARGV[2], token, ARGV[4], expires, had, repaired}
-end
-if not live or l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
-if op == 'renew' then
-  local cur = redis.call('GET', KEYS[1])
-  if cur and lt(l[3], cur) then
-    -- superseded: a newer token was registered or written since the grant
-    redis.call('DEL', KEYS[2])
-    return {'gone', '', '', '', '', ''}
-  end
-  local expires = tostring(now + tonumber(l[4]))
-  redis.call('HSET', KEYS[2], 'expires_at_ms', expires)
-  return {'renewed', l[1], l[2], l[3], l[4], expires}
-end
-redis.call('DEL', KEYS[2])
-return {'released', '', '', '', '', ''}
-";
+const LUA_LEASE: &str = include_str!("lua/lease.lua");
 
 /// KEYS: record. ARGV: claim, record JSON, ttl_ms. Claims the key unless a record is there
 /// (Redis drops it when its time is up); returns that record's JSON, or nil once claimed.
-const LUA_IDEMPOTENCY_BEGIN: &str = r"
-local cur = redis.call('HGET', KEYS[1], 'record')
-if cur then return cur end
-redis.call('HSET', KEYS[1], 'claim', ARGV[1], 'record', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return false
-";
+const LUA_IDEMPOTENCY_BEGIN: &str = include_str!("lua/idempotency_begin.lua");
 
 /// KEYS: record. ARGV: claim, record JSON or '' (remove). Only the claimant's record changes;
 /// HSET keeps the key's expiry. Returns 1 if it changed.
-const LUA_IDEMPOTENCY_FINISH: &str = r"
-if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('HSET', KEYS[1], 'record', ARGV[2]) end
-return 1
-";
+const LUA_IDEMPOTENCY_FINISH: &str = include_str!("lua/idempotency_finish.lua");
 
 /// One connection kind or the other; both multiplex requests and reconnect by themselves.
 #[derive(Clone)]

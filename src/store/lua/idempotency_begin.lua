@@ -1,0 +1,5 @@
+local cur = redis.call('HGET', KEYS[1], 'record')
+if cur then return cur end
+redis.call('HSET', KEYS[1], 'claim', ARGV[1], 'record', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return false
