@@ -1,7 +1,7 @@
 """The code blocks of the user-facing docs, read from the files themselves (never from a copy),
 for `test_docs_examples.py`.
 
-In README.md, docs/clients.md and docs/leases.md every fenced code block is one of:
+In README.md and the pages of DOCS under docs/ every fenced code block is one of:
   - an example a test runs: `<!-- example: NAME -->` on the line right before its fence;
   - an example that cannot be run here: a visible line "Untested here: WHY" in the prose
     between the previous block and this one;
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/clients.md", "docs/leases.md")
+DOCS = ("README.md", "docs/clients.md", "docs/leases.md", "docs/operations.md", "docs/gateway.md",
+        "docs/configuration.md", "docs/errors.md", "docs/security.md")
 
 # The addresses the docs use, those of the shipped config/fencegate.toml.
 DOC_S3_ADDR = "127.0.0.1:9000"

@@ -1,4 +1,4 @@
-"""Proves that the examples of README.md, docs/clients.md and docs/leases.md work as written: each
+"""Proves that the examples of README.md and the pages under docs/ (`docs_examples.DOCS`) work as written: each
 marked block is read from the markdown file and run for real (shell blocks with bash -e, Python
 blocks with python3, fencegate TOML through `fencegate check-config` and `serve`) against
 fencegate on the shipped config/fencegate.toml, real redis-server, moto_server, boto3 and the aws
@@ -239,47 +239,31 @@ def test_readme_boto3(start, tmp_path):
     assert fence(fg, "reports/2026/11.csv") == 12
 
 
-@runs("README.md", "aws-cli", "curl")
-def test_readme_aws_cli_and_curl(start, tmp_path):
-    """The aws CLI (token as metadata) example makes its file, writes and stamps the object, and
-    its stale write with token 11 is refused (409 FencingTokenStale, as the comment shows); the
-    curl (token header) example writes it again and prints 200."""
-    fg = start()
-    make_bucket(fg)  # as the boto3 example does
-    r = ok(run_sh(localize(block("README.md", "aws-cli").code, fg.s3_addr, fg.admin_addr), tmp_path))
-    assert at_upstream(fg, "reports", "2026/11.csv") == b"id,amount\n1,100\n"
-    assert stamp(fg, "reports", "2026/11.csv") == "12"
-    assert "refused: token 11 is older than the fence" in r.stdout, r.stdout
-    assert "(FencingTokenStale)" in r.stderr and "fencing token 11 is older than the current fence 12" in r.stderr, r.stderr
-
-    (tmp_path / "11.csv").write_bytes(b"from curl\n")
-    r = ok(run_sh(localize(block("README.md", "curl").code, fg.s3_addr, fg.admin_addr), tmp_path))
-    assert r.stdout.strip().endswith("200"), r.stdout
-    assert at_upstream(fg, "reports", "2026/11.csv") == b"from curl\n"
-    assert stamp(fg, "reports", "2026/11.csv") == "12"
-    assert fence(fg, "reports/2026/11.csv") == 12
+# --------------------------------------------------------------------------------------------
+# docs/operations.md and docs/gateway.md
+# --------------------------------------------------------------------------------------------
 
 
-@runs("README.md", "register")
-def test_readme_register_a_token(start, tmp_path):
+@runs("docs/operations.md", "register")
+def test_operations_register_a_token(start, tmp_path):
     """The admin registration example raises the fence it names."""
     fg = start()
-    r = ok(run_sh(localize(block("README.md", "register").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    r = ok(run_sh(localize(block("docs/operations.md", "register").code, fg.s3_addr, fg.admin_addr), tmp_path))
     assert json.loads(r.stdout) == {"resource": "job:invoices", "token": 13}
     assert fence(fg, "job:invoices") == 13
 
 
 def replicas_file(directory: Path, text: str | None = None) -> Path:
     path = directory / "replicas.toml"
-    path.write_text(text if text is not None else block("README.md", "redis-replicas").code)
+    path.write_text(text if text is not None else block("docs/operations.md", "redis-replicas").code)
     return path
 
 
-@runs("README.md", "redis-replicas", "etcd-store")
-def test_readme_replica_configs_pass_check_config(tmp_path):
+@runs("docs/operations.md", "redis-replicas", "etcd-store")
+def test_operations_replica_configs_pass_check_config(tmp_path):
     """The replicas file (Redis, and with the etcd [store]) passes check-config with no risk line,
     and the timeout rule it states is the one check-config enforces."""
-    text = block("README.md", "redis-replicas").code
+    text = block("docs/operations.md", "redis-replicas").code
     r = ok(check_config(replicas_file(tmp_path, text)))
     assert "Redis" in r.stdout and risks(r) == [], r.stdout
     # Its commented wait_replicas line, switched on, still passes (the wait stays below timeout_ms).
@@ -287,25 +271,25 @@ def test_readme_replica_configs_pass_check_config(tmp_path):
     assert switched != text
     r = ok(check_config(replicas_file(tmp_path, switched)))
     assert "wait_replicas: 1" in r.stdout and risks(r) == [], r.stdout
-    # The rule the README states is what keeps check-config quiet: without the line, a risk.
+    # The rule the page states is what keeps check-config quiet: without the line, a risk.
     unruled = re.sub(r"\nrequest_timeout_ms = .*", "", text)
     assert unruled != text
     r = ok(check_config(replicas_file(tmp_path, unruled)))
     assert any("request_timeout_ms" in line for line in risks(r)), r.stdout
 
     # The etcd section: the same file with its [store] table.
-    etcd_store = block("README.md", "etcd-store").code
+    etcd_store = block("docs/operations.md", "etcd-store").code
     with_etcd = re.sub(r"\[store\]\n.*?(?=\n\[)", lambda _m: etcd_store.strip() + "\n", text, flags=re.S)
     assert 'kind = "etcd"' in with_etcd and 'kind = "redis"' not in with_etcd
     r = ok(check_config(replicas_file(tmp_path, with_etcd)))
     assert "Etcd" in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
 
 
-@runs("README.md", "init-store")
-def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):
-    """The README's replicas file, as it is, runs two replicas sharing Redis (what a real
+@runs("docs/operations.md", "init-store")
+def test_operations_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_files):
+    """docs/operations.md's replicas file, as it is, runs two replicas sharing Redis (what a real
     deployment differs in comes from the environment: addresses, certificates, the upstream's
-    key), once the Redis is marked new as the README says, and they share the fence."""
+    key), once the Redis is marked new as the page says, and they share the fence."""
     file = replicas_file(tmp_path)
     doc = tomllib.loads(file.read_text())
     try:
@@ -319,7 +303,7 @@ def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_fi
         "FENCEGATE_UPSTREAM__ACCESS_KEY_ID": "testing",
         "FENCEGATE_UPSTREAM__SECRET_ACCESS_KEY": "testing",
     }
-    command = block("README.md", "init-store").code.strip().split()
+    command = block("docs/operations.md", "init-store").code.strip().split()
     assert command[:2] == ["fencegate", "init-store"] and command[-1] == "fencegate.toml", command
     init = subprocess.run([str(bin_path()), *command[1:-1], str(file)], cwd=tmp_path, capture_output=True, text=True,
                           env=example_env(tmp_path, env), timeout=60)
@@ -352,13 +336,13 @@ def test_readme_redis_replicas_serve(tmp_path, redis_server, moto_server, tls_fi
             print(fg.log_tail(30))
 
 
-@runs("README.md", "route")
-def test_readme_route(start, tmp_path):
+@runs("docs/gateway.md", "route")
+def test_gateway_route(start, tmp_path):
     """The route block, added to the shipped config, passes check-config and is live: writes are
     judged by the gate before anything is sent to the API (unregistered tokens cannot raise the
     fence of a route by default)."""
     route = tmp_path / "route.toml"
-    route.write_text(block("README.md", "route").code)
+    route.write_text(block("docs/gateway.md", "route").code)
     r = ok(check_config(SHIPPED_CONFIG, env={"FENCEGATE_INCLUDE": str(route)}))
     assert 'prefix: "/payments/"' in r.stdout, r.stdout
     fg = start(env={"FENCEGATE_INCLUDE": str(route)})
@@ -370,31 +354,6 @@ def test_readme_route(start, tmp_path):
         assert resp.headers["content-type"].startswith("application/problem+json"), resp.headers
         assert resp.json()["type"].endswith(code), resp.text
     assert fence(fg, "payment:42") is None
-
-
-def test_readme_config_table_lists_every_key():
-    """Every key of src/config.rs's config structs has a row in the README's tables."""
-    src = (REPO_ROOT / "src" / "config.rs").read_text()
-    readme = (REPO_ROOT / "README.md").read_text()
-    sections = {"ServerConfig": "server", "StoreConfig": "store", "UpstreamConfig": "upstream",
-                "FencingConfig": "fencing", "LeasesConfig": "leases", "LogConfig": "log",
-                "RouteConfig": "routes", "CredentialConfig": "credentials", "RuleConfig": "fencing.rules"}
-    structs = dict(re.findall(r"pub struct (\w+) \{(.*?)\n\}", src, re.S))
-    assert set(sections) <= set(structs), sorted(structs)
-    rows = [line for line in readme.splitlines() if line.startswith("| `")]
-    missing = []
-    for struct, section in sections.items():
-        for field in re.findall(r"^\s*pub (\w+):", structs[struct], re.M):
-            if (struct, field) == ("FencingConfig", "rules"):
-                continue  # a table of its own: [[fencing.rules]]
-            if section in ("credentials", "fencing.rules"):  # rows like | `[[credentials]]` `role` |
-                found = any(row.startswith(f"| `[[{section}]]`") and f"`{field}`" in row.split("|")[1] for row in rows)
-            else:
-                found = any(row.startswith(f"| `{section}.{field}`") or f"`{section}.{field}`" in row.split("|")[1]
-                            for row in rows)
-            if not found:
-                missing.append(f"{section}.{field}")
-    assert missing == [], f"config keys without a row in README.md: {missing}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,6 +430,29 @@ def test_clients_aws_cli_and_plugin(start, tmp_path):
     assert "X-Amz-SignedHeaders=host" in url and "fencing-token" not in url.lower(), url
     got = requests.get(url, timeout=60)
     assert (got.status_code, got.content == big) == (200, True), got.text[:300]
+
+
+@runs("docs/clients.md", "aws-cli-stale", "curl")
+def test_clients_aws_cli_stale_and_curl(start, tmp_path):
+    """After the aws CLI metadata example writes and stamps the object with token 12, its stale
+    write with token 11 is refused (409 FencingTokenStale, as the comment shows) and changes
+    nothing; the curl (token header) example writes it again and prints 200."""
+    fg = start()
+    make_bucket(fg)
+    (tmp_path / "11.csv").write_bytes(b"id,amount\n1,100\n")
+    script = block("docs/clients.md", "aws-cli-metadata").code + block("docs/clients.md", "aws-cli-stale").code
+    r = ok(run_sh(localize(script, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"id,amount\n1,100\n"
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+    assert "refused: token 11 is older than the fence" in r.stdout, r.stdout
+    assert "(FencingTokenStale)" in r.stderr and "fencing token 11 is older than the current fence 12" in r.stderr, r.stderr
+
+    (tmp_path / "11.csv").write_bytes(b"from curl\n")
+    r = ok(run_sh(localize(block("docs/clients.md", "curl").code, fg.s3_addr, fg.admin_addr), tmp_path))
+    assert r.stdout.strip().endswith("200"), r.stdout
+    assert at_upstream(fg, "reports", "2026/11.csv") == b"from curl\n"
+    assert stamp(fg, "reports", "2026/11.csv") == "12"
+    assert fence(fg, "reports/2026/11.csv") == 12
 
 
 @runs("docs/clients.md", "curl-https")
