@@ -1,6 +1,6 @@
 //! Configuration: one struct, read from a TOML file and the environment, validated once at
-//! start-up. Every limit has a unit in its name and a documented default (README,
-//! "Configuration").
+//! start-up. Every limit has a unit in its name and a documented default
+//! (docs/configuration.md).
 //!
 //! Environment overrides: `FENCEGATE_<SECTION>__<KEY>`, e.g. `FENCEGATE_SERVER__LISTEN` or
 //! `FENCEGATE_UPSTREAM__SECRET_ACCESS_KEY`; they win over the file.
@@ -254,7 +254,7 @@ pub struct CredentialConfig {
 pub const DEV_ACCESS_KEY_ID: &str = "fencegate-dev";
 pub const DEV_SECRET_ACCESS_KEY: &str = "fencegate-dev-secret";
 
-/// A credential's role (README, "Who can move a fence").
+/// A credential's role (docs/security.md, "Who can move a fence").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {

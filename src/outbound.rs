@@ -43,7 +43,7 @@ impl PooledClient {
 /// runtime; tests) take a pool of their own: a connection they open runs where they do, and a
 /// serving thread that took it from its pool would cross to that runtime on every read and
 /// write of each request it carried (the probe's connection once carried an eighth of the
-/// bench's accepted writes that way: docs/benchmarks.md, "The probe's connection").
+/// bench's accepted writes that way: docs/perf-log.md, "The probe's connection").
 struct PerThread<T> {
     /// The serving threads', by thread index.
     serving: Box<[T]>,
@@ -155,8 +155,8 @@ impl Outbound<'_> {
 /// was never sent. What hyper's pooled client does besides, fencegate's upstream does not need:
 /// a pool key hashed twice per request, a race between a checkout and a lazy connect, HTTP/2,
 /// absolute-form URIs and a Host header filled in (the caller sets it). Its per-request work
-/// was a tenth of an accepted write's instructions outside SHA-256 (docs/benchmarks.md, "The
-/// S3 upstream's own connection pools"). Like that client's, idle connections are dropped
+/// was a tenth of an accepted write's instructions outside SHA-256 (docs/perf-log.md, "The S3
+/// upstream's own connection pools"). Like that client's, idle connections are dropped
 /// after [`IDLE_TIMEOUT`].
 pub struct Http1Pools {
     connector: HttpsConnector<HttpConnector>,
@@ -561,7 +561,7 @@ mod tests {
     #[test]
     fn a_request_that_finds_an_idle_connection_carries_no_connection_opening() {
         // The upstream call boxes this future with every write; opening a connection, boxed
-        // apart, made it 3,000 bytes inline (docs/benchmarks.md, "the tenth session").
+        // apart, made it 3,000 bytes inline (docs/perf-log.md, "Futures' sizes").
         let size = crate::future_size(|pools: &'static Http1Pools, req: http::Request<Body>| pools.send(req));
         assert!(size <= 1536, "Http1Pools::send's future is {size} bytes");
     }

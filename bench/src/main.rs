@@ -1,4 +1,4 @@
-//! `fencegate-bench`: what fencing costs, and what rejection costs (issue 7).
+//! `fencegate-bench`: what fencing costs, and what rejection costs.
 //!
 //! - `upstream`: the in-memory S3-compatible upstream (or, with `--reject-all`, the 409
 //!   ceiling), printing its bound address;

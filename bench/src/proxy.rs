@@ -1,4 +1,4 @@
-//! The bare hyper reverse proxy of issue 16's ladder: what the Rust stack costs with none of
+//! The bare hyper reverse proxy on the benchmarks' ladder: what the Rust stack costs with none of
 //! fencegate's work. Accept, rewrite the URI to the upstream, forward through hyper-util's
 //! pooled legacy client, stream both bodies. No authentication, no fence, no re-signing: the
 //! upstream fixture accepts any signature, so the client's own `Authorization` goes through.

@@ -27,7 +27,7 @@ pub struct Row {
     pub charted: bool,
 }
 
-/// One target of issue 7, checked.
+/// One of the suite's targets, checked.
 #[derive(Debug, Clone)]
 pub struct Target {
     pub goal: String,
@@ -82,7 +82,7 @@ impl Suite {
                 r.outcome
             );
         }
-        let _ = writeln!(md, "\n## Targets (issue 16)\n");
+        let _ = writeln!(md, "\n## Targets\n");
         let _ = writeln!(md, "| target | measured | met |");
         let _ = writeln!(md, "|---|---|---|");
         for t in &self.targets {

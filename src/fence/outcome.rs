@@ -71,7 +71,8 @@ pub enum Bounded<T, E> {
 /// of its own only when the caller is dropped before it ended. The common write is then
 /// handled without a task of its own and without the hand-off between workers that comes
 /// with one: alternated twelve times each, 4 % more accepted writes per second and 7 % less
-/// user CPU per write than spawning every write (docs/benchmarks.md, fourth pass).
+/// user CPU per write than spawning every write (docs/perf-log.md, "the signing proxy, and where
+/// the gap really is").
 ///
 /// The future comes boxed: a request's handler is a large state machine (kilobytes), and every
 /// future that holds it inline is that much larger and copied whole at each move. Boxed where

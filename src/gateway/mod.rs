@@ -574,7 +574,7 @@ fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Gateway
         return Err(invalid);
     }
     match value.to_str() {
-        // Visible characters only, as the README says (a space is not one).
+        // Visible characters only, as docs/gateway.md says (a space is not one).
         Ok(key) if key.bytes().all(|b| b.is_ascii_graphic()) => Ok(Some(key.to_owned())),
         _ => Err(invalid),
     }

@@ -157,7 +157,7 @@ mod tests {
     #[test]
     fn the_service_future_hyper_keeps_per_connection_stays_small() {
         // hyper keeps a slot for the service's future on every open HTTP/1 connection; inline,
-        // the S3 library's path made it 4,280 bytes (docs/benchmarks.md, "the tenth session").
+        // the S3 library's path made it 4,280 bytes (docs/perf-log.md, "Futures' sizes").
         let size = future_size(|service: &'static Service, req: http::Request<Body>| service.call(req));
         assert!(size <= 2048, "Service::call's future is {size} bytes");
     }

@@ -4,7 +4,8 @@
 //! For every request the S3 library parses and validates the path, parses the query and the
 //! headers, derives the signing key (four HMACs) and builds the canonical request through
 //! several allocations: about a sixth of fencegate's CPU per accepted write, and more of a
-//! rejected one's (docs/benchmarks.md, "Issue 16: the bare hyper proxy on the ladder, and the lean path"). Most requests have one shape: HTTP/1,
+//! rejected one's (docs/perf-log.md, "the bare hyper proxy on the ladder, and the lean path").
+//! Most requests have one shape: HTTP/1,
 //! path-style, signed in the `Authorization` header by a `[[credentials]]` entry or by a lease
 //! credential (its session token in a signed `x-amz-security-token` header), with an unsigned
 //! or empty payload and no presign parameters. For those, [`LeanPath::take`] checks what the

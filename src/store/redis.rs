@@ -198,7 +198,7 @@ const THREAD_LINK_RETRY: Duration = Duration::from_secs(1);
 /// in the background, the first time the thread calls Redis: a call never waits for it, and
 /// takes the shared connection until it is open. On the shared connection a write's call and
 /// its answer crossed to the main runtime and back, waking a second thread each time
-/// (docs/benchmarks.md, "Issue 16: Redis connections per serving thread").
+/// (docs/perf-log.md, "Redis connections per serving thread").
 struct ThreadLinks {
     client: redis::Client,
     config: ConnectionManagerConfig,

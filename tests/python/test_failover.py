@@ -33,7 +33,7 @@ Measured (the same table is printed with `pytest -s`; every cell is asserted by 
   job:grant-other    b: wrote with 2    1, 2 (2 lost)    3              above (+1 repair on b)
   job:grant-fresh    c: never saw it    1, 2 (2 lost)    2              SAME (documented limit)
 
-The last row and the committed write on another object are the limits README states ("a
+The last row and the committed write on another object are the limits docs/operations.md states ("a
 replica that never saw a resource (or restarted after the failover) relies on Redis until
 another replica repairs it"); they are asserted as what happens, so that a change in either
 direction is seen.

@@ -1,4 +1,4 @@
-"""What operators see is true (README "Metrics"): every metric has `# HELP` and the ones alerts
+"""What operators see is true (docs/operations.md, "Metrics and logs"): every metric has `# HELP` and the ones alerts
 read exist from start-up; S3 requests the S3 library refuses before fencegate sees them (a bad
 signature) are counted; the log holds no colour codes when it is not a terminal and no raw
 response bodies at ERROR from the S3 library; client mistakes fencegate cannot pass on as meant

@@ -764,7 +764,7 @@ def test_presigned_urls(surface, signature_version):
     s.record(op, "none", r.status_code)
     assert (r.status_code, s3_error_code(r.content)) == (428, "FencingTokenRequired"), r.text
     # A `Fencing-Token` header the signature does not cover counts for nothing: whoever holds
-    # the URL could otherwise set any token (README, "Who can move a fence").
+    # the URL could otherwise set any token (docs/security.md, "Who can move a fence").
     for token, case in [(19, "stale, unsigned header"), (21, "fresh, unsigned header")]:
         r = put(token, b"unsigned token")
         s.record(op, case, r.status_code)

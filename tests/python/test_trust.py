@@ -1,4 +1,4 @@
-"""Who may move a fence, and what a client may hold (README "Who can move a fence", "Leases",
+"""Who may move a fence, and what a client may hold (docs/security.md "Who can move a fence", README "Leases",
 `server.header_read_timeout_ms`, `check-config`), each test as an attack and its answer:
 
 - credential roles: only `role = "issuer"` grants, renews or releases leases and registers

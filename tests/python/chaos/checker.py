@@ -95,7 +95,7 @@ checker demands exactly that (`_Continuity.binds`):
   store); it binds a later read or grant on any replica if no loss may lie between its
   replica's start and the later answer (so the mark too came from the store as it is now), and
   one on the same replica, in the same process, if no loss may lie between the two.
-- A lease grant is above the mark of the replica that grants it, losses or not (README: "a
+- A lease grant is above the mark of the replica that grants it, losses or not (docs/operations.md: "a
   grant after a rollback never repeats or lowers a token that replica has granted or seen"):
   every token that replica granted, registered or admitted in the same process binds its
   later grants, across any loss.

@@ -27,7 +27,7 @@ A store loss and a replica's start (the run's, or a restart) are kept `SETTLE_S`
 also its quiet period before a restart): a replica that has just started knows neither the
 fences nor the epoch marks, and after a loss it relies on the emptied store until a replica with
 marks repairs it, so it may grant a token again or below one granted before the loss, and admit
-it. That is fencegate's documented limit (README, "Several replicas on Redis"; design.md
+it. That is fencegate's documented limit (docs/operations.md, "Several replicas on Redis"; design.md
 section 6), not a promise, so the run does not make it, as the upstream never breaks the timing
 assumption.
 """
