@@ -10,12 +10,12 @@ use crate::fence::ResourceKey;
 
 /// A bounded map; a forgotten entry only turns the next write into a create (`If-None-Match:
 /// *`), which the API refuses with 412 if the resource exists.
-pub struct EtagCache {
+pub struct ResourceEtags {
     entries: Mutex<HashMap<ResourceKey, HeaderValue>>,
     entries_max: usize,
 }
 
-impl EtagCache {
+impl ResourceEtags {
     pub fn new(entries_max: usize) -> Self {
         Self { entries: Mutex::new(HashMap::new()), entries_max }
     }
@@ -54,7 +54,7 @@ mod tests {
 
     #[test]
     fn known_etags_give_if_match_and_unknown_ones_if_none_match() {
-        let cache = EtagCache::new(2);
+        let cache = ResourceEtags::new(2);
         let r = |n: &str| ResourceKey::new(n).unwrap();
         assert_eq!(cache.precondition(&r("a")), (header::IF_NONE_MATCH, HeaderValue::from_static("*")));
         cache.put(r("a"), HeaderValue::from_static("\"v1\""));

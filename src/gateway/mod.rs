@@ -36,7 +36,7 @@ pub use self::error::GatewayError;
 pub use self::replay::REPLAYED_HEADER;
 
 use self::client::{ApiClient, SendError};
-use self::etags::EtagCache;
+use self::etags::ResourceEtags;
 use self::replay::Collected;
 use self::route::Route;
 use crate::body::{BodyFailure, ForwardBody};
@@ -72,7 +72,7 @@ pub struct Gateway {
     /// Wall-clock time of idempotency records (injectable, like the lease service's).
     clock: Arc<dyn Clock>,
     /// Last ETag per resource, for `conditional` routes.
-    etags: EtagCache,
+    etags: ResourceEtags,
     /// A store call slower than this has an unknown outcome.
     store_timeout: Duration,
     /// How long the gate may hold a write before admitting it.
@@ -109,7 +109,7 @@ impl Gateway {
             resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
             require_token: config.fencing.require_token,
             clock,
-            etags: EtagCache::new(config.fencing.etag_cache_entries_max),
+            etags: ResourceEtags::new(config.fencing.etag_cache_entries_max),
             store_timeout: ms(config.store.timeout_ms),
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),
         })
