@@ -48,7 +48,7 @@ use crate::fence::{
 };
 use crate::lease::Clock;
 use crate::metrics;
-use crate::refusal::{Refusal, single_token};
+use crate::refusal::{Refusal, record_refused, single_token};
 
 /// The header carrying the client's request id, and fencegate's key to the API.
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -154,15 +154,8 @@ impl Gateway {
             }
             Err(error) => {
                 let decision = error.decision();
-                if decision != "error" {
-                    metrics::decision(decision);
-                    span.record("decision", decision);
-                }
-                if let Some(current) = error.current_fence() {
-                    span.record("fence", current.0);
-                }
                 metrics::gateway_request(mode, error.outcome());
-                span.in_scope(|| tracing::info!(%error, "refused"));
+                record_refused(&span, decision, error.current_fence(), true, decision != "error", &error);
                 error.into_response()
             }
         }

@@ -59,7 +59,7 @@ use crate::fence::outcome::detached;
 use crate::fence::{CallerId, FenceToken, FencedWrite, Gate, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
-use crate::refusal::Refusal;
+use crate::refusal::{Refusal, record_refused};
 use crate::upstream::Upstream;
 
 /// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
@@ -217,21 +217,13 @@ impl Front {
                 Ok(resp)
             }
             Err(error) => {
-                let decision = error.decision();
-                if read && matches!(error, FrontError::LeaseExpired) {
-                    // A read is no write decision: counted apart.
+                // A read is no write decision: counted apart.
+                let lease_read = read && matches!(error, FrontError::LeaseExpired);
+                if lease_read {
                     metrics::lease_read_refused();
-                } else if decision != "error" {
-                    metrics::decision(decision);
-                }
-                if !decided {
-                    span.record("decision", decision);
                 }
                 span.record("error", error.code());
-                if let Some(current) = error.current_fence() {
-                    span.record("fence", current.0);
-                }
-                span.in_scope(|| tracing::info!(%error, "refused"));
+                record_refused(&span, error.decision(), error.current_fence(), !lease_read, !decided, &error);
                 // Rendered here rather than returned as an error, which s3s would log again.
                 Ok(client_response(error.into_response(request_id.text().as_str())))
             }
