@@ -603,7 +603,7 @@ pub enum ConfigError {
     #[error("config file {file}: {source}")]
     Parse { file: PathBuf, source: Box<figment::Error> },
     #[error("config file {file}: key `{key}`: {reason}")]
-    Invalid { file: PathBuf, key: &'static str, reason: String },
+    Invalid { file: PathBuf, key: String, reason: String },
 }
 
 impl Config {
@@ -701,14 +701,26 @@ impl Config {
         risks
     }
 
-    fn validate(&self) -> Result<(), (&'static str, String)> {
-        check_log_level(&self.log.level).map_err(|e| ("log.level", e))?;
-        if let Some(token) = &self.server.admin_token
+    /// Checks what serde cannot: one validator per section, each naming the key at fault
+    /// (`routes[2].prefix` for an entry of an array of tables).
+    fn validate(&self) -> Result<(), Invalid> {
+        check_log_level(&self.log.level).map_err(|e| invalid("log.level", e))?;
+        self.validate_server()?;
+        self.validate_store()?;
+        self.validate_upstream()?;
+        self.validate_credentials()?;
+        self.validate_fencing()?;
+        self.validate_routes()
+    }
+
+    fn validate_server(&self) -> Result<(), Invalid> {
+        let server = &self.server;
+        if let Some(token) = &server.admin_token
             && token.expose().len() < ADMIN_TOKEN_BYTES_MIN
         {
             // An empty one comes from an unset shell variable (FENCEGATE_SERVER__ADMIN_TOKEN=$X),
             // and "Bearer " then opened the admin API; a short one can be guessed.
-            return Err((
+            return Err(invalid(
                 "server.admin_token",
                 format!(
                     "must be at least {ADMIN_TOKEN_BYTES_MIN} bytes (it is {}): whoever guesses it can raise every fence",
@@ -716,40 +728,63 @@ impl Config {
                 ),
             ));
         }
-        if !self.server.admin_listen.ip().is_loopback() && self.server.admin_token.is_none() {
+        if !server.admin_listen.ip().is_loopback() && server.admin_token.is_none() {
             // Whoever reaches the admin API can raise any fence to 2^64-1 and lock it for good.
-            return Err((
+            return Err(invalid(
                 "server.admin_token",
                 format!(
                     "required when server.admin_listen ({}) is not a loopback address: the admin API can raise \
                      every fence (set FENCEGATE_SERVER__ADMIN_TOKEN, or listen on 127.0.0.1)",
-                    self.server.admin_listen
+                    server.admin_listen
                 ),
             ));
         }
-        match self.store.kind {
-            StoreKind::Embedded if self.store.path.is_none() => {
-                return Err(("store.path", "required when store.kind = \"embedded\"".into()));
+        if server.tls_cert_path.is_some() != server.tls_key_path.is_some() {
+            return Err(invalid(
+                "server.tls_key_path",
+                "set both server.tls_cert_path and server.tls_key_path, or neither",
+            ));
+        }
+        if server.threads > THREADS_MAX {
+            return Err(invalid("server.threads", format!("at most {THREADS_MAX} (0: one per CPU)")));
+        }
+        if server.header_bytes_max < 8192 {
+            return Err(invalid("server.header_bytes_max", "must be at least 8192 (hyper's minimum read buffer)"));
+        }
+        positive(&[
+            ("server.header_read_timeout_ms", server.header_read_timeout_ms),
+            ("server.idle_timeout_ms", server.idle_timeout_ms),
+            ("server.admin_connections_max", server.admin_connections_max as u64),
+            ("server.connections_max", server.connections_max as u64),
+            ("server.shutdown_timeout_ms", server.shutdown_timeout_ms),
+        ])
+    }
+
+    fn validate_store(&self) -> Result<(), Invalid> {
+        let store = &self.store;
+        match store.kind {
+            StoreKind::Embedded if store.path.is_none() => {
+                return Err(invalid("store.path", "required when store.kind = \"embedded\""));
             }
-            StoreKind::Redis if self.store.url.is_none() && self.store.cluster_urls.is_empty() => {
-                return Err(("store.url", "required when store.kind = \"redis\" (or store.cluster_urls)".into()));
+            StoreKind::Redis if store.url.is_none() && store.cluster_urls.is_empty() => {
+                return Err(invalid("store.url", "required when store.kind = \"redis\" (or store.cluster_urls)"));
             }
-            StoreKind::Redis if self.store.url.is_some() && !self.store.cluster_urls.is_empty() => {
-                return Err(("store.cluster_urls", "set either store.url or store.cluster_urls, not both".into()));
+            StoreKind::Redis if store.url.is_some() && !store.cluster_urls.is_empty() => {
+                return Err(invalid("store.cluster_urls", "set either store.url or store.cluster_urls, not both"));
             }
-            StoreKind::Redis if self.store.wait_replicas > 0 && self.store.wait_timeout_ms >= self.store.timeout_ms => {
-                return Err(("store.wait_timeout_ms", "must be below store.timeout_ms".into()));
+            StoreKind::Redis if store.wait_replicas > 0 && store.wait_timeout_ms >= store.timeout_ms => {
+                return Err(invalid("store.wait_timeout_ms", "must be below store.timeout_ms"));
             }
-            StoreKind::Redis if self.store.wait_replicas > 0 && !self.store.cluster_urls.is_empty() => {
-                return Err(("store.wait_replicas", "not supported with store.cluster_urls".into()));
+            StoreKind::Redis if store.wait_replicas > 0 && !store.cluster_urls.is_empty() => {
+                return Err(invalid("store.wait_replicas", "not supported with store.cluster_urls"));
             }
-            StoreKind::Etcd if self.store.endpoints.is_empty() => {
-                return Err(("store.endpoints", "required when store.kind = \"etcd\"".into()));
+            StoreKind::Etcd if store.endpoints.is_empty() => {
+                return Err(invalid("store.endpoints", "required when store.kind = \"etcd\""));
             }
             StoreKind::Etcd if !cfg!(feature = "etcd") => {
-                return Err((
+                return Err(invalid(
                     "store.kind",
-                    "this fencegate was built without etcd support: build it with `cargo build --features etcd`".into(),
+                    "this fencegate was built without etcd support: build it with `cargo build --features etcd`",
                 ));
             }
             StoreKind::Redis | StoreKind::Etcd
@@ -758,7 +793,7 @@ impl Config {
                 // Safety holds for any D (the store keeps a registration D past the latest
                 // hand-over, `fence::bounds`); below this, renewals cannot keep a registration
                 // inside its hand-over window and every write longer than a few ticks is cut off.
-                return Err((
+                return Err(invalid(
                     "fencing.inflight_deadline_ms",
                     format!(
                         "must be at least {} with a shared store: a replica hands bodies over only in the first \
@@ -770,48 +805,66 @@ impl Config {
             }
             StoreKind::Redis | StoreKind::Etcd | StoreKind::Embedded => {}
         }
-        match self.upstream.kind {
-            UpstreamKind::Local if self.upstream.path.is_none() => {
-                return Err(("upstream.path", "required when upstream.kind = \"local\"".into()));
+        positive(&[
+            ("store.timeout_ms", store.timeout_ms),
+            ("store.idempotency_records_bytes_max", store.idempotency_records_bytes_max),
+        ])
+    }
+
+    fn validate_upstream(&self) -> Result<(), Invalid> {
+        let upstream = &self.upstream;
+        match upstream.kind {
+            UpstreamKind::Local if upstream.path.is_none() => {
+                return Err(invalid("upstream.path", "required when upstream.kind = \"local\""));
             }
             UpstreamKind::S3 => {
-                let endpoint = self
-                    .upstream
+                let endpoint = upstream
                     .endpoint
                     .as_deref()
-                    .ok_or(("upstream.endpoint", "required when upstream.kind = \"s3\"".to_string()))?;
-                let uri: http::Uri =
-                    endpoint.parse().map_err(|e| ("upstream.endpoint", format!("{endpoint:?} is not a URL: {e}")))?;
+                    .ok_or_else(|| invalid("upstream.endpoint", "required when upstream.kind = \"s3\""))?;
+                let uri: http::Uri = endpoint
+                    .parse()
+                    .map_err(|e| invalid("upstream.endpoint", format!("{endpoint:?} is not a URL: {e}")))?;
                 // A path or query would be dropped: requests go to the endpoint's root.
                 let root = matches!(uri.path(), "" | "/") && uri.query().is_none();
                 if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() || !root {
-                    return Err((
+                    return Err(invalid(
                         "upstream.endpoint",
                         format!("{endpoint:?} must be http://host[:port] or https://host[:port], without a path"),
                     ));
                 }
-                if self.upstream.access_key_id.is_none() {
-                    return Err(("upstream.access_key_id", "required when upstream.kind = \"s3\"".into()));
+                if upstream.access_key_id.is_none() {
+                    return Err(invalid("upstream.access_key_id", "required when upstream.kind = \"s3\""));
                 }
-                if self.upstream.secret_access_key.is_none() {
-                    return Err(("upstream.secret_access_key", "required when upstream.kind = \"s3\"".into()));
+                if upstream.secret_access_key.is_none() {
+                    return Err(invalid("upstream.secret_access_key", "required when upstream.kind = \"s3\""));
                 }
             }
             UpstreamKind::Local => {}
         }
+        positive(&[
+            ("upstream.request_timeout_ms", upstream.request_timeout_ms),
+            ("upstream.connect_timeout_ms", upstream.connect_timeout_ms),
+        ])
+    }
+
+    fn validate_credentials(&self) -> Result<(), Invalid> {
         if self.credentials.is_empty() {
-            return Err((
+            return Err(invalid(
                 "credentials",
-                "at least one [[credentials]] entry is required: fencegate only serves signed requests".into(),
+                "at least one [[credentials]] entry is required: fencegate only serves signed requests",
             ));
         }
-        for c in &self.credentials {
+        for (i, c) in self.credentials.iter().enumerate() {
             if c.access_key_id.is_empty() || c.secret_access_key.is_empty() {
-                return Err(("credentials", "access_key_id and secret_access_key must not be empty".into()));
+                return Err(invalid(
+                    format!("credentials[{i}]"),
+                    "access_key_id and secret_access_key must not be empty",
+                ));
             }
             if c.access_key_id.starts_with(crate::lease::credentials::ACCESS_KEY_PREFIX) {
-                return Err((
-                    "credentials.access_key_id",
+                return Err(invalid(
+                    format!("credentials[{i}].access_key_id"),
                     format!(
                         "{:?}: ids starting with {:?} are lease credentials' (docs/leases.md)",
                         c.access_key_id,
@@ -820,42 +873,43 @@ impl Config {
                 ));
             }
         }
-        for (key, name) in [
-            ("fencing.token_header", &self.fencing.token_header),
-            ("fencing.resource_header", &self.fencing.resource_header),
-        ] {
+        Ok(())
+    }
+
+    fn validate_fencing(&self) -> Result<(), Invalid> {
+        let fencing = &self.fencing;
+        for (key, name) in
+            [("fencing.token_header", &fencing.token_header), ("fencing.resource_header", &fencing.resource_header)]
+        {
             if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
-                return Err((key, format!("{name:?} is not a valid header name")));
+                return Err(invalid(key, format!("{name:?} is not a valid header name")));
             }
         }
-        for rule in &self.fencing.rules {
+        for (i, rule) in fencing.rules.iter().enumerate() {
             if rule.bucket.is_empty() {
-                return Err(("fencing.rules.bucket", "must not be empty".into()));
+                return Err(invalid(format!("fencing.rules[{i}].bucket"), "must not be empty"));
             }
             if let Err(e) = crate::fence::ResourceKey::new(&rule.resource) {
-                return Err(("fencing.rules.resource", format!("{:?}: {e}", rule.resource)));
+                return Err(invalid(format!("fencing.rules[{i}].resource"), format!("{:?}: {e}", rule.resource)));
             }
         }
-        let positive = [
-            ("fencing.inflight_deadline_ms", self.fencing.inflight_deadline_ms),
-            ("store.timeout_ms", self.store.timeout_ms),
-            ("upstream.request_timeout_ms", self.upstream.request_timeout_ms),
-            ("upstream.connect_timeout_ms", self.upstream.connect_timeout_ms),
-            ("server.header_read_timeout_ms", self.server.header_read_timeout_ms),
-            ("server.idle_timeout_ms", self.server.idle_timeout_ms),
-        ];
-        for (key, value) in positive {
-            if value == 0 {
-                return Err((key, "must be greater than 0".into()));
-            }
+        positive(&[
+            ("fencing.inflight_deadline_ms", fencing.inflight_deadline_ms),
+            ("fencing.inflight_per_resource_max", fencing.inflight_per_resource_max as u64),
+        ])?;
+        if fencing.inflight_per_caller_max.is_some_and(|n| n == 0 || n > fencing.inflight_per_resource_max) {
+            return Err(invalid(
+                "fencing.inflight_per_caller_max",
+                "must be greater than 0 and at most fencing.inflight_per_resource_max",
+            ));
         }
         // A completion admitted just before its upload's token was superseded reaches the
         // upstream within the request timeout and commits within D of that (the assumption),
         // measured on clocks that may run apart by the drift allowed everywhere else.
-        let completion_ms = self.upstream.request_timeout_ms.saturating_add(self.fencing.inflight_deadline_ms);
+        let completion_ms = self.upstream.request_timeout_ms.saturating_add(fencing.inflight_deadline_ms);
         let completion_ms = (completion_ms as f64 * (1.0 + crate::fence::CLOCK_RATE_DRIFT_MAX)).ceil() as u64;
-        if self.fencing.abort_stale_uploads_after_ms != 0 && self.fencing.abort_stale_uploads_after_ms < completion_ms {
-            return Err((
+        if fencing.abort_stale_uploads_after_ms != 0 && fencing.abort_stale_uploads_after_ms < completion_ms {
+            return Err(invalid(
                 "fencing.abort_stale_uploads_after_ms",
                 format!(
                     "must be 0 (never) or at least {completion_ms} (upstream.request_timeout_ms plus \
@@ -864,59 +918,49 @@ impl Config {
                 ),
             ));
         }
-        if self.server.tls_cert_path.is_some() != self.server.tls_key_path.is_some() {
-            return Err((
-                "server.tls_key_path",
-                "set both server.tls_cert_path and server.tls_key_path, or neither".into(),
-            ));
-        }
-        for route in &self.routes {
+        Ok(())
+    }
+
+    fn validate_routes(&self) -> Result<(), Invalid> {
+        for (i, route) in self.routes.iter().enumerate() {
+            let key = |field: &str| format!("routes[{i}].{field}");
             if !route.prefix.starts_with('/') || !route.prefix.ends_with('/') {
-                return Err(("routes.prefix", format!("{:?} must start and end with '/'", route.prefix)));
-            }
-            if route.buffered_bytes_max < route.body_bytes_max {
-                return Err(("routes.buffered_bytes_max", "must be at least routes.body_bytes_max".into()));
+                return Err(invalid(key("prefix"), format!("{:?} must start and end with '/'", route.prefix)));
             }
             if route.prefix.starts_with("/_fencegate/") {
-                return Err(("routes.prefix", "/_fencegate/ is reserved for fencegate's own endpoints".into()));
+                return Err(invalid(key("prefix"), "/_fencegate/ is reserved for fencegate's own endpoints"));
+            }
+            if route.buffered_bytes_max < route.body_bytes_max {
+                return Err(invalid(key("buffered_bytes_max"), "must be at least routes.body_bytes_max"));
             }
             let uri: http::Uri =
-                route.upstream.parse().map_err(|e| ("routes.upstream", format!("{:?}: {e}", route.upstream)))?;
+                route.upstream.parse().map_err(|e| invalid(key("upstream"), format!("{:?}: {e}", route.upstream)))?;
             if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
-                return Err(("routes.upstream", format!("{:?} must be an http:// or https:// URL", route.upstream)));
+                return Err(invalid(
+                    key("upstream"),
+                    format!("{:?} must be an http:// or https:// URL", route.upstream),
+                ));
             }
             if route.resource.is_empty() {
-                return Err(("routes.resource", "must not be empty".into()));
+                return Err(invalid(key("resource"), "must not be empty"));
             }
         }
-        if self.server.admin_connections_max == 0 {
-            return Err(("server.admin_connections_max", "must be greater than 0".into()));
-        }
-        if self.server.threads > THREADS_MAX {
-            return Err(("server.threads", format!("at most {THREADS_MAX} (0: one per CPU)")));
-        }
-        if self.server.connections_max == 0 {
-            return Err(("server.connections_max", "must be greater than 0".into()));
-        }
-        if self.fencing.inflight_per_resource_max == 0 {
-            return Err(("fencing.inflight_per_resource_max", "must be greater than 0".into()));
-        }
-        if self.server.shutdown_timeout_ms == 0 {
-            return Err(("server.shutdown_timeout_ms", "must be greater than 0".into()));
-        }
-        if self.store.idempotency_records_bytes_max == 0 {
-            return Err(("store.idempotency_records_bytes_max", "must be greater than 0".into()));
-        }
-        if self.fencing.inflight_per_caller_max.is_some_and(|n| n == 0 || n > self.fencing.inflight_per_resource_max) {
-            return Err((
-                "fencing.inflight_per_caller_max",
-                "must be greater than 0 and at most fencing.inflight_per_resource_max".into(),
-            ));
-        }
-        if self.server.header_bytes_max < 8192 {
-            return Err(("server.header_bytes_max", "must be at least 8192 (hyper's minimum read buffer)".into()));
-        }
         Ok(())
+    }
+}
+
+/// A key at fault and why.
+type Invalid = (String, String);
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Invalid {
+    (key.into(), reason.into())
+}
+
+/// Each of `values` must be above 0.
+fn positive(values: &[(&str, u64)]) -> Result<(), Invalid> {
+    match values.iter().find(|(_, value)| *value == 0) {
+        Some((key, _)) => Err(invalid(*key, "must be greater than 0")),
+        None => Ok(()),
     }
 }
 
@@ -1001,6 +1045,22 @@ mod tests {
         assert_eq!(risks.len(), 2, "{risks:?}");
         assert!(risks.iter().any(|r| r.starts_with("server.admin_listen")));
         assert!(risks.iter().any(|r| r.starts_with("server.listen") && r.contains("without TLS")));
+    }
+
+    #[test]
+    fn an_entry_of_an_array_of_tables_is_named_by_its_index() {
+        let route = |prefix: &str| {
+            format!(
+                "[[routes]]\nprefix = {prefix:?}\nupstream = \"http://127.0.0.1:1\"\nresource = \"api\"\nmode = \"fence-only\"\n"
+            )
+        };
+        let bad = format!("{MINIMAL}{}{}", route("/ok/"), route("no-slash"));
+        let Err(e) = Config::from_toml(&bad) else { panic!("a route without '/' accepted") };
+        assert!(e.to_string().contains("routes[1].prefix"), "{e}");
+        let rule = format!("{MINIMAL}[[fencing.rules]]\nbucket = \"\"\nresource = \"r\"\n");
+        let rule = rule.replacen("[[credentials]]", "[fencing]\n[[credentials]]", 1);
+        let Err(e) = Config::from_toml(&rule) else { panic!("a rule without a bucket accepted") };
+        assert!(e.to_string().contains("fencing.rules[0].bucket"), "{e}");
     }
 
     #[test]
