@@ -256,16 +256,16 @@ impl Front {
         check_headers(&req.headers)?;
         // A lease credential may do what its issuer may, within its lease.
         let signer = match &lease {
-            Some(claims) => Some(claims.parent.as_str()),
-            None => req.credentials.as_ref().map(|c| c.access_key.as_str()),
+            Some(claims) => Some(claims.parent.clone()),
+            None => req.credentials.as_ref().map(|c| c.access_key.clone()),
         };
-        if let Some(scopes) = signer.and_then(|key| self.scopes.get(key)) {
+        if let Some(scopes) = signer.as_ref().and_then(|key| self.scopes.get(key)) {
             scopes.check(&req.method, &target, req.uri.query(), &req.headers)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
         if op == Op::AbortMultipartUpload
-            && let Some(signer) = signer
+            && let Some(signer) = &signer
             && let Some(resp) =
                 self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
         {
@@ -275,37 +275,7 @@ impl Front {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
         };
-        let content_length = content_length(&req.headers);
-        if let Some(bytes) = content_length
-            && bytes > self.body_bytes_max
-        {
-            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
-        }
-        let body = if announced_exactly(&req.headers) {
-            req.input
-        } else {
-            // A length nobody holds the client to (no `Content-Length`, or a decoded length an
-            // aws-chunked body may not keep): the body is cut at the limit as it streams.
-            Body::http_body(http_body_util::Limited::new(
-                req.input,
-                usize::try_from(self.body_bytes_max).unwrap_or(usize::MAX),
-            ))
-        };
-        let request = Request {
-            method: req.method,
-            query: forwarded_query(req.uri.query()),
-            target,
-            headers: req.headers,
-            body,
-            trailers: req.trailing_headers,
-            content_length,
-            may_advance: self.writes_advance
-                && !signature.is_sigv2()
-                && !signer.is_some_and(|key| self.lessees.contains(key)),
-            caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
-            signer: signer.map(str::to_owned),
-            scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
-        };
+        let request = self.request_of(req, target, signer, signature.is_sigv2())?;
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
         }
@@ -322,10 +292,65 @@ impl Front {
             *decided = true;
             return self.pass_through(request).await;
         };
+        self.route_write(op, request, token, lease.map(|l| l.resource), decided).await
+    }
+
+    /// The request as the front carries it on: its body bounded by `server.body_bytes_max`.
+    fn request_of(
+        &self,
+        req: S3Request<Body>,
+        target: Target,
+        signer: Option<String>,
+        sigv2: bool,
+    ) -> Result<Request, FrontError> {
+        let content_length = content_length(&req.headers);
+        if let Some(bytes) = content_length
+            && bytes > self.body_bytes_max
+        {
+            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
+        }
+        let body = if announced_exactly(&req.headers) {
+            req.input
+        } else {
+            // A length nobody holds the client to (no `Content-Length`, or a decoded length an
+            // aws-chunked body may not keep): the body is cut at the limit as it streams.
+            Body::http_body(http_body_util::Limited::new(
+                req.input,
+                usize::try_from(self.body_bytes_max).unwrap_or(usize::MAX),
+            ))
+        };
+        let scoped = signer.as_ref().filter(|key| self.scopes.contains_key(*key)).cloned();
+        Ok(Request {
+            method: req.method,
+            query: forwarded_query(req.uri.query()),
+            target,
+            headers: req.headers,
+            body,
+            trailers: req.trailing_headers,
+            content_length,
+            may_advance: self.writes_advance
+                && !sigv2
+                && !signer.as_ref().is_some_and(|key| self.lessees.contains(key)),
+            caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
+            signer,
+            scoped,
+        })
+    }
+
+    /// A fenced write with its token: checked as far as can be without the gate, then
+    /// admitted and written on a task of its own (`detached`). `lease`: the resource of the
+    /// lease it was signed under.
+    async fn route_write(
+        self: Arc<Self>,
+        op: Op,
+        request: Request,
+        token: FenceToken,
+        lease: Option<ResourceKey>,
+        decided: &mut bool,
+    ) -> Result<S3Response<Body>, FrontError> {
         if op == Op::DeleteObjects {
             let front = Arc::clone(&self);
-            let resource = lease.map(|l| l.resource);
-            let deletes = async move { front.delete_objects(request, token, resource).await };
+            let deletes = async move { front.delete_objects(request, token, lease).await };
             return detached(Box::pin(deletes.instrument(tracing::Span::current()))).await;
         }
         // A fenced multipart step: its upload must be the key's (an unchecked one, without a
@@ -345,20 +370,7 @@ impl Front {
         self.check_resource_scope(request.scoped.as_deref(), &resource)?;
         let mut request = request;
         if op == Op::CompleteMultipartUpload {
-            // A stale completion is refused before its body is read.
-            if let Some(current) = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?
-                && token < current
-            {
-                return Err(Refusal::Stale { presented: token, current }.into());
-            }
-            // The parts list is read before admission: a client that sends it slowly must not
-            // hold a write that is past cancelling (its body is complete once read).
-            let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)
-                .collect()
-                .await
-                .map_err(|_| FrontError::IncompleteBody)?
-                .to_bytes();
-            request.body = Body::from(parts);
+            self.read_parts_list(&mut request, &resource, token).await?;
         }
         let span = tracing::Span::current();
         span.record("resource", resource.as_str());
@@ -378,6 +390,29 @@ impl Front {
         let (result, admitted_now) = detached(Box::pin(write.instrument(span))).await;
         *decided |= admitted_now;
         result
+    }
+
+    /// A CompleteMultipartUpload's parts list, read before admission: a client that sends it
+    /// slowly must not hold a write that is past cancelling (its body is complete once read).
+    /// A stale completion is refused before its body is read.
+    async fn read_parts_list(
+        &self,
+        request: &mut Request,
+        resource: &ResourceKey,
+        token: FenceToken,
+    ) -> Result<(), FrontError> {
+        if let Some(current) = self.gate.fence(resource).await.map_err(Refusal::StoreUnavailable)?
+            && token < current
+        {
+            return Err(Refusal::Stale { presented: token, current }.into());
+        }
+        let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|_| FrontError::IncompleteBody)?
+            .to_bytes();
+        request.body = Body::from(parts);
+        Ok(())
     }
 
     /// Admission and the write it admits (detached: see [`Front::route`]). `admitted` is set
