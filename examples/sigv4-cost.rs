@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Instant, SystemTime};
 
-use fencegate::sigv4::{Signer, Verifier};
+use fencegate::aws::sigv4::{Signer, Verifier};
 use http::{HeaderValue, Method, Request};
 
 const ACCESS_KEY: &str = "fencegate-dev";

@@ -13,9 +13,9 @@ use crate::config::{Config, ProbeMode, StoreKind, ms};
 use crate::fence::{Gate, GateLimits, InflightBounds, Store};
 use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
-use crate::server::{self, ConnectionLimits};
+use crate::net::server::{self, ConnectionLimits};
+use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
-use crate::threads::{CloseOnDrop, ServingThreads};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
 
 /// Everything fencegate runs, built from a config.

@@ -110,7 +110,7 @@ pub struct ServerConfig {
     #[serde(default)]
     pub sigv2: bool,
     /// Threads serving the main listener's connections, each with a runtime and upstream
-    /// connections of its own (`crate::threads`); 0: one per CPU.
+    /// connections of its own (`crate::net::threads`); 0: one per CPU.
     #[serde(default)]
     pub threads: usize,
 }

@@ -12,40 +12,30 @@
 //! - [`upstream`]: where writes land (`local` directory, `s3` endpoint) and the start-up probe.
 //! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
-//! - [`server`]: accept loops, connection limits, graceful shutdown.
-//! - [`threads`]: the serving threads, one runtime and one upstream pool each, that the main
-//!   listener's connections run on.
-//! - [`sigv4`]: SigV4 signing of forwarded requests and the lean check of received ones.
+//! - [`net`]: HTTP plumbing with nothing of fencing in it: accept loops, connection limits and
+//!   graceful shutdown, the serving threads (one runtime and one upstream pool each), the one
+//!   outbound HTTP client, the forwarded write's body (streamed, cut off when a newer token
+//!   cancels the write, kept for one retry when small), problem documents, percent-decoding.
+//! - [`aws`]: S3 header names and SigV4 (signing forwarded requests, the lean check of
+//!   received ones).
 //! - [`config`]: the one configuration struct, validated at start-up.
 //! - [`metrics`]: every exported metric.
-//! - [`outbound`]: the one HTTP client builder (the S3 upstream, the gateway's APIs).
-//! - [`percent`]: percent-decoding of paths.
-//! - [`amz`]: the S3 header names looked up on the request path, as constants.
-//! - [`problem`]: the RFC 9457 problem documents of fencegate's own endpoints.
-//! - [`body`]: the forwarded write's body, for both fronts: streamed, cut off when a newer
-//!   token cancels the write, kept for one retry when small.
 //! - [`refusal`]: the fencing protocol's refusals, one type for both fronts, and the token
 //!   header read once.
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
 pub mod admin;
-pub mod amz;
-pub mod body;
+pub mod aws;
 pub mod config;
 pub mod fence;
 pub mod gateway;
 pub mod lease;
 pub mod metrics;
-pub mod outbound;
-pub mod percent;
-pub mod problem;
+pub mod net;
 pub mod refusal;
 pub mod s3;
-pub mod server;
-pub mod sigv4;
 pub mod store;
-pub mod threads;
 pub mod upstream;
 
 mod app;

@@ -739,7 +739,7 @@ async fn an_ambiguous_outcome_is_never_executed_twice() {
 async fn https_upstreams_are_verified() {
     let certs = tempfile::tempdir().unwrap();
     let tls = common::make_test_tls(certs.path());
-    let api = FakeApi::start(Some(fencegate::server::tls_acceptor(&tls.cert, &tls.key).unwrap())).await;
+    let api = FakeApi::start(Some(fencegate::net::server::tls_acceptor(&tls.cert, &tls.key).unwrap())).await;
     let dir = tempfile::tempdir().unwrap();
     let routes = format!(
         "[[routes]]\nprefix = \"/private/\"\nupstream = \"{}\"\nresource = \"p:{{1}}\"\nmode = \"fence-only\"\n\

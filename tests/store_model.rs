@@ -513,7 +513,7 @@ async fn each_serving_thread_calls_redis_on_a_connection_of_its_own() {
         commands
     }
     let store = Arc::new(redis_store(&redis.url(), Duration::from_secs(2), 2).await);
-    let threads = fencegate::threads::ServingThreads::start(2).unwrap();
+    let threads = fencegate::net::threads::ServingThreads::start(2).unwrap();
     let resource = ResourceKey::new("b/k").unwrap();
     store.advance(&resource, FenceToken(7)).await.unwrap();
     // Waits for the shared connection and the announcements' subscription.
@@ -531,7 +531,7 @@ async fn each_serving_thread_calls_redis_on_a_connection_of_its_own() {
         for _ in 0..2 {
             let (store, resource, tx) = (store.clone(), resource.clone(), tx.clone());
             threads.spawn(async move {
-                tx.send((fencegate::threads::current(), store.load(&resource).await)).unwrap();
+                tx.send((fencegate::net::threads::current(), store.load(&resource).await)).unwrap();
             });
         }
         async move {

@@ -7,7 +7,7 @@
 //! differ only in what each does per request.
 //!
 //! With `--sigv4` it is the **signing proxy**: the same proxy doing the two things every
-//! fenced write must do besides proxying, with fencegate's own code (`fencegate::sigv4`, the
+//! fenced write must do besides proxying, with fencegate's own code (`fencegate::aws::sigv4`, the
 //! lean path's check with its signing keys cached, and the re-signing fencegate does for the
 //! upstream): it verifies the client's SigV4 signature (403 when it does not verify) and signs
 //! the request anew with the upstream's key. Its row is the floor under fencegate's accepted
@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use fencegate::sigv4::{Signer, Verifier};
+use fencegate::aws::sigv4::{Signer, Verifier};
 
 use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Request, Response, StatusCode, Uri};

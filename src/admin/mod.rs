@@ -168,7 +168,7 @@ impl Admin {
 
 fn decode_resource(raw: &str) -> Result<ResourceKey, String> {
     let decoded =
-        crate::percent::decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
+        crate::net::percent::decode(raw).ok_or_else(|| "the resource is not valid percent-encoded UTF-8".to_owned())?;
     ResourceKey::new(&decoded).map_err(|e| e.to_string())
 }
 
@@ -190,7 +190,7 @@ fn fence_json(status: StatusCode, resource: &ResourceKey, token: FenceToken) -> 
 
 /// An RFC 9457 problem whose `type` ends in `code`.
 fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
-    json(status, crate::problem::CONTENT_TYPE, &crate::problem::document(status, code, detail))
+    json(status, crate::net::problem::CONTENT_TYPE, &crate::net::problem::document(status, code, detail))
 }
 
 fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> AdminResponse {

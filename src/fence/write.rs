@@ -12,9 +12,9 @@ use tokio::time::Instant;
 
 use super::outcome::{Bounded, Delivery, bounded_call};
 use super::{CutOff, FenceToken, Gate, Permit, ResourceKey};
-use crate::body::{BodyFailure, BodyReport};
 use crate::config::millis;
 use crate::metrics;
+use crate::net::body::{BodyFailure, BodyReport};
 
 /// An admitted write: what its calls to the upstream are bounded by.
 #[derive(Clone)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use s3s::Body;
 
-use crate::outbound::{Outbound, PooledClient};
+use crate::net::outbound::{Outbound, PooledClient};
 
 /// Why a call got no response head.
 #[derive(Debug, thiserror::Error)]

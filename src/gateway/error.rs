@@ -127,7 +127,7 @@ impl GatewayError {
     /// plain retry may succeed.
     pub fn into_response(self) -> http::Response<Body> {
         let (status, code) = self.parts();
-        let mut problem = crate::problem::document(status, code, &self.to_string());
+        let mut problem = crate::net::problem::document(status, code, &self.to_string());
         let current = self.current_fence();
         if let Some(current) = current {
             problem["fencing_token_current"] = serde_json::json!(current.0);
@@ -144,7 +144,7 @@ impl GatewayError {
         let mut resp = http::Response::new(Body::from(Bytes::from(problem.to_string())));
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::problem::CONTENT_TYPE));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::net::problem::CONTENT_TYPE));
         if let Some(current) = current {
             headers.insert(CURRENT_TOKEN_HEADER, HeaderValue::from(current.0));
         }

@@ -39,7 +39,6 @@ use self::client::{ApiClient, SendError};
 use self::etags::ResourceEtags;
 use self::replay::Collected;
 use self::route::Route;
-use crate::body::{BodyFailure, ForwardBody};
 use crate::config::{Config, RouteMode, millis, ms};
 use crate::fence::outcome::detached;
 use crate::fence::{
@@ -48,6 +47,7 @@ use crate::fence::{
 };
 use crate::lease::Clock;
 use crate::metrics;
+use crate::net::body::{BodyFailure, ForwardBody};
 use crate::refusal::{Refusal, record_refused, single_token};
 
 /// The header carrying the client's request id, and fencegate's key to the API.
@@ -58,7 +58,7 @@ const CLIENT_KEY_BYTES_MAX: usize = 255;
 /// record counts as abandoned.
 const CLAIM_SLACK: Duration = Duration::from_secs(1);
 
-use crate::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADERS, remove_response_hop_headers};
+use crate::net::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADERS, remove_response_hop_headers};
 
 pub struct Gateway {
     /// Longest prefix first, so the most specific route takes a path.

@@ -118,7 +118,7 @@ impl Route {
     pub fn rest<'p>(&self, path: &'p str) -> Result<&'p str, GatewayError> {
         let rest = path.strip_prefix(self.prefix.as_str()).ok_or(GatewayError::UnsafePath)?;
         for segment in rest.split('/') {
-            let decoded = crate::percent::decode(segment).ok_or(GatewayError::UnsafePath)?;
+            let decoded = crate::net::percent::decode(segment).ok_or(GatewayError::UnsafePath)?;
             if decoded.split(['/', '\\']).any(|part| part == "." || part == "..") {
                 return Err(GatewayError::UnsafePath);
             }
@@ -215,7 +215,7 @@ impl Template {
                 Part::Literal(text) => out.push_str(text),
                 Part::Segment(n) => {
                     let raw = segments.get(n - 1).filter(|s| !s.is_empty()).ok_or(GatewayError::MissingSegment(*n))?;
-                    out.push_str(&crate::percent::decode(raw).ok_or(GatewayError::UnsafePath)?);
+                    out.push_str(&crate::net::percent::decode(raw).ok_or(GatewayError::UnsafePath)?);
                 }
             }
         }

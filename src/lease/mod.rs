@@ -390,7 +390,7 @@ fn refusal(outcome: LeaseOutcome) -> LeaseError {
 }
 
 fn decode(raw: &str) -> Result<ResourceKey, LeaseError> {
-    let name = crate::percent::decode(raw)
+    let name = crate::net::percent::decode(raw)
         .ok_or_else(|| LeaseError::BadRequest("the lease name is not valid percent-encoded UTF-8".into()))?;
     ResourceKey::new(&name).map_err(|e| LeaseError::BadRequest(e.to_string()))
 }
@@ -445,12 +445,12 @@ fn problem(error: &LeaseError) -> S3Response<Body> {
             (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable")
         }
     };
-    let mut body = crate::problem::document(status, code, &error.to_string());
+    let mut body = crate::net::problem::document(status, code, &error.to_string());
     if let LeaseError::Held { holder, remaining_ms } = error {
         body["holder"] = serde_json::json!(holder);
         body["remaining_ms"] = serde_json::json!(remaining_ms);
     }
-    let mut resp = json_response(status, crate::problem::CONTENT_TYPE, &body);
+    let mut resp = json_response(status, crate::net::problem::CONTENT_TYPE, &body);
     if let LeaseError::Recovering { retry_after_s, .. } = error {
         resp.headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
     }

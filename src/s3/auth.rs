@@ -92,7 +92,7 @@ tokio::task_local! {
 }
 
 fn session_token(req: &http::Request<Body>) -> Option<String> {
-    if let Some(value) = req.headers().get(crate::amz::X_AMZ_SECURITY_TOKEN) {
+    if let Some(value) = req.headers().get(crate::aws::amz::X_AMZ_SECURITY_TOKEN) {
         return value.to_str().ok().map(str::to_owned);
     }
     form_urlencoded::parse(req.uri().query()?.as_bytes())

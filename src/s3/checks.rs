@@ -31,10 +31,10 @@ pub(super) fn check_headers(headers: &HeaderMap) -> Result<(), FrontError> {
             return Err(FrontError::NonAsciiMetadata(name.as_str().to_owned()));
         }
     }
-    if let Some(source) = headers.get(crate::amz::X_AMZ_COPY_SOURCE) {
+    if let Some(source) = headers.get(crate::aws::amz::X_AMZ_COPY_SOURCE) {
         let source = source.to_str().map_err(|_| FrontError::UnsafeKey)?;
         let path = source.split('?').next().unwrap_or("");
-        let decoded = crate::percent::decode(path).ok_or(FrontError::UnsafeKey)?;
+        let decoded = crate::net::percent::decode(path).ok_or(FrontError::UnsafeKey)?;
         if decoded.split('/').any(|segment| segment == "." || segment == "..") {
             return Err(FrontError::UnsafeKey);
         }

@@ -32,7 +32,7 @@ pub fn target(uri: &Uri, headers: &HeaderMap, domain: Option<&str>) -> Result<Ta
         Some(bucket) => format!("/{bucket}{raw}"),
         None => raw.to_owned(),
     };
-    let decoded = crate::percent::decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
+    let decoded = crate::net::percent::decode(&raw_path).ok_or(FrontError::UnsafeKey)?;
     let rest = decoded.strip_prefix('/').unwrap_or(&*decoded);
     let (bucket, key) = match rest.split_once('/') {
         Some((b, k)) if !k.is_empty() => (Some(b.to_owned()), Some(k.to_owned())),
@@ -110,7 +110,7 @@ const OBJECT_SUBRESOURCES: &[&str] = &["tagging", "acl", "retention", "legal-hol
 
 pub fn classify(method: &Method, target: &Target, query: Option<&str>, headers: &HeaderMap) -> Op {
     let has = |name: &str| query_has(query, name);
-    let copy = headers.contains_key(crate::amz::X_AMZ_COPY_SOURCE);
+    let copy = headers.contains_key(crate::aws::amz::X_AMZ_COPY_SOURCE);
     if target.key.is_none() {
         return match *method {
             Method::POST if has("delete") => Op::DeleteObjects,

@@ -13,7 +13,7 @@ use super::error::FrontError;
 use super::forward::{WriteBody, client_response, upstream_headers};
 use super::objects::{Comparison, etag_listed};
 use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
-use crate::body::ForwardBody;
+use crate::net::body::ForwardBody;
 
 impl Front {
     pub(super) async fn copy_object(
@@ -243,7 +243,7 @@ pub(super) fn copies_onto_itself_unchanged(target: &Target, headers: &HeaderMap)
         return false;
     }
     let source = source.split('?').next().unwrap_or("");
-    let Some(source) = crate::percent::decode(source.trim_start_matches('/')) else { return false };
+    let Some(source) = crate::net::percent::decode(source.trim_start_matches('/')) else { return false };
     let same = target.object_name().is_some_and(|name| name == source);
     let replaces = |name: &str| headers.get(name).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"REPLACE"));
     let changes = replaces("x-amz-metadata-directive")

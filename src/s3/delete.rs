@@ -78,7 +78,7 @@ impl Front {
     /// The upstream's answer if the target's bucket does not exist (a bounded `HEAD /bucket`).
     async fn missing_bucket(&self, target: &Target) -> Result<Option<http::Response<Body>>, FrontError> {
         let Some(bucket) = &target.bucket else { return Ok(None) };
-        let path = format!("/{}", crate::percent::encode_key(bucket));
+        let path = format!("/{}", crate::net::percent::encode_key(bucket));
         let resp = self.send("bucket_head", Method::HEAD, &path, HeaderMap::new(), Body::empty()).await?;
         if resp.status() != StatusCode::NOT_FOUND {
             return Ok(None);

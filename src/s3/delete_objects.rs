@@ -258,7 +258,7 @@ impl Front {
     /// One key of a DeleteObjects, deleted as a DeleteObject with the key's own `<ETag>` as the
     /// client's `If-Match`.
     async fn delete_one(&self, bucket: &str, object: &ObjectId, write: &Admitted, headers: &HeaderMap) -> KeyOutcome {
-        let raw_path = format!("/{bucket}/{}", crate::percent::encode_key(&object.key));
+        let raw_path = format!("/{bucket}/{}", crate::net::percent::encode_key(&object.key));
         let mut path = raw_path.clone();
         if let Some(version) = &object.version_id {
             path.push_str("?versionId=");

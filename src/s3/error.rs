@@ -218,7 +218,7 @@ impl FrontError {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         if let Ok(id) = HeaderValue::from_str(request_id) {
-            headers.insert(crate::amz::X_AMZ_REQUEST_ID, id);
+            headers.insert(crate::aws::amz::X_AMZ_REQUEST_ID, id);
         }
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/xml"));
         resp

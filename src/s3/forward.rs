@@ -13,13 +13,13 @@ use s3s::{Body, S3Response};
 
 use super::error::FrontError;
 use super::{Admitted, Front, Request, WireContract};
-use crate::amz::{X_AMZ_DECODED_CONTENT_LENGTH, X_AMZ_SDK_CHECKSUM_ALGORITHM, X_AMZ_TRAILER};
-use crate::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
+use crate::aws::amz::{X_AMZ_DECODED_CONTENT_LENGTH, X_AMZ_SDK_CHECKSUM_ALGORITHM, X_AMZ_TRAILER};
 use crate::config::millis;
 use crate::fence::outcome::hold_for;
 use crate::fence::{Permit, WriteFailure};
 use crate::metrics;
-use crate::server::{REQUEST_HOP_HEADERS, remove_response_hop_headers};
+use crate::net::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
+use crate::net::server::{REQUEST_HOP_HEADERS, remove_response_hop_headers};
 use crate::upstream::UpstreamError;
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop

@@ -26,10 +26,10 @@ use s3s::route::S3Route;
 use s3s::{Body, S3Request};
 
 use super::service::{BucketNames, FencegateRoute};
-use crate::amz::X_AMZ_SECURITY_TOKEN;
+use crate::aws::amz::X_AMZ_SECURITY_TOKEN;
+use crate::aws::sigv4::{EMPTY_PAYLOAD_SHA256, HeaderSignature, UNSIGNED_PAYLOAD, Verifier};
 use crate::lease::LeaseService;
 use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issuers};
-use crate::sigv4::{EMPTY_PAYLOAD_SHA256, HeaderSignature, UNSIGNED_PAYLOAD, Verifier};
 
 /// The lean path's verifier, the issuers whose secrets lease credentials derive from, and the
 /// route it hands requests to.
@@ -100,7 +100,7 @@ impl LeanPath {
         {
             return None;
         }
-        let token = crate::sigv4::single(headers, &X_AMZ_SECURITY_TOKEN)?;
+        let token = crate::aws::sigv4::single(headers, &X_AMZ_SECURITY_TOKEN)?;
         match self.issuers.secret(signature.access_key, Some(token)) {
             Ok((secret, verified)) => {
                 *claims = Some(verified);
@@ -199,7 +199,7 @@ fn valid_path(path: &str) -> bool {
             _ => return false,
         }
     }
-    crate::percent::decode(path)
+    crate::net::percent::decode(path)
         .is_some_and(|decoded| s3s::path::parse_path_style_with_validation(&decoded, &BucketNames).is_ok())
 }
 
@@ -211,7 +211,7 @@ fn unreserved(byte: u8) -> bool {
 /// hash with no body; never aws-chunked, a signed body, or a chunked transfer.
 fn plain_payload(method: &Method, headers: &HeaderMap) -> bool {
     if headers.contains_key(http::header::TRANSFER_ENCODING)
-        || headers.contains_key(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH)
+        || headers.contains_key(crate::aws::amz::X_AMZ_DECODED_CONTENT_LENGTH)
         || headers
             .get_all(http::header::CONTENT_ENCODING)
             .iter()
@@ -225,7 +225,7 @@ fn plain_payload(method: &Method, headers: &HeaderMap) -> bool {
         return false;
     }
     let length = length.flatten();
-    match headers.get(crate::amz::X_AMZ_CONTENT_SHA256).map(http::HeaderValue::as_bytes) {
+    match headers.get(crate::aws::amz::X_AMZ_CONTENT_SHA256).map(http::HeaderValue::as_bytes) {
         Some(v) if v == UNSIGNED_PAYLOAD.as_bytes() => length.is_some() || *method != Method::PUT,
         Some(v) if v == EMPTY_PAYLOAD_SHA256.as_bytes() => length.is_none_or(|n| n == 0),
         _ => false,

@@ -494,7 +494,7 @@ impl Front {
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
-    let decoded = headers.get(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH);
+    let decoded = headers.get(crate::aws::amz::X_AMZ_DECODED_CONTENT_LENGTH);
     let raw = decoded.or_else(|| headers.get(http::header::CONTENT_LENGTH))?;
     raw.to_str().ok()?.parse().ok()
 }
@@ -504,7 +504,7 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// framing, its `x-amz-decoded-content-length`).
 fn announced_exactly(headers: &HeaderMap) -> bool {
     headers.contains_key(http::header::CONTENT_LENGTH)
-        && !headers.contains_key(crate::amz::X_AMZ_DECODED_CONTENT_LENGTH)
+        && !headers.contains_key(crate::aws::amz::X_AMZ_DECODED_CONTENT_LENGTH)
         && !headers.contains_key(http::header::TRANSFER_ENCODING)
         && !headers
             .get_all(http::header::CONTENT_ENCODING)

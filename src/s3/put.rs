@@ -10,7 +10,7 @@ use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
 use super::error::FrontError;
 use super::forward::{WriteBody, client_response, trailer_check, upstream_headers};
 use super::{Admitted, Front, Request, stamp};
-use crate::body::ForwardBody;
+use crate::net::body::ForwardBody;
 
 impl Front {
     pub(super) async fn put_object(

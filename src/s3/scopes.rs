@@ -62,9 +62,9 @@ impl Scopes {
                 }
             }
         }
-        if let Some(source) = headers.get(crate::amz::X_AMZ_COPY_SOURCE).and_then(|v| v.to_str().ok()) {
+        if let Some(source) = headers.get(crate::aws::amz::X_AMZ_COPY_SOURCE).and_then(|v| v.to_str().ok()) {
             let source = source.split('?').next().unwrap_or("");
-            let source = crate::percent::decode(source.trim_start_matches('/')).unwrap_or_default();
+            let source = crate::net::percent::decode(source.trim_start_matches('/')).unwrap_or_default();
             let (b, k) = source.split_once('/').unwrap_or((&*source, ""));
             if !self.covers(b, k) {
                 return out(format!("the copy source {source}"));

@@ -47,7 +47,7 @@ pub fn service(
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
     let lean = config.server.domain.is_none().then(|| {
         Arc::new(lean::LeanPath {
-            verifier: crate::sigv4::Verifier::new(fixed.clone()),
+            verifier: crate::aws::sigv4::Verifier::new(fixed.clone()),
             issuers: issuers.clone(),
             route: route.clone(),
         })
@@ -156,10 +156,10 @@ impl S3Route for FencegateRoute {
             // The body names the token or the holder: it must be signed too (its SHA-256 in
             // `x-amz-content-sha256`, which the signature covers and the library checks the
             // body against), or whoever sees the request could resend it with another body.
-            let body_signed = signature.covers(crate::amz::X_AMZ_CONTENT_SHA256.as_str())
+            let body_signed = signature.covers(crate::aws::amz::X_AMZ_CONTENT_SHA256.as_str())
                 && req
                     .headers
-                    .get(crate::amz::X_AMZ_CONTENT_SHA256)
+                    .get(crate::aws::amz::X_AMZ_CONTENT_SHA256)
                     .is_some_and(|v| v.len() == 64 && v.as_bytes().iter().all(u8::is_ascii_hexdigit));
             let access_key = signer;
             let scope = self

@@ -200,7 +200,7 @@ fn signed_headers(authorization: &str) -> Option<&str> {
 /// A header-signed SigV2 request's date: `x-amz-date` if present (the date the signature
 /// covers then), else `Date`; within [`SIGV2_SKEW_MAX`] of `now`.
 fn check_v2_date(headers: &HeaderMap, now: SystemTime) -> Result<(), FrontError> {
-    let value = headers.get(crate::amz::X_AMZ_DATE).or_else(|| headers.get(header::DATE));
+    let value = headers.get(crate::aws::amz::X_AMZ_DATE).or_else(|| headers.get(header::DATE));
     let Some(date) = value.and_then(|v| v.to_str().ok()).and_then(|v| httpdate::parse_http_date(v).ok()) else {
         return Err(FrontError::SigV2Date);
     };

@@ -11,7 +11,7 @@ use crate::refusal::{Refusal, single_token};
 
 /// The metadata header SDKs send for object metadata `fencing-token`.
 pub const METADATA_TOKEN_HEADER: &str = "x-amz-meta-fencing-token";
-/// [`METADATA_TOKEN_HEADER`] as a header name, for lookups (`crate::amz`).
+/// [`METADATA_TOKEN_HEADER`] as a header name, for lookups (`crate::aws::amz`).
 pub const METADATA_TOKEN: HeaderName = HeaderName::from_static(METADATA_TOKEN_HEADER);
 
 /// The header names of the wire contract (configurable) and the rules binding keys to

@@ -129,7 +129,7 @@ impl Connection {
         F: Fn(Link) -> Fut,
         Fut: Future<Output = redis::RedisResult<T>>,
     {
-        if let (Some(threads), Some(thread)) = (&self.threads, crate::threads::current())
+        if let (Some(threads), Some(thread)) = (&self.threads, crate::net::threads::current())
             && let Some(own) = threads.get(thread)
         {
             match call(Link::Single(own)).await {
@@ -384,7 +384,7 @@ impl RedisStore {
     /// Connects to one Redis (`urls` has one entry) or a Redis Cluster (several seed nodes),
     /// and starts listening for advance announcements. With `wait`, every change waits for
     /// that many Redis replicas. With one Redis, each of `serving_threads` (if any) opens a
-    /// connection of its own when it first calls ([`crate::threads`]). `quiet` is how long a
+    /// connection of its own when it first calls ([`crate::net::threads`]). `quiet` is how long a
     /// slot found without its epoch mark admits nothing (a registration's time to live,
     /// `InflightBounds::registration_ttl`).
     pub async fn connect(

@@ -8,9 +8,9 @@ use async_trait::async_trait;
 use s3s::Body;
 
 use super::{Upstream, UpstreamError};
+use crate::aws::sigv4::Signer;
 use crate::config::{UpstreamConfig, ms};
-use crate::outbound::{Http1Pools, Outbound, SendError};
-use crate::sigv4::Signer;
+use crate::net::outbound::{Http1Pools, Outbound, SendError};
 
 pub struct S3Upstream {
     client: Http1Pools,

@@ -259,7 +259,7 @@ ERROR_SOURCES = {
     "src/refusal.rs": True,  # the fencing protocol's refusals, both fronts
     "src/s3/error.rs": True,  # the S3 front's errors, as S3 XML
     "src/gateway/error.rs": True,  # the API gateway's errors, as problem+json
-    "src/problem.rs": False,  # the problem+json document; its codes come from its callers
+    "src/net/problem.rs": False,  # the problem+json document; its codes come from its callers
     "src/lease/mod.rs": True,  # leases and registrations on the S3 listener
     "src/admin/mod.rs": True,  # the admin API
 }

@@ -1,6 +1,6 @@
 //! Serving threads: the main listener's connections are served on `server.threads` OS threads
 //! (one per CPU by default), each running a single-threaded tokio runtime of its own, and each
-//! with its own pools of upstream connections ([`crate::outbound`]).
+//! with its own pools of upstream connections ([`crate::net::outbound`]).
 //!
 //! A connection stays on the thread it was handed to, and so do its requests, the writes they
 //! send upstream and the upstream connections those writes take. On the work-stealing runtime a

@@ -33,7 +33,7 @@ impl PooledClient {
     }
 }
 
-/// One `T` (a pool of connections) per serving thread ([`crate::threads`]), and one for every
+/// One `T` (a pool of connections) per serving thread ([`crate::net::threads`]), and one for every
 /// other thread.
 ///
 /// hyper runs each connection as a task on the runtime that opened it. With one pool shared by
@@ -60,7 +60,7 @@ impl<T> PerThread<T> {
 
     /// The calling thread's.
     fn current(&self) -> &T {
-        match crate::threads::current() {
+        match crate::net::threads::current() {
             Some(index) => {
                 debug_assert!(index < self.serving.len(), "one for each serving thread");
                 &self.serving[index % self.serving.len()]
@@ -303,7 +303,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::threads::ServingThreads;
+    use crate::net::threads::ServingThreads;
 
     /// An upstream answering every request `200` with `body_bytes` of body on keep-alive
     /// connections (or closing each after its answer, with `close`), counting the connections

@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use crate::threads::ServingThreads;
+use crate::net::threads::ServingThreads;
 
 /// How long an accept loop waits after a failed accept (out of file descriptors and the like)
 /// before it tries again, instead of spinning.
@@ -675,7 +675,7 @@ mod tests {
         for _ in 0..4 {
             let ran_tx = ran_tx.clone();
             hyper::rt::Executor::execute(&streams, async move {
-                ran_tx.send(crate::threads::current()).unwrap();
+                ran_tx.send(crate::net::threads::current()).unwrap();
             });
         }
         let mut on = Vec::new();

@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sigv4::sign::v4;
 
-use crate::amz::{X_AMZ_CONTENT_SHA256, X_AMZ_DATE};
+use crate::aws::amz::{X_AMZ_CONTENT_SHA256, X_AMZ_DATE};
 use http::HeaderMap;
 use http::header::{AUTHORIZATION, HeaderName, HeaderValue, TRANSFER_ENCODING, USER_AGENT};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
