@@ -1005,10 +1005,7 @@ pub fn ms(value: u64) -> Duration {
     Duration::from_millis(value)
 }
 
-/// A `Duration` back to whole milliseconds, for messages and store calls (saturating).
-pub fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
+pub use crate::fence::millis;
 
 #[cfg(test)]
 mod tests {

@@ -116,6 +116,11 @@ impl std::ops::Add<Duration> for BootInstant {
     }
 }
 
+/// A `Duration` back to whole milliseconds, for messages and store calls (saturating).
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

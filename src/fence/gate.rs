@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::millis;
 use super::{
     AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
     SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
 };
-use crate::config::millis;
 use crate::metrics;
 
 /// Who holds a write in flight, for [`GateLimits::inflight_per_caller_max`]: a keyed hash of

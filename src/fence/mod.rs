@@ -14,7 +14,7 @@ mod token;
 mod uploads;
 mod write;
 
-pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN};
+pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN, millis};
 pub use decision::{Decision, decide};
 pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, Permit};
 pub use idempotency::{

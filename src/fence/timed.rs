@@ -6,11 +6,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::millis;
 use super::{
     AdvanceOutcome, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome,
     LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError, UploadPage, UploadRecord,
 };
-use crate::config::millis;
 use crate::metrics;
 
 /// The fence store with its deadline. Cheap to clone.

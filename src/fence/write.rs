@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::millis;
 use super::outcome::{Bounded, Delivery, bounded_call};
 use super::{CutOff, FenceToken, Gate, Permit, ResourceKey};
-use crate::config::millis;
 use crate::metrics;
 use crate::net::body::{BodyFailure, BodyReport};
 

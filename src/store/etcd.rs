@@ -293,7 +293,7 @@ where
                 tokio::time::sleep(NOT_APPLIED_PAUSE).await;
             }
             Ok(Err(e)) => return Err(backend(e)),
-            Err(_) => return Err(StoreError::Timeout { after_ms: crate::config::millis(timeout) }),
+            Err(_) => return Err(StoreError::Timeout { after_ms: crate::fence::millis(timeout) }),
         }
     }
 }
@@ -340,7 +340,7 @@ impl Attempts {
 
     fn again(&self) -> Result<(), StoreError> {
         if Instant::now() >= self.until {
-            return Err(StoreError::Timeout { after_ms: crate::config::millis(self.timeout) });
+            return Err(StoreError::Timeout { after_ms: crate::fence::millis(self.timeout) });
         }
         Ok(())
     }

@@ -37,7 +37,7 @@ use super::epoch::{self, KnownEpochs};
 use super::registrations::{Member, Renewal, Withdrawal};
 use super::shared::{Announcements, Ask, RegistryCalls, Renewed, Shared};
 
-use crate::config::millis;
+use crate::fence::millis;
 use crate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, ResourceKey, SharedAdmit, SharedRegistry, StoreError,

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use tokio::sync::{Notify, mpsc};
 
 use super::registrations::{Member, Plan, Registrations, Renewal, Withdrawal};
-use crate::config::millis;
+use crate::fence::millis;
 use crate::fence::{
     BootInstant as Instant, FenceToken, InflightBounds, ResourceKey, SharedAdmit, SharedRegistry, StoreError,
     StoreEvent,
