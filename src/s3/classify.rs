@@ -83,6 +83,15 @@ pub enum Op {
 }
 
 impl Op {
+    /// CreateMultipartUpload, UploadPart, UploadPartCopy or CompleteMultipartUpload: the steps
+    /// that make or use an upload, whose records name their signer.
+    pub fn is_multipart_step(self) -> bool {
+        matches!(
+            self,
+            Self::CreateMultipartUpload | Self::UploadPart | Self::UploadPartCopy | Self::CompleteMultipartUpload
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::PutObject => "PutObject",

@@ -114,11 +114,19 @@ struct Request {
     may_advance: bool,
     /// Who signed it, for its share of a resource's writes in flight.
     caller: Option<CallerId>,
-    /// The access key that signed it (the issuer's, for a lease credential).
+    /// The access key that signed it (the issuer's, for a lease credential), on a multipart
+    /// step (recorded as an upload's creator); `None` on any other request.
     signer: Option<String>,
     /// The signer's `[[credentials]] buckets`, when it is restricted: the resources it names
     /// must be inside them.
     scoped: Option<String>,
+}
+
+/// What the signer of a request decides about it.
+struct Signed {
+    may_advance: bool,
+    scoped: Option<String>,
+    signer: Option<String>,
 }
 
 impl Request {
@@ -256,16 +264,16 @@ impl Front {
         check_headers(&req.headers)?;
         // A lease credential may do what its issuer may, within its lease.
         let signer = match &lease {
-            Some(claims) => Some(claims.parent.clone()),
-            None => req.credentials.as_ref().map(|c| c.access_key.clone()),
+            Some(claims) => Some(claims.parent.as_str()),
+            None => req.credentials.as_ref().map(|c| c.access_key.as_str()),
         };
-        if let Some(scopes) = signer.as_ref().and_then(|key| self.scopes.get(key)) {
+        if let Some(scopes) = signer.and_then(|key| self.scopes.get(key)) {
             scopes.check(&req.method, &target, req.uri.query(), &req.headers)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
         tracing::Span::current().record("op", op.name());
         if op == Op::AbortMultipartUpload
-            && let Some(signer) = &signer
+            && let Some(signer) = signer
             && let Some(resp) =
                 self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
         {
@@ -275,7 +283,15 @@ impl Front {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
         };
-        let request = self.request_of(req, target, signer, signature.is_sigv2())?;
+        let signed = Signed {
+            may_advance: self.writes_advance
+                && !signature.is_sigv2()
+                && !signer.is_some_and(|key| self.lessees.contains(key)),
+            scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
+            // Kept only where it is recorded: an upload's creator (no allocation per write).
+            signer: signer.filter(|_| op.is_multipart_step()).map(str::to_owned),
+        };
+        let request = self.request_of(req, target, signed)?;
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
         }
@@ -296,13 +312,7 @@ impl Front {
     }
 
     /// The request as the front carries it on: its body bounded by `server.body_bytes_max`.
-    fn request_of(
-        &self,
-        req: S3Request<Body>,
-        target: Target,
-        signer: Option<String>,
-        sigv2: bool,
-    ) -> Result<Request, FrontError> {
+    fn request_of(&self, req: S3Request<Body>, target: Target, signed: Signed) -> Result<Request, FrontError> {
         let content_length = content_length(&req.headers);
         if let Some(bytes) = content_length
             && bytes > self.body_bytes_max
@@ -319,7 +329,6 @@ impl Front {
                 usize::try_from(self.body_bytes_max).unwrap_or(usize::MAX),
             ))
         };
-        let scoped = signer.as_ref().filter(|key| self.scopes.contains_key(*key)).cloned();
         Ok(Request {
             method: req.method,
             query: forwarded_query(req.uri.query()),
@@ -328,12 +337,10 @@ impl Front {
             body,
             trailers: req.trailing_headers,
             content_length,
-            may_advance: self.writes_advance
-                && !sigv2
-                && !signer.as_ref().is_some_and(|key| self.lessees.contains(key)),
+            may_advance: signed.may_advance,
             caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
-            signer,
-            scoped,
+            signer: signed.signer,
+            scoped: signed.scoped,
         })
     }
 
