@@ -310,6 +310,14 @@ fn etcd_store_matches_the_model() {
     });
 }
 
+/// A store on a one-member etcd cluster.
+#[cfg(feature = "etcd")]
+async fn etcd_store(etcd: &common::EtcdCluster) -> fencegate::store::EtcdStore {
+    fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
+        .await
+        .unwrap()
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
@@ -329,10 +337,7 @@ async fn both_stores_keep_the_idempotency_record_contract() {
     #[cfg(feature = "etcd")]
     {
         let etcd = common::EtcdCluster::start(1).await;
-        let store =
-            fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
-                .await
-                .unwrap();
+        let store = etcd_store(&etcd).await;
         record_contract(&store, "etcd").await;
     }
 }
@@ -394,10 +399,7 @@ async fn a_grant_that_arrives_after_its_withdrawal_does_nothing() {
     #[cfg(feature = "etcd")]
     {
         let etcd = common::EtcdCluster::start(1).await;
-        let store =
-            fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
-                .await
-                .unwrap();
+        let store = etcd_store(&etcd).await;
         late_grant(&store, "etcd").await;
     }
 }
@@ -438,10 +440,7 @@ async fn every_store_keeps_the_upload_record_contract() {
     #[cfg(feature = "etcd")]
     {
         let etcd = common::EtcdCluster::start(1).await;
-        let store =
-            fencegate::store::EtcdStore::connect(&etcd.endpoints(), std::time::Duration::from_secs(2), "t".into())
-                .await
-                .unwrap();
+        let store = etcd_store(&etcd).await;
         upload_contract(&store, "etcd").await;
     }
 }

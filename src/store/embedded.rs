@@ -475,7 +475,6 @@ impl Writer {
     }
 
     fn commit(&mut self, batch: &mut [WriteRequest]) -> Result<Vec<WriteOutcome>, redb::Error> {
-        use redb::ReadableTableMetadata;
         let txn = self.db.begin_write()?; // durability Immediate: commit fsyncs
         let mut outcomes = Vec::with_capacity(batch.len());
         // The latest clock reading of the records added in this commit, and how many.
@@ -489,103 +488,20 @@ impl Writer {
             for request in batch.iter_mut() {
                 let outcome = match request {
                     WriteRequest::Advance { resource, token, .. } => {
-                        let previous = fences.get(resource.as_str())?.map(|v| FenceToken(v.value()));
-                        WriteOutcome::Advance(match previous {
-                            Some(current) if current >= *token => AdvanceOutcome::Unchanged { current },
-                            _ => {
-                                fences.insert(resource.as_str(), token.0)?;
-                                AdvanceOutcome::Advanced { previous }
-                            }
-                        })
+                        WriteOutcome::Advance(advance(&mut fences, resource, *token)?)
                     }
                     WriteRequest::Lease { resource, command, now_ms, .. } => {
-                        let fence = fences.get(resource.as_str())?.map(|v| FenceToken(v.value()));
-                        let current: Option<LeaseRecord> = match leases.get(resource.as_str())? {
-                            Some(json) => Some(
-                                serde_json::from_str(json.value())
-                                    .map_err(|e| redb::Error::Corrupted(e.to_string()))?,
-                            ),
-                            None => None,
-                        };
-                        let t = apply_lease(fence, current.as_ref(), command.clone(), *now_ms);
-                        if let Some(fence) = t.fence {
-                            fences.insert(resource.as_str(), fence.0)?;
-                        }
-                        match t.lease {
-                            LeaseWrite::Keep => {}
-                            LeaseWrite::Put(record) => {
-                                let json = serde_json::to_string(&record).expect("a lease record serialises");
-                                leases.insert(resource.as_str(), json.as_str())?;
-                            }
-                            LeaseWrite::Delete => {
-                                leases.remove(resource.as_str())?;
-                            }
-                        }
-                        WriteOutcome::Lease(t.outcome)
+                        WriteOutcome::Lease(lease(&mut fences, &mut leases, resource, command, *now_ms)?)
                     }
                     WriteRequest::IdempotencyBegin { name, claim, expires_at_ms, json, now_ms, .. } => {
                         sweep_now_ms = sweep_now_ms.max(*now_ms);
-                        let current = records.get(name.as_str())?.map(|v| {
-                            let (expires, owner, json) = v.value();
-                            (expires, json.to_vec(), record_bytes(name, owner, json))
-                        });
-                        match current {
-                            Some((expires, json, _)) if expires > *now_ms => WriteOutcome::IdempotencyBegin(Some(json)),
-                            expired => {
-                                if let Some((expires, _, bytes)) = expired {
-                                    expiry.remove((expires, name.as_str()))?;
-                                    records.remove(name.as_str())?;
-                                    self.records_bytes = self.records_bytes.saturating_sub(bytes);
-                                }
-                                // Full: room from what has expired first; a live record is
-                                // never dropped to make room (a retry of its request would
-                                // execute again): the new claim is refused instead.
-                                let bytes = record_bytes(name, claim, json);
-                                let (count_max, bytes_max) = (
-                                    self.records_max.load(Ordering::Relaxed) as u64,
-                                    self.records_bytes_max.load(Ordering::Relaxed),
-                                );
-                                let mut full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
-                                if full {
-                                    let swept =
-                                        sweep_expired(&mut records, &mut expiry, *now_ms, SWEEP_PER_COMMIT_MIN)?;
-                                    self.records_bytes = self.records_bytes.saturating_sub(swept);
-                                    full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
-                                }
-                                if full {
-                                    crate::metrics::idempotency_records_full();
-                                    WriteOutcome::IdempotencyBegin(Some(Vec::new()))
-                                } else {
-                                    records.insert(name.as_str(), (*expires_at_ms, claim.as_str(), json.as_slice()))?;
-                                    expiry.insert((*expires_at_ms, name.as_str()), ())?;
-                                    self.records_bytes += bytes;
-                                    added += 1;
-                                    WriteOutcome::IdempotencyBegin(None)
-                                }
-                            }
-                        }
+                        let claim = Claim { name, claim, expires_at_ms: *expires_at_ms, json, now_ms: *now_ms };
+                        let existing = self.begin(&mut records, &mut expiry, &claim)?;
+                        added += usize::from(existing.is_none());
+                        WriteOutcome::IdempotencyBegin(existing)
                     }
                     WriteRequest::IdempotencyFinish { name, claim, json, .. } => {
-                        let current = records.get(name.as_str())?.map(|v| {
-                            let (expires, owner, old) = v.value();
-                            (expires, owner == claim.as_str(), record_bytes(name, owner, old))
-                        });
-                        match (current, json) {
-                            (Some((expires, true, old)), Some(json)) => {
-                                // The outcome may take the record past the bytes cap, by at
-                                // most one response per claim in flight: claims are what the
-                                // cap refuses.
-                                records.insert(name.as_str(), (expires, claim.as_str(), json.as_slice()))?;
-                                self.records_bytes =
-                                    self.records_bytes.saturating_sub(old) + record_bytes(name, claim, json);
-                            }
-                            (Some((expires, true, old)), None) => {
-                                records.remove(name.as_str())?;
-                                expiry.remove((expires, name.as_str()))?;
-                                self.records_bytes = self.records_bytes.saturating_sub(old);
-                            }
-                            _ => {} // not ours any more: it expired and was claimed again
-                        }
+                        self.finish(&mut records, &mut expiry, name, claim, json.as_deref())?;
                         WriteOutcome::IdempotencyFinish
                     }
                     WriteRequest::Upload { name, json, .. } => {
@@ -607,6 +523,136 @@ impl Writer {
         txn.commit()?;
         Ok(outcomes)
     }
+
+    /// Stores a claim unless a live record is there: `None` when it was stored, else the live
+    /// record's JSON (empty when the records are full).
+    fn begin(
+        &mut self,
+        records: &mut redb::Table<&str, (u64, &str, &[u8])>,
+        expiry: &mut redb::Table<(u64, &str), ()>,
+        claim: &Claim<'_>,
+    ) -> Result<Option<Vec<u8>>, redb::Error> {
+        use redb::ReadableTableMetadata;
+        let Claim { name, claim: owner, expires_at_ms, json, now_ms } = *claim;
+        let current = records.get(name.as_str())?.map(|v| {
+            let (expires, owner, json) = v.value();
+            (expires, json.to_vec(), record_bytes(name, owner, json))
+        });
+        match current {
+            Some((expires, json, _)) if expires > now_ms => return Ok(Some(json)),
+            Some((expires, _, bytes)) => {
+                expiry.remove((expires, name.as_str()))?;
+                records.remove(name.as_str())?;
+                self.records_bytes = self.records_bytes.saturating_sub(bytes);
+            }
+            None => {}
+        }
+        // Full: room from what has expired first; a live record is never dropped to make room
+        // (a retry of its request would execute again): the new claim is refused instead.
+        let bytes = record_bytes(name, owner, json);
+        let (count_max, bytes_max) =
+            (self.records_max.load(Ordering::Relaxed) as u64, self.records_bytes_max.load(Ordering::Relaxed));
+        let mut full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
+        if full {
+            let swept = sweep_expired(records, expiry, now_ms, SWEEP_PER_COMMIT_MIN)?;
+            self.records_bytes = self.records_bytes.saturating_sub(swept);
+            full = records.len()? >= count_max || self.records_bytes + bytes > bytes_max;
+        }
+        if full {
+            crate::metrics::idempotency_records_full();
+            return Ok(Some(Vec::new()));
+        }
+        records.insert(name.as_str(), (expires_at_ms, owner.as_str(), json.as_slice()))?;
+        expiry.insert((expires_at_ms, name.as_str()), ())?;
+        self.records_bytes += bytes;
+        Ok(None)
+    }
+
+    /// Replaces (or, with `None`, removes) the record under `name` if it is still `claim`'s.
+    fn finish(
+        &mut self,
+        records: &mut redb::Table<&str, (u64, &str, &[u8])>,
+        expiry: &mut redb::Table<(u64, &str), ()>,
+        name: &str,
+        claim: &str,
+        json: Option<&[u8]>,
+    ) -> Result<(), redb::Error> {
+        let current = records.get(name)?.map(|v| {
+            let (expires, owner, old) = v.value();
+            (expires, owner == claim, record_bytes(name, owner, old))
+        });
+        match (current, json) {
+            (Some((expires, true, old)), Some(json)) => {
+                // The outcome may take the record past the bytes cap, by at most one response
+                // per claim in flight: claims are what the cap refuses.
+                records.insert(name, (expires, claim, json))?;
+                self.records_bytes = self.records_bytes.saturating_sub(old) + record_bytes(name, claim, json);
+            }
+            (Some((expires, true, old)), None) => {
+                records.remove(name)?;
+                expiry.remove((expires, name))?;
+                self.records_bytes = self.records_bytes.saturating_sub(old);
+            }
+            _ => {} // not ours any more: it expired and was claimed again
+        }
+        Ok(())
+    }
+}
+
+/// An idempotency claim as the writer applies it.
+#[derive(Clone, Copy)]
+struct Claim<'a> {
+    name: &'a String,
+    claim: &'a String,
+    expires_at_ms: u64,
+    json: &'a Vec<u8>,
+    now_ms: u64,
+}
+
+/// Raises the fence of `resource` to `token` if that is greater.
+fn advance(
+    fences: &mut redb::Table<&str, u64>,
+    resource: &ResourceKey,
+    token: FenceToken,
+) -> Result<AdvanceOutcome, redb::Error> {
+    let previous = fences.get(resource.as_str())?.map(|v| FenceToken(v.value()));
+    Ok(match previous {
+        Some(current) if current >= token => AdvanceOutcome::Unchanged { current },
+        _ => {
+            fences.insert(resource.as_str(), token.0)?;
+            AdvanceOutcome::Advanced { previous }
+        }
+    })
+}
+
+/// Applies a lease command and the fence it raises, in the same transaction.
+fn lease(
+    fences: &mut redb::Table<&str, u64>,
+    leases: &mut redb::Table<&str, &str>,
+    resource: &ResourceKey,
+    command: &LeaseCommand,
+    now_ms: u64,
+) -> Result<LeaseOutcome, redb::Error> {
+    let fence = fences.get(resource.as_str())?.map(|v| FenceToken(v.value()));
+    let current: Option<LeaseRecord> = match leases.get(resource.as_str())? {
+        Some(json) => Some(serde_json::from_str(json.value()).map_err(|e| redb::Error::Corrupted(e.to_string()))?),
+        None => None,
+    };
+    let t = apply_lease(fence, current.as_ref(), command.clone(), now_ms);
+    if let Some(fence) = t.fence {
+        fences.insert(resource.as_str(), fence.0)?;
+    }
+    match t.lease {
+        LeaseWrite::Keep => {}
+        LeaseWrite::Put(record) => {
+            let json = serde_json::to_string(&record).expect("a lease record serialises");
+            leases.insert(resource.as_str(), json.as_str())?;
+        }
+        LeaseWrite::Delete => {
+            leases.remove(resource.as_str())?;
+        }
+    }
+    Ok(t.outcome)
 }
 
 /// Removes up to `max` records that expired at or before `now_ms`, oldest first; the bytes
