@@ -325,19 +325,33 @@ impl Gateway {
             IdempotencyBegin::Full => return Err(GatewayError::RecordsFull),
             IdempotencyBegin::Claimed => {}
         }
-        // The claim is ours: every path below finishes it, with an outcome or by removing it
-        // (nothing reached the API, so a retry may go ahead).
-        let write = match self.admit(route, &resource, token).await {
+        let sent = Claimed { key: &key, claim: &claim, resource: &resource, token };
+        self.call_claimed(route, &sent, &parts, uri, body).await
+    }
+
+    /// Sends a write whose idempotency record this request claimed, and records its answer.
+    /// Every path finishes the claim: with an outcome, or by removing it (nothing reached the
+    /// API, so a retry may go ahead).
+    async fn call_claimed(
+        &self,
+        route: &Route,
+        sent: &Claimed<'_>,
+        parts: &http::request::Parts,
+        uri: http::Uri,
+        body: Bytes,
+    ) -> Result<http::Response<Body>, GatewayError> {
+        let Claimed { key, claim, resource, token } = *sent;
+        let write = match self.admit(route, resource, token).await {
             Ok(write) => write,
             Err(error) => {
-                self.finish(&key, &claim, None).await;
+                self.finish(key, claim, None).await;
                 return Err(error);
             }
         };
-        let mut req = self.upstream_request(&parts, uri, Body::from(body.clone()));
+        let mut req = self.upstream_request(parts, uri, Body::from(body.clone()));
         // Hex, so always a header value; were it not, nothing was sent.
         let Ok(upstream_key) = HeaderValue::from_str(&claim.upstream_key) else {
-            self.finish(&key, &claim, None).await;
+            self.finish(key, claim, None).await;
             return Err(GatewayError::Internal);
         };
         let headers = req.headers_mut();
@@ -346,20 +360,32 @@ impl Gateway {
         let resp = match self.send_write(route, &write, req).await {
             Ok(resp) => resp,
             Err(CallFailed::NotSent(error)) => {
-                self.finish(&key, &claim, None).await;
+                self.finish(key, claim, None).await;
                 return Err(error);
             }
             Err(CallFailed::Unknown(e)) => {
                 let cause = ambiguous_cause(&e);
-                self.finish(&key, &claim, Some(IdempotencyOutcome::Ambiguous { cause })).await;
+                self.finish(key, claim, Some(IdempotencyOutcome::Ambiguous { cause })).await;
                 return Err(unknown_outcome(e, Some(claim.upstream_key.clone())));
             }
         };
         // The outcome is known from the head on: newer writes need not wait for the body.
         drop(write);
+        self.record_answer(route, key, claim, resp).await
+    }
+
+    /// Records the API's answer to a claimed write (a status worth replaying, with its body
+    /// when it fits) and hands it to the client.
+    async fn record_answer(
+        &self,
+        route: &Route,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        resp: http::Response<Incoming>,
+    ) -> Result<http::Response<Body>, GatewayError> {
         let (head, body) = resp.into_parts();
         if !replay::is_recorded(head.status) {
-            self.finish(&key, &claim, None).await;
+            self.finish(key, claim, None).await;
             metrics::gateway_request(route.mode_name(), "forwarded");
             return Ok(client_response(http::Response::from_parts(head, body)));
         }
@@ -377,7 +403,7 @@ impl Gateway {
                 (replay::record(&head, None), Err(GatewayError::ResponseIncomplete { status: head.status.as_u16() }))
             }
         };
-        self.finish(&key, &claim, Some(IdempotencyOutcome::Completed(recorded))).await;
+        self.finish(key, claim, Some(IdempotencyOutcome::Completed(recorded))).await;
         metrics::gateway_request(route.mode_name(), "forwarded");
         answer.map(client_response)
     }
@@ -571,6 +597,15 @@ fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Gateway
         Ok(key) if key.bytes().all(|b| b.is_ascii_graphic()) => Ok(Some(key.to_owned())),
         _ => Err(invalid),
     }
+}
+
+/// A write whose idempotency record a request claimed.
+#[derive(Clone, Copy)]
+struct Claimed<'a> {
+    key: &'a IdempotencyKey,
+    claim: &'a IdempotencyRecord,
+    resource: &'a ResourceKey,
+    token: FenceToken,
 }
 
 /// How an admitted write's call failed.
