@@ -93,7 +93,12 @@ impl FencedWrite {
                 Ok(result)
             }
             Bounded::CutOff => Err(self.cut_off(gate).await),
-            Bounded::Unknown => Err(WriteFailure::OutcomeUnknown { after_ms: millis(self.timeout) }),
+            Bounded::Unknown => {
+                // No answer within the deadline: an upstream error and a latency sample, like a
+                // call that failed (a cut-off is fencegate's own doing, not the upstream's).
+                metrics::upstream_call(op, started.elapsed(), None);
+                Err(WriteFailure::OutcomeUnknown { after_ms: millis(self.timeout) })
+            }
         }
     }
 

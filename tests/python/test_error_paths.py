@@ -317,6 +317,9 @@ def test_write_sent_but_unanswered_past_request_timeout_is_504_and_stays_in_flig
     assert "may still commit" in s3_message(five.body), s3_message(five.body)
     assert took < 6, f"the 504 took {took:.2f}s (request_timeout_ms = 1000)"
     assert metric_sum(after, AMBIGUOUS) - metric_sum(before, AMBIGUOUS) == 1
+    # The unanswered call is an upstream error too, of the write's own operation.
+    errors = "fencegate_upstream_errors_total"
+    assert metric(after, errors, op="put_object") - metric(before, errors, op="put_object") == 1
     assert not six_done_while_held and not six_reached_while_held, (six, six_reached_while_held)
     assert six.get("value") is not None and six["value"].status == 200, six
     assert env.up.wait_idle(WAIT_S)
