@@ -15,7 +15,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::net::threads::ServingThreads;
@@ -91,15 +91,7 @@ pub async fn run<S, B>(
     let open = Arc::new(OpenConnections::default());
     let evict_after = (limits.header_read_timeout / 10).min(EVICT_AFTER_MAX);
     let graceful = GracefulShutdown::new();
-    let mut builder = auto::Builder::new(Streams(threads.clone()));
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.header_bytes_max)
-        .keep_alive(true);
-    builder.http2().timer(TokioTimer::new()).max_header_list_size(limits.header_bytes_max as u32);
-    let builder = Arc::new(builder);
+    let builder = Arc::new(builder(&limits, threads.clone()));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -114,27 +106,8 @@ pub async fn run<S, B>(
                 }
             },
         };
-        // A slot for it. When every slot is taken, the connection that has been without a
-        // request the longest gives its slot up (a silent socket, one that only pings), so idle
-        // connections cannot keep a client with a request out; one idle for less than
-        // `evict_after` keeps it, so that a connection is not closed before it could send its
-        // request, and connections opened again at once cannot close each other faster than
-        // that. When no connection may give its slot up, the new one waits.
-        let permit = loop {
-            if let Ok(permit) = permits.clone().try_acquire_owned() {
-                break permit;
-            }
-            // When none could be closed now: when the longest idle one can be (far in the future
-            // when every connection has a request in flight; a slot freed first ends the wait).
-            let retry_at = match open.evict_longest_idle(evict_after) {
-                Ok(()) => None,
-                Err(at) => Some(at.unwrap_or_else(|| tokio::time::Instant::now() + evict_after)),
-            };
-            tokio::select! {
-                _ = &mut shutdown => return drain(listener, graceful, drain_for).await,
-                permit = permits.clone().acquire_owned() => break permit.expect("semaphore never closed"),
-                () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {}
-            }
+        let Some(permit) = free_slot(&permits, &open, evict_after, shutdown.as_mut()).await else {
+            return drain(listener, graceful, drain_for).await;
         };
         let _ = stream.set_nodelay(true);
         // Taken off this runtime's reactor, to be registered with the serving thread's.
@@ -186,6 +159,49 @@ pub async fn run<S, B>(
         spawn(threads.as_deref(), connection);
     }
     drain(listener, graceful, drain_for).await;
+}
+
+/// The HTTP/1 and HTTP/2 settings of a listener's connections.
+fn builder(limits: &ConnectionLimits, threads: Option<Arc<ServingThreads>>) -> auto::Builder<Streams> {
+    let mut builder = auto::Builder::new(Streams(threads));
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.header_bytes_max)
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new()).max_header_list_size(limits.header_bytes_max as u32);
+    builder
+}
+
+/// A slot for a connection just accepted; `None` when `shutdown` resolves first. When every
+/// slot is taken, the connection that has been without a request the longest gives its slot up
+/// (a silent socket, one that only pings), so idle connections cannot keep a client with a
+/// request out; one idle for less than `evict_after` keeps it, so that a connection is not
+/// closed before it could send its request, and connections opened again at once cannot close
+/// each other faster than that. When no connection may give its slot up, the new one waits.
+async fn free_slot(
+    permits: &Arc<Semaphore>,
+    open: &OpenConnections,
+    evict_after: Duration,
+    mut shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Option<OwnedSemaphorePermit> {
+    loop {
+        if let Ok(permit) = permits.clone().try_acquire_owned() {
+            return Some(permit);
+        }
+        // When none could be closed now: when the longest idle one can be (far in the future
+        // when every connection has a request in flight; a slot freed first ends the wait).
+        let retry_at = match open.evict_longest_idle(evict_after) {
+            Ok(()) => None,
+            Err(at) => Some(at.unwrap_or_else(|| tokio::time::Instant::now() + evict_after)),
+        };
+        tokio::select! {
+            _ = &mut shutdown => return None,
+            permit = permits.clone().acquire_owned() => return Some(permit.expect("semaphore never closed")),
+            () = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {}
+        }
+    }
 }
 
 /// Stops accepting, and lets open requests finish for at most `drain_for`.

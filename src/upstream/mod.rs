@@ -18,7 +18,7 @@ pub(crate) use probe::xml_element;
 pub use probe::{Enforcement, ProbeError, Probed, probe_preconditions};
 pub use s3::S3Upstream;
 
-use crate::config::{Config, UpstreamKind};
+use crate::config::{Config, UpstreamBackend};
 
 /// Why the upstream gave no response. Who is at fault decides the status: the upstream (502,
 /// 504) or fencegate's own configuration (500).
@@ -65,12 +65,10 @@ pub trait Upstream: Send + Sync + 'static {
 
 /// Builds the upstream named by the config.
 pub fn from_config(config: &Config) -> anyhow::Result<Arc<dyn Upstream>> {
-    let up = &config.upstream;
-    Ok(match up.kind {
-        UpstreamKind::Local => {
-            let path = up.path.as_deref().expect("validated: upstream.path");
-            Arc::new(LocalUpstream::open(path)?)
+    Ok(match config.upstream.backend().map_err(crate::app::at_fault)? {
+        UpstreamBackend::Local { path } => Arc::new(LocalUpstream::open(path)?),
+        UpstreamBackend::S3(endpoint) => {
+            Arc::new(S3Upstream::new(&config.upstream, endpoint, config.server.serving_threads())?)
         }
-        UpstreamKind::S3 => Arc::new(S3Upstream::new(up, config.server.serving_threads())?),
     })
 }

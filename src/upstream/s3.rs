@@ -9,7 +9,7 @@ use s3s::Body;
 
 use super::{Upstream, UpstreamError};
 use crate::aws::sigv4::Signer;
-use crate::config::{UpstreamConfig, ms};
+use crate::config::{S3Endpoint, UpstreamConfig, ms};
 use crate::net::outbound::{Http1Pools, Outbound, SendError};
 
 pub struct S3Upstream {
@@ -20,11 +20,8 @@ pub struct S3Upstream {
 
 impl S3Upstream {
     /// A client with `pools` connection pools (one per serving thread).
-    pub fn new(config: &UpstreamConfig, pools: usize) -> anyhow::Result<Self> {
-        let endpoint: http::Uri = config.endpoint.as_deref().expect("validated: upstream.endpoint").parse()?;
-        let authority = endpoint.authority().expect("validated: endpoint has an authority").clone();
-        let scheme = endpoint.scheme().expect("validated: endpoint has a scheme").clone();
-
+    pub fn new(config: &UpstreamConfig, endpoint: S3Endpoint<'_>, pools: usize) -> anyhow::Result<Self> {
+        let S3Endpoint { scheme, authority, access_key_id, secret_access_key } = endpoint;
         let client = Outbound {
             ca_cert: None,
             connect_timeout: ms(config.connect_timeout_ms),
@@ -34,11 +31,8 @@ impl S3Upstream {
         }
         .build_http1(http::Uri::builder().scheme(scheme).authority(authority.clone()).path_and_query("/").build()?)?;
 
-        let signer = Signer::new(
-            config.access_key_id.clone().expect("validated: upstream.access_key_id"),
-            config.secret_access_key.as_ref().expect("validated: upstream.secret_access_key").expose().to_owned(),
-            config.region.clone(),
-        );
+        let signer =
+            Signer::new(access_key_id.to_owned(), secret_access_key.expose().to_owned(), config.region.clone());
 
         let host = http::HeaderValue::from_str(authority.as_str())?;
         Ok(Self { client, host, signer })

@@ -595,25 +595,7 @@ impl Records {
                 .transpose()?
                 .filter(|r: &UploadRecord| r.bucket == bucket && r.key == key);
             let Some(upload) = upload else {
-                // A retried completion of this upload, while its object stands: the same answer.
-                let done: Option<Completed> = txn
-                    .open_table(COMPLETED)?
-                    .get(upload_id)?
-                    .map(|v| serde_json::from_slice(v.value()))
-                    .transpose()?;
-                let objects = txn.open_table(OBJECTS)?;
-                let current: Option<ObjectRecord> = objects
-                    .get(object_key(bucket, key).as_str())?
-                    .map(|v| serde_json::from_slice(v.value()))
-                    .transpose()?;
-                return match (done, current) {
-                    (Some(done), Some(current))
-                        if done.bucket == bucket && done.key == key && done.etag == current.etag =>
-                    {
-                        Ok((current, Vec::new()))
-                    }
-                    _ => Err(StoreError::NoSuchUpload),
-                };
+                return completed_before(&txn, bucket, key, upload_id).map(|current| (current, Vec::new()));
             };
             let mut parts_table = txn.open_table(PARTS)?;
             let mut stored: HashMap<u32, PartRecord> = HashMap::new();
@@ -621,25 +603,7 @@ impl Records {
                 let (k, v) = entry?;
                 stored.insert(k.value().1, serde_json::from_slice(v.value())?);
             }
-            if listed.is_empty() {
-                return Err(StoreError::InvalidPart(0));
-            }
-            // S3's order of judgement: the list's order, then each part and its ETag, then sizes.
-            if listed.windows(2).any(|pair| pair[1].0 <= pair[0].0) {
-                return Err(StoreError::InvalidPartOrder);
-            }
-            let mut chosen = Vec::with_capacity(listed.len());
-            for (number, etag) in listed {
-                let part = stored.get(number).ok_or(StoreError::InvalidPart(*number))?;
-                if etag.as_deref().is_some_and(|e| e != part.etag) {
-                    return Err(StoreError::InvalidPart(*number));
-                }
-                chosen.push((*number, part.clone()));
-            }
-            if let Some((number, _)) = chosen[..chosen.len() - 1].iter().find(|(_, p)| p.size < PART_BYTES_MIN) {
-                return Err(StoreError::EntityTooSmall(*number));
-            }
-            let chosen: Vec<PartRecord> = chosen.into_iter().map(|(_, part)| part).collect();
+            let chosen = choose_parts(&stored, listed)?;
             let mut objects = txn.open_table(OBJECTS)?;
             let name = object_key(bucket, key);
             let current: Option<ObjectRecord> =
@@ -750,6 +714,55 @@ pub fn multipart_etag<'a>(part_etags: impl Iterator<Item = &'a str>) -> String {
         n += 1;
     }
     format!("{}-{n}", hex::encode(md5.finalize()))
+}
+
+/// The object a completion of `upload_id` made, when it is asked again (a client's retry)
+/// while that object still stands: the same answer. Otherwise the upload is unknown.
+fn completed_before(
+    txn: &redb::WriteTransaction,
+    bucket: &str,
+    key: &str,
+    upload_id: &str,
+) -> Result<ObjectRecord, StoreError> {
+    let done: Option<Completed> =
+        txn.open_table(COMPLETED)?.get(upload_id)?.map(|v| serde_json::from_slice(v.value())).transpose()?;
+    let current: Option<ObjectRecord> = txn
+        .open_table(OBJECTS)?
+        .get(object_key(bucket, key).as_str())?
+        .map(|v| serde_json::from_slice(v.value()))
+        .transpose()?;
+    match (done, current) {
+        (Some(done), Some(current)) if done.bucket == bucket && done.key == key && done.etag == current.etag => {
+            Ok(current)
+        }
+        _ => Err(StoreError::NoSuchUpload),
+    }
+}
+
+/// The parts a completion lists, judged in S3's order: the list's order, then each part and
+/// its ETag, then sizes (all but the last at least 5 MiB).
+fn choose_parts(
+    stored: &HashMap<u32, PartRecord>,
+    listed: &[(u32, Option<String>)],
+) -> Result<Vec<PartRecord>, StoreError> {
+    if listed.is_empty() {
+        return Err(StoreError::InvalidPart(0));
+    }
+    if listed.windows(2).any(|pair| pair[1].0 <= pair[0].0) {
+        return Err(StoreError::InvalidPartOrder);
+    }
+    let mut chosen = Vec::with_capacity(listed.len());
+    for (number, etag) in listed {
+        let part = stored.get(number).ok_or(StoreError::InvalidPart(*number))?;
+        if etag.as_deref().is_some_and(|e| e != part.etag) {
+            return Err(StoreError::InvalidPart(*number));
+        }
+        chosen.push((*number, part.clone()));
+    }
+    if let Some((number, _)) = chosen[..chosen.len() - 1].iter().find(|(_, p)| p.size < PART_BYTES_MIN) {
+        return Err(StoreError::EntityTooSmall(*number));
+    }
+    Ok(chosen.into_iter().map(|(_, part)| part).collect())
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use hyper::service::service_fn;
 use tokio::net::TcpListener;
 
 use crate::admin::{Admin, ServedHosts};
-use crate::config::{Config, ProbeMode, StoreKind, ms};
+use crate::config::{Config, ProbeMode, StoreBackend, StoreKind, ms};
 use crate::fence::{Gate, GateLimits, InflightBounds, Store};
 use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
@@ -17,6 +17,10 @@ use crate::net::server::{self, ConnectionLimits};
 use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
+
+mod router;
+
+use router::Router;
 
 /// Everything fencegate runs, built from a config.
 pub struct App {
@@ -63,43 +67,7 @@ impl App {
                 "store.timeout_ms should be well below a quarter of fencing.inflight_deadline_ms with a shared store"
             );
         }
-        let store: Arc<dyn Store> = match config.store.kind {
-            StoreKind::Embedded => {
-                let path = config.store.path.as_deref().expect("validated: store.path");
-                let store = EmbeddedStore::open_with_cache(path, config.store.cache_bytes_max)?;
-                store.set_idempotency_records_max(
-                    config.store.idempotency_records_max,
-                    config.store.idempotency_records_bytes_max,
-                );
-                Arc::new(store)
-            }
-            StoreKind::Redis => {
-                let urls = match &config.store.url {
-                    Some(url) => vec![url.clone()],
-                    None => config.store.cluster_urls.clone(),
-                };
-                let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
-                let wait = (config.store.wait_replicas > 0)
-                    .then(|| Wait { replicas: config.store.wait_replicas, timeout: ms(config.store.wait_timeout_ms) });
-                let threads = config.server.serving_threads();
-                let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
-                let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), replica_id, wait, threads, quiet)
-                    .await
-                    .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
-                Arc::new(store)
-            }
-            #[cfg(feature = "etcd")]
-            StoreKind::Etcd => {
-                let endpoints = &config.store.endpoints;
-                let replica_id = config.store.replica_id.clone().unwrap_or_else(default_replica_id);
-                let store = crate::store::EtcdStore::connect(endpoints, ms(config.store.timeout_ms), replica_id)
-                    .await
-                    .with_context(|| format!("store.endpoints: cannot reach etcd at {}", endpoints.join(", ")))?;
-                Arc::new(store)
-            }
-            #[cfg(not(feature = "etcd"))]
-            StoreKind::Etcd => anyhow::bail!("store.kind = \"etcd\": this fencegate was built without etcd support"),
-        };
+        let store = open_store(&config).await?;
         let limits = GateLimits {
             inflight_deadline: ms(config.fencing.inflight_deadline_ms),
             store_timeout: ms(config.store.timeout_ms),
@@ -256,35 +224,8 @@ impl App {
             issuers,
             self.enforcement,
         )?;
-        let gateway = self.gateway.clone();
-        let s3_service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let svc = s3_service.clone();
-            let gateway = gateway.clone();
-            async move {
-                // The main listener's precedence, all of it: (1) `[[routes]]` prefixes (config
-                // refuses one under /_fencegate/); (2) fencegate's own endpoints under
-                // /_fencegate/v1/ (leases, fence registrations), which s3s authenticates like
-                // any S3 request and `FencegateRoute` (s3/service.rs) takes before S3; (3) S3.
-                if gateway.takes(req.uri().path()) {
-                    return Ok::<_, s3s::HttpError>(gateway.handle(req).await);
-                }
-                let expect_continue = req
-                    .headers()
-                    .get(http::header::EXPECT)
-                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-                let content_length =
-                    req.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-                let (parts, body) = req.into_parts();
-                let (body, polled) = server::RequestBody::new(body, expect_continue);
-                let req = http::Request::from_parts(parts, s3s::Body::http_body_unsync(body));
-                let mut resp = svc.call(req).await?;
-                let polled = polled.load(std::sync::atomic::Ordering::Relaxed);
-                if server::answered_early(expect_continue, polled, content_length) {
-                    resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
-                }
-                Ok(resp)
-            }
-        });
+        let router = Arc::new(Router::new(self.gateway.clone(), s3_service));
+        let s3_service = service_fn(move |req| router.clone().handle(req));
         let hosts = ServedHosts::new(admin_listener.local_addr()?, self.config.server.admin_host_names.clone());
         let admin = Arc::new(Admin::new(
             self.gate.clone(),
@@ -334,8 +275,16 @@ impl App {
         tracing::info!("shutting down: finishing open requests");
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
-        // No more admissions (a detached request could still be waiting for one); writes whose
-        // client left may still wait for their upstream outcome.
+        self.settle_writes(stop_by).await;
+        // Last: a write whose client left finishes on its serving thread.
+        threads.stop().await;
+        Ok(())
+    }
+
+    /// After the listeners stopped: no more admissions (a detached request could still be
+    /// waiting for one), then writes whose client left wait for their upstream outcome until
+    /// `stop_by` at most, and a stop with none left in flight is recorded as clean.
+    async fn settle_writes(&self, stop_by: tokio::time::Instant) {
         self.gate.close();
         // Past the budget, a write still in flight is left to the next start, which holds
         // advances for D (as after a crash): stopping sooner is safe, only slower to resume.
@@ -350,9 +299,6 @@ impl App {
         } else {
             tracing::warn!("stopping with writes still in flight: the next start holds advances");
         }
-        // Last: a write whose client left finishes on its serving thread.
-        threads.stop().await;
-        Ok(())
     }
 }
 
@@ -361,27 +307,60 @@ impl App {
 /// wait out the quiet period of a store that lost its state (docs/design.md, section 6).
 /// Returns what was done, for the operator.
 pub async fn init_store(config: &Config) -> anyhow::Result<String> {
-    match config.store.kind {
-        StoreKind::Embedded | StoreKind::Etcd => Ok(format!(
+    let StoreBackend::Redis { urls, .. } = config.store.backend().map_err(at_fault)? else {
+        return Ok(format!(
             "store.kind = {:?}: nothing to initialise (only a Redis store carries epoch marks)",
             config.store.kind
-        )),
-        StoreKind::Redis => {
-            let urls = match &config.store.url {
-                Some(url) => vec![url.clone()],
-                None => config.store.cluster_urls.clone(),
-            };
+        ));
+    };
+    let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
+    let store = RedisStore::connect(urls, ms(config.store.timeout_ms), "init".into(), None, 0, quiet)
+        .await
+        .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+    let marked = store.init().await.context("marking the store's slots")?;
+    Ok(match marked {
+        0 => "the store was already marked: nothing changed".to_owned(),
+        n => format!("marked {n} slots of the store as new"),
+    })
+}
+
+/// Opens the fence store the config names.
+async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    let store = &config.store;
+    let replica_id = || store.replica_id.clone().unwrap_or_else(default_replica_id);
+    Ok(match store.backend().map_err(at_fault)? {
+        StoreBackend::Embedded { path } => {
+            let embedded = EmbeddedStore::open_with_cache(path, store.cache_bytes_max)?;
+            embedded.set_idempotency_records_max(store.idempotency_records_max, store.idempotency_records_bytes_max);
+            Arc::new(embedded)
+        }
+        StoreBackend::Redis { urls, .. } => {
+            let wait = (store.wait_replicas > 0)
+                .then(|| Wait { replicas: store.wait_replicas, timeout: ms(store.wait_timeout_ms) });
+            let threads = config.server.serving_threads();
             let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
-            let store = RedisStore::connect(&urls, ms(config.store.timeout_ms), "init".into(), None, 0, quiet)
+            let redis = RedisStore::connect(urls, ms(store.timeout_ms), replica_id(), wait, threads, quiet)
                 .await
                 .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
-            let marked = store.init().await.context("marking the store's slots")?;
-            Ok(match marked {
-                0 => "the store was already marked: nothing changed".to_owned(),
-                n => format!("marked {n} slots of the store as new"),
-            })
+            Arc::new(redis)
         }
-    }
+        #[cfg(feature = "etcd")]
+        StoreBackend::Etcd { endpoints } => {
+            let etcd = crate::store::EtcdStore::connect(endpoints, ms(store.timeout_ms), replica_id())
+                .await
+                .with_context(|| format!("store.endpoints: cannot reach etcd at {}", endpoints.join(", ")))?;
+            Arc::new(etcd)
+        }
+        #[cfg(not(feature = "etcd"))]
+        StoreBackend::Etcd { .. } => {
+            anyhow::bail!("store.kind = \"etcd\": this fencegate was built without etcd support")
+        }
+    })
+}
+
+/// A config key at fault, as an error (a config that passed validation has none).
+pub(crate) fn at_fault((key, reason): crate::config::Invalid) -> anyhow::Error {
+    anyhow::anyhow!("{key}: {reason}")
 }
 
 fn default_replica_id() -> String {
