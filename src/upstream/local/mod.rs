@@ -3,10 +3,10 @@
 //! request and renders each answer, as it does on the front).
 //!
 //! Objects are records in an embedded database and bytes in files named by a fresh id, never
-//! by the key (records.rs): any key S3 allows is one object, `a` and `a/b` coexist, and no two
+//! by the key (records/): any key S3 allows is one object, `a` and `a/b` coexist, and no two
 //! names reach the same bytes. Each write's preconditions (`If-Match`, `If-None-Match`, those
 //! fencegate adds) are judged in the transaction that commits it, so a condition and its write
-//! are one step; a body streams to its file before, with no lock held (ops.rs).
+//! are one step; a body streams to its file before, with no lock held (ops/).
 
 mod ops;
 mod records;
@@ -41,7 +41,7 @@ impl Upstream for LocalUpstream {
         "local"
     }
 
-    /// An upload id is only good with the key it was started on (records.rs).
+    /// An upload id is only good with the key it was started on (records/).
     fn ties_upload_ids_to_keys(&self) -> bool {
         true
     }

@@ -1,0 +1,179 @@
+use super::*;
+use crate::fence::IdempotencyOutcome;
+use redb::ReadableTableMetadata;
+
+#[tokio::test]
+async fn a_full_store_refuses_claims_and_never_drops_a_live_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    store.set_idempotency_records_max(3, u64::MAX);
+    let r = ResourceKey::new("r").unwrap();
+    let key = |i: u64| IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
+    for i in 0..3u64 {
+        let claim = record(&format!("c{i}"), 1_000 + i);
+        assert_eq!(store.idempotency_begin(&key(i), &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
+    }
+    // Full: the fourth claim is refused, and every live record stays.
+    assert_eq!(store.idempotency_begin(&key(3), &record("c3", 1_003), 1).await.unwrap(), IdempotencyBegin::Full);
+    for i in 0..3 {
+        assert!(store.idempotency_get(&key(i), 1).await.unwrap().is_some(), "record {i} was dropped");
+    }
+    // Once the first has expired, there is room again (it is swept to make it).
+    assert_eq!(store.idempotency_begin(&key(3), &record("c3", 2_000), 1_000).await.unwrap(), IdempotencyBegin::Claimed);
+    assert!(store.idempotency_get(&key(0), 1_000).await.unwrap().is_none());
+    assert!(store.idempotency_get(&key(1), 1_000).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn records_are_bounded_in_bytes_counted_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = ResourceKey::new("r").unwrap();
+    let key = |i: u64| IdempotencyKey::new(r.clone(), format!("req-{i}").as_bytes());
+    let one = {
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let claim = record("c0", 10_000);
+        assert_eq!(store.idempotency_begin(&key(0), &claim, 1).await.unwrap(), IdempotencyBegin::Claimed);
+        let bytes = {
+            let txn = redb::ReadableDatabase::begin_read(&*store.db).unwrap();
+            let table = txn.open_table(IDEMPOTENCY).unwrap();
+            let v = table.get(key(0).storage_name().as_str()).unwrap().unwrap();
+            let (_, owner, json) = v.value();
+            record_bytes(&key(0).storage_name(), owner, json)
+        };
+        store.mark_clean_shutdown().unwrap();
+        bytes
+    };
+    // Reopened with room for two records of that size: the bytes already there count.
+    let store = loop {
+        if let Ok(s) = EmbeddedStore::open(dir.path()) {
+            break s;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    };
+    store.set_idempotency_records_max(100, 2 * one);
+    assert_eq!(store.idempotency_begin(&key(1), &record("c1", 10_000), 1).await.unwrap(), IdempotencyBegin::Claimed);
+    assert_eq!(store.idempotency_begin(&key(2), &record("c2", 10_000), 1).await.unwrap(), IdempotencyBegin::Full);
+}
+
+#[tokio::test]
+async fn a_file_fencegate_cannot_prove_is_its_own_is_refused() {
+    // Empty (a crash during creation, a truncated restore): no silent fresh start.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(FILE_NAME), b"").unwrap();
+    assert!(matches!(EmbeddedStore::open(dir.path()), Err(OpenError::NotOurs { why: "it is empty", .. })));
+    // Some other redb database.
+    let other = tempfile::tempdir().unwrap();
+    drop(redb::Database::create(other.path().join(FILE_NAME)).unwrap());
+    assert!(matches!(EmbeddedStore::open(other.path()), Err(OpenError::NotOurs { .. })));
+    // Its own file reopens with its fences.
+    let ours = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(ours.path()).unwrap();
+    let r = ResourceKey::new("r").unwrap();
+    store.advance(&r, FenceToken(9)).await.unwrap();
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let mut reopened = None;
+    for _ in 0..200 {
+        match EmbeddedStore::open(ours.path()) {
+            Ok(s) => {
+                reopened = Some(s);
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+        }
+    }
+    assert_eq!(reopened.expect("reopens").load(&r).await.unwrap(), Some(FenceToken(9)));
+}
+
+fn record(claim: &str, expires_at_ms: u64) -> IdempotencyRecord {
+    IdempotencyRecord {
+        claim: claim.into(),
+        fingerprint: "f".into(),
+        token: FenceToken(1),
+        upstream_key: "fg-x".into(),
+        expires_at_ms,
+        outcome: IdempotencyOutcome::InFlight { deadline_ms: expires_at_ms },
+    }
+}
+
+fn key(i: usize) -> IdempotencyKey {
+    IdempotencyKey::new(ResourceKey::new("payment:1").unwrap(), format!("req-{i}").as_bytes())
+}
+
+fn count(store: &EmbeddedStore) -> (u64, u64) {
+    let txn = store.db.begin_read().unwrap();
+    (txn.open_table(IDEMPOTENCY).unwrap().len().unwrap(), txn.open_table(IDEMPOTENCY_EXPIRY).unwrap().len().unwrap())
+}
+
+/// Expired records are swept by later commits that add records, a bounded batch at a time,
+/// until none is left; live ones stay.
+#[tokio::test]
+async fn expired_records_are_swept_in_bounded_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let old = 300;
+    for i in 0..old {
+        store.idempotency_begin(&key(i), &record("a", 1_000), 0).await.unwrap();
+    }
+    assert_eq!(count(&store), (old as u64, old as u64));
+    // One live record per commit, at a time when the old ones have expired.
+    let mut sweeps = 0;
+    for i in old..old + 20 {
+        store.idempotency_begin(&key(i), &record("b", 10_000), 2_000).await.unwrap();
+        sweeps += 1;
+        if count(&store).0 == (i - old + 1) as u64 {
+            break;
+        }
+    }
+    let swept_per_commit = SWEEP_PER_COMMIT_MIN;
+    assert_eq!(sweeps, old.div_ceil(swept_per_commit), "a bounded batch per commit");
+    assert_eq!(count(&store), (sweeps as u64, sweeps as u64), "only the live records are left");
+    assert!(store.idempotency_get(&key(0), 2_000).await.unwrap().is_none());
+    assert!(store.idempotency_get(&key(old), 2_000).await.unwrap().is_some());
+}
+
+/// A key whose record expired is claimed again; the old claimant can no longer finish it.
+#[tokio::test]
+async fn an_expired_record_is_claimed_again_and_its_old_claim_is_void() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let k = key(1);
+    assert_eq!(store.idempotency_begin(&k, &record("a", 100), 0).await.unwrap(), IdempotencyBegin::Claimed);
+    assert!(
+        matches!(store.idempotency_begin(&k, &record("b", 500), 50).await.unwrap(), IdempotencyBegin::Existing(r) if r.claim == "a")
+    );
+    assert_eq!(store.idempotency_begin(&k, &record("b", 500), 100).await.unwrap(), IdempotencyBegin::Claimed);
+    store.idempotency_finish(&k, "a", None).await.unwrap();
+    assert_eq!(store.idempotency_get(&k, 100).await.unwrap().unwrap().claim, "b");
+    assert_eq!(count(&store), (1, 1));
+    store.idempotency_finish(&k, "b", None).await.unwrap();
+    assert_eq!(count(&store), (0, 0));
+}
+
+/// A new file and a clean shutdown open clean; a process that stopped without recording a
+/// clean shutdown (killed, crashed) leaves the next start unclean, once.
+#[test]
+fn an_unclean_stop_is_seen_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    // The writer thread lets go of the file shortly after the store is dropped.
+    let reopen = || {
+        for _ in 0..200 {
+            if let Ok(store) = EmbeddedStore::open(dir.path()) {
+                return store;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the store file stayed locked");
+    };
+    let store = reopen();
+    assert!(store.opened_clean(), "a new file");
+    drop(store); // as if killed: no mark
+    let store = reopen();
+    assert!(!store.opened_clean());
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let store = reopen();
+    assert!(store.opened_clean());
+    drop(store);
+    assert!(!reopen().opened_clean(), "the mark is used up");
+}

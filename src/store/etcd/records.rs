@@ -1,0 +1,202 @@
+//! What the etcd store keeps beside the fences: leases, the API gateway's idempotency
+//! records and the records of multipart uploads made with a token.
+
+use super::*;
+
+#[async_trait]
+impl LeaseStore for EtcdStore {
+    async fn lease(
+        &self,
+        resource: &ResourceKey,
+        command: LeaseCommand,
+        now_ms: u64,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let (fkey, lkey) = (fence_key(resource), lease_key(resource));
+        // A grant and its withdrawal meet at the withdrawn grant's tombstone.
+        let tkey = match &command {
+            LeaseCommand::Acquire { lease_id, .. } | LeaseCommand::Withdraw { lease_id } => {
+                Some(withdrawn_key(resource, lease_id))
+            }
+            _ => None,
+        };
+        let attempts = Attempts::new(self.timeout);
+        let mut tombstone_lease = None;
+        loop {
+            let mut reads = self.read(&[&fkey, &lkey, tkey.as_deref().unwrap_or(&lkey)]).await?;
+            let (withdrawn, lease, fence) = (reads.remove(2), reads.remove(1), reads.remove(0));
+            let stored = fence.token()?;
+            let current: Option<LeaseRecord> =
+                lease.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()?;
+            let mut when = vec![fence.unchanged(&fkey), lease.unchanged(&lkey)];
+            let mut ops = Vec::new();
+            match (&command, &tkey) {
+                (LeaseCommand::Acquire { .. }, Some(tkey)) => {
+                    if withdrawn.value.is_some() {
+                        return Ok(LeaseOutcome::Gone);
+                    }
+                    when.push(withdrawn.unchanged(tkey));
+                }
+                (LeaseCommand::Withdraw { .. }, Some(tkey)) => {
+                    let id = match tombstone_lease {
+                        Some(id) => id,
+                        None => *tombstone_lease.insert(self.grant_lease(ttl_seconds(WITHDRAWN_GRANT_TTL_MS)).await?),
+                    };
+                    ops.push(TxnOp::put(tkey.as_str(), "", Some(PutOptions::new().with_lease(id))));
+                }
+                _ => {}
+            }
+            let transition = apply_lease(stored, current.as_ref(), command.clone(), now_ms);
+            if let Some(new) = transition.fence {
+                ops.push(TxnOp::put(fkey.as_str(), new.0.to_string(), None));
+            }
+            match &transition.lease {
+                LeaseWrite::Keep => {}
+                LeaseWrite::Put(record) => {
+                    let json = serde_json::to_vec(record).expect("a lease record serialises");
+                    ops.push(TxnOp::put(lkey.as_str(), json, None));
+                }
+                LeaseWrite::Delete => ops.push(TxnOp::delete(lkey.as_str(), None)),
+            }
+            if ops.is_empty() || self.commit(when, ops).await? {
+                if let (LeaseOutcome::Granted(_), LeaseCommand::Acquire { floor: Some(floor), .. }) =
+                    (&transition.outcome, &command)
+                    && stored.is_none_or(|s| s < *floor)
+                {
+                    metrics::store_rollback_repaired();
+                    tracing::error!(
+                        resource = resource.as_str(),
+                        store_had = stored.map(|t| t.0),
+                        floor = floor.0,
+                        "FENCE STORE ROLLBACK: etcd's fence was below this replica's mark at a lease grant \
+                         (restored from an older backup?); granted above the mark"
+                    );
+                }
+                return Ok(transition.outcome);
+            }
+            attempts.again()?;
+        }
+    }
+
+    async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
+        let read = self.read(&[&lease_key(resource)]).await?.remove(0);
+        read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("lease"))).transpose()
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for EtcdStore {
+    async fn idempotency_begin(
+        &self,
+        key: &IdempotencyKey,
+        claim: &IdempotencyRecord,
+        now_ms: u64,
+    ) -> Result<IdempotencyBegin, StoreError> {
+        let rkey = record_key(key);
+        let attempts = Attempts::new(self.timeout);
+        let mut granted: Option<i64> = None;
+        let outcome = loop {
+            let read = self.read(&[&rkey]).await?.remove(0);
+            if let Some(existing) = decode_record(&read)?.filter(|r| !r.is_expired(now_ms)) {
+                break IdempotencyBegin::Existing(existing);
+            }
+            // etcd drops the record when its retention is up.
+            let lease = match granted {
+                Some(id) => id,
+                None => {
+                    let ttl = ttl_seconds(claim.expires_at_ms.saturating_sub(now_ms));
+                    let id = self.grant_lease(ttl).await?;
+                    *granted.insert(id)
+                }
+            };
+            let json = serde_json::to_vec(claim).expect("an idempotency record serialises");
+            let put = TxnOp::put(rkey.as_str(), json, Some(PutOptions::new().with_lease(lease)));
+            if self.commit(vec![read.unchanged(&rkey)], vec![put]).await? {
+                return Ok(IdempotencyBegin::Claimed);
+            }
+            attempts.again()?;
+        };
+        if let Some(id) = granted {
+            revoke_in_background(&self.client, id);
+        }
+        Ok(outcome)
+    }
+
+    async fn idempotency_get(
+        &self,
+        key: &IdempotencyKey,
+        now_ms: u64,
+    ) -> Result<Option<IdempotencyRecord>, StoreError> {
+        let read = self.read(&[&record_key(key)]).await?.remove(0);
+        Ok(decode_record(&read)?.filter(|r| !r.is_expired(now_ms)))
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &IdempotencyKey,
+        claim: &str,
+        record: Option<&IdempotencyRecord>,
+    ) -> Result<(), StoreError> {
+        let rkey = record_key(key);
+        let attempts = Attempts::new(self.timeout);
+        loop {
+            let read = self.read(&[&rkey]).await?.remove(0);
+            if decode_record(&read)?.is_none_or(|r| r.claim != claim) {
+                return Ok(());
+            }
+            let op = match record {
+                // Keeps the record's lease, so its expiry.
+                Some(r) => TxnOp::put(
+                    rkey.as_str(),
+                    serde_json::to_vec(r).expect("an idempotency record serialises"),
+                    Some(PutOptions::new().with_ignore_lease()),
+                ),
+                None => TxnOp::delete(rkey.as_str(), None),
+            };
+            if self.commit(vec![read.unchanged(&rkey)], vec![op]).await? {
+                return Ok(());
+            }
+            attempts.again()?;
+        }
+    }
+}
+
+#[async_trait]
+impl UploadStore for EtcdStore {
+    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+        let json = serde_json::to_vec(record).expect("an upload record serialises");
+        let put = TxnOp::put(upload_key(&record.bucket, &record.upload_id), json, None);
+        self.commit(vec![], vec![put]).await.map(|_| ())
+    }
+
+    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
+        let read = self.read(&[&upload_key(bucket, upload_id)]).await?.remove(0);
+        read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("upload record"))).transpose()
+    }
+
+    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
+        self.commit(vec![], vec![TxnOp::delete(upload_key(bucket, upload_id), None)]).await.map(|_| ())
+    }
+
+    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
+        let limit = limit.max(1);
+        let from = format!("{UPLOADS}{}", cursor.unwrap_or_default());
+        let range = || {
+            let (mut kv, from) = (self.client.kv_client(), from.clone());
+            let options =
+                GetOptions::new().with_range(UPLOADS_END).with_limit(i64::try_from(limit + 1).unwrap_or(i64::MAX));
+            async move { kv.get(from, Some(options)).await }
+        };
+        let resp = read_bounded(self.timeout, range).await?;
+        let mut records = resp
+            .kvs()
+            .iter()
+            .map(|kv| serde_json::from_slice(kv.value()).map_err(|_| corrupt("upload record")))
+            .collect::<Result<Vec<UploadRecord>, _>>()?;
+        let next = (records.len() > limit).then(|| records.pop().expect("one past the page").storage_name());
+        Ok(UploadPage { records, next })
+    }
+}
+
+pub(super) fn decode_record(read: &Read) -> Result<Option<IdempotencyRecord>, StoreError> {
+    read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("idempotency record"))).transpose()
+}
