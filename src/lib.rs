@@ -19,18 +19,21 @@
 //! - [`aws`]: S3 header names and SigV4 (signing forwarded requests, the lean check of
 //!   received ones).
 //! - [`config`]: the one configuration struct, validated at start-up.
-//! - [`metrics`]: every exported metric.
+//! - [`metrics`]: every exported metric; [`logs`]: repeated log lines limited and counted.
 //! - [`refusal`]: the fencing protocol's refusals, one type for both fronts, and the token
 //!   header read once.
+//! - [`feed`]: every write decision recorded once (span, counter, the operator's live feed).
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
 pub mod admin;
 pub mod aws;
 pub mod config;
+pub mod feed;
 pub mod fence;
 pub mod gateway;
 pub mod lease;
+pub mod logs;
 pub mod metrics;
 pub mod net;
 pub mod refusal;
@@ -40,7 +43,7 @@ pub mod upstream;
 
 mod app;
 
-pub use app::{App, Bound, init_store};
+pub use app::{App, Bound, init_store, reconcile};
 
 /// The size of the future `f` returns, found without calling it: for tests of what a future
 /// carries in every request or connection.

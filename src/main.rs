@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use fencegate::App;
 use fencegate::config::{Config, LogFormat};
+use fencegate::{App, reconcile};
 use tracing_subscriber::EnvFilter;
 
 /// Every request allocates a few dozen small buffers (headers, signatures, paths): glibc's
@@ -51,6 +51,25 @@ enum Command {
         #[arg(long, short, default_value = "config/fencegate.toml")]
         config: PathBuf,
     },
+    /// Ask the running fencegate the config names to compare its upstream with its fences:
+    /// uploads of superseded tokens, objects written around fencegate, objects stamped above
+    /// their fence. Exits 0 when it found nothing, 1 when it found something, 2 on an error.
+    Reconcile {
+        #[arg(long, short, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+        /// The bucket to scan.
+        #[arg(long)]
+        bucket: String,
+        /// Only keys that start with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Abort those uploads and raise lost fences to their stamps (never lowers one).
+        #[arg(long)]
+        apply: bool,
+        /// JSON lines on stdout (a finding per line, then the summary) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check that the configured upstream enforces If-Match / If-None-Match, then exit.
     Probe {
         #[arg(long, short, default_value = "config/fencegate.toml")]
@@ -61,46 +80,62 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve { config } => load(&config).and_then(|c| runtime()?.block_on(serve(c))),
+        Command::Serve { config } => load(&config).and_then(|c| runtime()?.block_on(serve(c))).map(done),
         Command::CheckConfig { config } => load(&config).map(|c| {
             println!("{c:#?}");
             for risk in c.risks() {
                 println!("risk: {risk}");
             }
+            ExitCode::SUCCESS
         }),
         Command::InitStore { config } => load(&config).and_then(|c| {
             let done = runtime()?.block_on(fencegate::init_store(&c))?;
             println!("{done}");
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }),
-        Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))),
-        Command::Probe { config } => load(&config).and_then(|c| {
-            runtime()?.block_on(async {
-                let mut app = App::build(c).await?;
-                let probed = app.probe().await;
-                app.close_unused();
-                probed?;
-                match app.enforcement().map(|e| e.ignored()) {
-                    None => println!("upstream probe did not run (see the log)"),
-                    Some(ignored) if ignored.is_empty() => println!(
-                        "upstream enforces preconditions on PutObject, CopyObject, CompleteMultipartUpload, DeleteObject"
-                    ),
-                    Some(ignored) => println!(
-                        "upstream enforces preconditions on PutObject; ignores them on: {}",
-                        ignored.join(", ")
-                    ),
+        Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))).map(done),
+        Command::Reconcile { config, bucket, prefix, apply, json } => {
+            let ask = reconcile::Ask { bucket, prefix, apply, json };
+            // 1 says "found something" to cron and CI; an error is 2, not to be taken for it.
+            match load(&config).and_then(|c| runtime()?.block_on(reconcile::reconcile(&c, &ask))) {
+                Ok(reconcile::Outcome::Clean) => Ok(ExitCode::SUCCESS),
+                Ok(reconcile::Outcome::Found) => Ok(ExitCode::from(1)),
+                Err(error) => {
+                    eprintln!("fencegate: {error:#}");
+                    return ExitCode::from(2);
                 }
-                Ok(())
-            })
-        }),
+            }
+        }
+        Command::Probe { config } => load(&config).and_then(|c| runtime()?.block_on(probe(c))).map(done),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(error) => {
             eprintln!("fencegate: {error:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn done((): ()) -> ExitCode {
+    ExitCode::SUCCESS
+}
+
+async fn probe(config: Config) -> anyhow::Result<()> {
+    let mut app = App::build(config).await?;
+    let probed = app.probe().await;
+    app.close_unused();
+    probed?;
+    match app.enforcement().map(|e| e.ignored()) {
+        None => println!("upstream probe did not run (see the log)"),
+        Some(ignored) if ignored.is_empty() => {
+            println!("upstream enforces preconditions on PutObject, CopyObject, CompleteMultipartUpload, DeleteObject")
+        }
+        Some(ignored) => {
+            println!("upstream enforces preconditions on PutObject; ignores them on: {}", ignored.join(", "))
+        }
+    }
+    Ok(())
 }
 
 fn load(path: &std::path::Path) -> anyhow::Result<Config> {
@@ -181,7 +216,12 @@ fn init_tracing(config: &Config) {
     // Directives more specific than the ones above (`RUST_LOG=s3s::ops::signature=debug`) win
     // over them in an env filter: the library's cap is a filter of its own, which no directive
     // lifts.
-    let registry = tracing_subscriber::registry().with(filter).with(tracing_subscriber::filter::filter_fn(library_cap));
+    let repeats = fencegate::logs::RepeatLimit::default();
+    repeats.flush_every_window();
+    let registry = tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::filter::filter_fn(library_cap))
+        .with(repeats);
     match config.log.format {
         LogFormat::Json => registry.with(fmt.json()).init(),
         LogFormat::Text => registry.with(fmt).init(),

@@ -91,10 +91,61 @@ fn describe_and_register() {
     ] {
         counter!(name).absolute(0);
     }
-    for by in ["creator", "fencegate"] {
-        counter!("fencegate_stale_uploads_aborted_total", "by" => by).absolute(0);
+    for name in [
+        "fencegate_lease_reads_refused_total",
+        "fencegate_idempotency_records_full_total",
+        "fencegate_idempotency_record_errors_total",
+    ] {
+        counter!(name).absolute(0);
+    }
+    // The labelled ones, with every value fencegate gives them (the operations of the upstream
+    // errors: the fenced writes'; of the gateway: its modes and what alerts read).
+    let labelled: &[(&'static str, &'static str, &[&'static str])] = &[
+        ("fencegate_stale_uploads_aborted_total", "by", &["creator", "fencegate"]),
+        (
+            "fencegate_ambiguous_outcomes_total",
+            "op",
+            &["deadline", "abandoned", "server_error", "failed_after_send", "response_body", "api"],
+        ),
+        ("fencegate_precondition_conflicts_total", "result", &["retried", "stale", "gave_up", "api_refused"]),
+        ("fencegate_body_aborted_total", "reason", &["cancelled", "checksum", "client", "too_large"]),
+        (
+            "fencegate_lease_events_total",
+            "event",
+            &[
+                "granted",
+                "renewed",
+                "released",
+                "gone",
+                "credentials_issued",
+                "grant_withdrawn",
+                "grant_withdrawal_capped",
+            ],
+        ),
+        (
+            "fencegate_upstream_errors_total",
+            "op",
+            &["put_object", "copy_object", "delete_object", "complete_multipart", "fenced_write"],
+        ),
+        ("fencegate_s3_protocol_refusals_total", "status", &["400", "403"]),
+    ];
+    for (name, label, values) in labelled {
+        for value in *values {
+            counter!(*name, *label => *value).absolute(0);
+        }
+    }
+    for mode in ["idempotency-key", "conditional", "fence-only"] {
+        for outcome in ["forwarded", "refused", "outcome_unknown"] {
+            counter!("fencegate_gateway_requests_total", "mode" => mode, "outcome" => outcome).absolute(0);
+        }
     }
     gauge!("fencegate_inflight_writes").set(0.0);
+}
+
+/// The counters of the fence store's kind, at 0 from start-up (the kind is known once the
+/// config is).
+pub fn register_store(kind: &'static str) {
+    counter!("fencegate_store_errors_total", "store" => kind).absolute(0);
 }
 
 /// The handles of the metrics recorded on every request, per thread and per (name, label

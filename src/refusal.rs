@@ -10,30 +10,6 @@ use http::{HeaderMap, HeaderName, StatusCode};
 
 use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
 
-/// What every front records of a request it refused: its decision counted (`counted`: the
-/// request was a write decision; never the catch-all `error`), named on the request's span
-/// (`name`: unless a decision is named there already, since a field recorded twice shows
-/// twice), the fence the token met, and one log line.
-pub fn record_refused(
-    span: &tracing::Span,
-    decision: &'static str,
-    fence: Option<FenceToken>,
-    counted: bool,
-    name: bool,
-    error: &dyn std::fmt::Display,
-) {
-    if counted && decision != "error" {
-        crate::metrics::decision(decision);
-    }
-    if name {
-        span.record("decision", decision);
-    }
-    if let Some(current) = fence {
-        span.record("fence", current.0);
-    }
-    span.in_scope(|| tracing::info!(%error, "refused"));
-}
-
 /// The response header that tells a refused writer the current fence.
 pub const CURRENT_TOKEN_HEADER: HeaderName = HeaderName::from_static("fencing-token-current");
 

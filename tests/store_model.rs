@@ -485,6 +485,81 @@ async fn upload_contract(store: &dyn UploadStore, name: &str) {
     assert_eq!(store.upload_get("b1", "id-7").await.unwrap().map(|r| r.token), Some(FenceToken(7)), "{name}");
 }
 
+/// Every store lists its fences the same way: in byte order of the resource, by prefix (taken
+/// literally: `*`, `}` and `%` are no patterns), after a resource, in pages of any size that
+/// walk every fence once; and its leases by prefix, up to a limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_keeps_the_listing_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    listing_contract(&EmbeddedStore::open(dir.path()).unwrap(), "embedded").await;
+    let redis = common::RedisServer::start().await;
+    listing_contract(&redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await, "redis").await;
+    listing_contract(&MemoryStore::default(), "memory").await;
+    #[cfg(feature = "etcd")]
+    {
+        let etcd = common::EtcdCluster::start(1).await;
+        let store = etcd_store(&etcd).await;
+        listing_contract(&store, "etcd").await;
+    }
+}
+
+async fn listing_contract(store: &dyn Store, name: &str) {
+    let named = ["job:a", "job:a/x", "job:b", "jobs", "x}y%z", "x}", "a*b", "ab", "été", "50%"];
+    let paged: Vec<String> = (0..23).map(|n| format!("page/{n:02}")).collect();
+    let all: Vec<&str> = named.iter().copied().chain(paged.iter().map(String::as_str)).collect();
+    for (n, resource) in all.iter().enumerate() {
+        store.advance(&ResourceKey::new(resource).unwrap(), FenceToken(n as u64 + 1)).await.unwrap();
+    }
+    let list = |prefix: &'static str, after: Option<&'static str>, limit: usize| async move {
+        let page = store.fences(prefix, after, limit).await.unwrap();
+        let names: Vec<String> = page.fences.iter().map(|(r, _)| r.as_str().to_owned()).collect();
+        (names, page.next)
+    };
+    let (everything, next) = list("", None, 1000).await;
+    let mut sorted: Vec<String> = all.iter().map(|r| (*r).to_owned()).collect();
+    sorted.sort();
+    assert_eq!((everything, next), (sorted, None), "{name}: every fence, in byte order");
+    let page = store.fences("job:a", None, 10).await.unwrap();
+    let tokens: Vec<(String, u64)> = page.fences.iter().map(|(r, t)| (r.as_str().to_owned(), t.0)).collect();
+    assert_eq!(tokens, [("job:a".to_owned(), 1), ("job:a/x".to_owned(), 2)], "{name}: with their tokens");
+    assert_eq!(list("job:", None, 10).await.0, ["job:a", "job:a/x", "job:b"], "{name}: a prefix");
+    assert_eq!(list("x}", None, 10).await.0, ["x}", "x}y%z"], "{name}: `}}` is no pattern");
+    assert_eq!(list("a*", None, 10).await.0, ["a*b"], "{name}: `*` is no pattern");
+    assert_eq!(list("50%", None, 10).await.0, ["50%"], "{name}: `%` is no pattern");
+    assert_eq!(list("nothing", None, 10).await, (vec![], None), "{name}: an empty page");
+    assert_eq!(list("page/", Some("page/20"), 5).await, (vec!["page/21".into(), "page/22".into()], None), "{name}");
+    assert_eq!(list("page/", Some("a"), 1).await.0, ["page/00"], "{name}: `after` before the prefix");
+    for limit in [1, 5, 7, 23] {
+        let (mut walked, mut after) = (Vec::new(), None::<String>);
+        for _ in 0..100 {
+            let page = store.fences("page/", after.as_deref(), limit).await.unwrap();
+            assert!(page.fences.len() <= limit, "{name}: a page holds at most its limit");
+            walked.extend(page.fences.iter().map(|(r, _)| r.as_str().to_owned()));
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(walked, paged, "{name}: pages of {limit} walk every fence once, in order");
+    }
+
+    let acquire = |holder: &str| LeaseCommand::Acquire {
+        holder: holder.into(),
+        ttl_ms: 60_000,
+        lease_id: format!("id-{holder}"),
+        floor: None,
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    for (resource, holder) in [("lease:b", "hb"), ("lease:a", "ha"), ("other", "ho")] {
+        store.lease(&ResourceKey::new(resource).unwrap(), acquire(holder), now).await.unwrap();
+    }
+    let leases = store.leases("lease:", 10).await.unwrap();
+    let seen: Vec<(&str, &str)> = leases.iter().map(|(r, l)| (r.as_str(), l.holder.as_str())).collect();
+    assert_eq!(seen, [("lease:a", "ha"), ("lease:b", "hb")], "{name}: leases by prefix, in order");
+    assert!(leases.iter().all(|(_, l)| l.is_live(now) && l.ttl_ms == 60_000), "{name}");
+    assert_eq!(store.leases("", 1).await.unwrap().len(), 1, "{name}: up to the limit");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The latency each mode adds.
 

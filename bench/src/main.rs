@@ -14,6 +14,7 @@
 //! processes and `/proc`), `suite` (the `run` command), `report` (table and chart).
 
 mod large;
+mod listing;
 mod load;
 mod procs;
 mod proxy;

@@ -27,6 +27,26 @@ pub struct Row {
     pub charted: bool,
 }
 
+impl Row {
+    /// A row of what was not a timed load (a stream, a walk of a listing): a rate at most, its
+    /// figures in the outcome, no latency or CPU columns, not charted.
+    pub fn untimed(scenario: String, path: &str, per_second: Option<f64>, outcome: String) -> Self {
+        Self {
+            scenario,
+            path: path.into(),
+            per_second,
+            p50_ms: None,
+            p99_ms: None,
+            p999_ms: None,
+            cpu_us_per_request: None,
+            client_cpu_us_per_request: None,
+            machine_cpu_us_per_request: None,
+            outcome,
+            charted: false,
+        }
+    }
+}
+
 /// One of the suite's targets, checked.
 #[derive(Debug, Clone)]
 pub struct Target {

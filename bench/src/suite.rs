@@ -270,6 +270,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     if !ctx.args.no_lookup {
         lookup_runs(&mut ctx, tmp.path(), upstream_addr).await?;
+        if !ctx.args.no_redis {
+            redis_listing_run(&mut ctx, tmp.path(), upstream_addr).await?;
+        }
     }
     drop((upstream, ceiling));
     check_targets(&mut ctx);
@@ -578,19 +581,7 @@ fn stream_row(path: &str, method: &Method, size: u64, r: &StreamReport) -> Row {
             r.hwm_kb.saturating_sub(r.idle_kb) as f64 / 1024.0,
         ));
     }
-    Row {
-        scenario: format!("stream {} {}", size_text(size), method),
-        path: path.into(),
-        per_second: None,
-        p50_ms: None,
-        p99_ms: None,
-        p999_ms: None,
-        cpu_us_per_request: None,
-        client_cpu_us_per_request: None,
-        machine_cpu_us_per_request: None,
-        outcome,
-        charted: false,
-    }
+    Row::untimed(format!("stream {} {}", size_text(size), method), path, None, outcome)
 }
 
 /// A fence store that runs as its own process.
@@ -699,6 +690,9 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
             charted: true,
         });
         ctx.lookups.push((count, report.ms(0.99)));
+        if target == ctx.args.lookup_resources_large {
+            listing_row(ctx, &proc, fg, count, "fencegate").await?;
+        }
         if count < target {
             ctx.suite.notes.push(format!(
                 "Fence registration stopped at {count} of {target} after --register-duration-max-s {} s.",
@@ -709,6 +703,53 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
         tokio::time::sleep(SETTLE).await;
     }
     drop(proc);
+    Ok(())
+}
+
+/// A walk of every fence of a fencegate (`GET /v1/fences`, pages of 1,000) whose store holds
+/// `count`: its time, its slowest page, and the server's memory before and at its peak during
+/// the walk (the listing keeps one page: its memory must not grow with the store).
+async fn listing_row(ctx: &mut Ctx, proc: &Proc, fg: FencegateAddrs, count: u64, path: &str) -> anyhow::Result<()> {
+    let before = procs::rss(proc.pid()).ok();
+    let peak_reset = procs::reset_peak_rss(proc.pid());
+    let walk = crate::listing::walk(fg.admin, 1000, count / 1000 + 10).await?;
+    let after = procs::rss(proc.pid()).ok();
+    let mib = |kb: u64| kb as f64 / 1024.0;
+    eprintln!("  listed {} fences in {} pages, {:?}", walk.fences, walk.pages, walk.took);
+    let outcome = format!(
+        "{} fences in {} pages, {:.1} s, slowest page {:.0} ms; RSS {:.0} MiB before, {} {:.0} MiB during",
+        walk.fences,
+        walk.pages,
+        walk.took.as_secs_f64(),
+        walk.slowest_page.as_secs_f64() * 1000.0,
+        before.map_or(0.0, |r| mib(r.now_kb)),
+        if peak_reset { "peak" } else { "peak since start" },
+        after.map_or(0.0, |r| mib(r.peak_kb)),
+    );
+    let rate = walk.fences as f64 / walk.took.as_secs_f64().max(1e-9);
+    let scenario = format!("fence listing, {} fences, pages of 1,000", thousands(count));
+    ctx.suite.rows.push(Row::untimed(scenario, path, Some(rate), outcome));
+    Ok(())
+}
+
+/// The listing on a Redis store as large as the lookups' large one: Redis keeps no order of
+/// its keys, so each page walks them all.
+async fn redis_listing_run(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow::Result<()> {
+    let Some(binary) = procs::find_redis() else { return Ok(()) };
+    let (redis, redis_addr) = procs::spawn_redis(&binary, &dir.join("redis-listing"))?;
+    let env = procs::redis_store_env(redis_addr);
+    let (proc, fg) = procs::spawn_fencegate(
+        &ctx.args.fencegate_bin,
+        &dir.join("fg-redis-listing"),
+        upstream,
+        &ctx.fencegate_env(&env),
+    )?;
+    let run_id = format!("{}r", ctx.base_run_id);
+    let (count, took) = register(ctx, fg, &run_id, 0, ctx.args.lookup_resources_large).await;
+    eprintln!("registered {count} fences in Redis ({took:?})");
+    listing_row(ctx, &proc, fg, count, "fencegate (redis store)").await?;
+    drop(proc);
+    drop(redis);
     Ok(())
 }
 

@@ -1,29 +1,65 @@
-//! The admin listener: health, readiness, metrics, and the fences themselves
-//! (`GET`/`PUT /v1/fences/{resource}`, G7). Errors are `application/problem+json`.
+//! The admin listener: health, readiness, metrics, the fences themselves (`GET`/`PUT
+//! /v1/fences/{resource}`, G7), and the operator's view: the console at `GET /`, the listings
+//! (`/v1/status`, `/v1/fences`, `/v1/leases`, `/v1/inflight`) and the live feed of decisions
+//! (`/v1/events`). Errors are `application/problem+json`.
+//!
+//! Who may do what, with `server.admin_token` set: probes and the console page need nothing;
+//! the reads take the bearer token or the console's cookie (`POST /v1/session`); raising a
+//! fence takes the bearer token only, so that a page of another port of the same host, which
+//! the browser sends the `SameSite` cookie from, cannot raise one.
+
+mod console;
+mod events;
+mod views;
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Method, Response, StatusCode, header};
+use http::{HeaderMap, Method, Response, StatusCode, header};
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 
+use crate::feed::Feed;
 use crate::fence::{AdmitError, FenceToken, Gate, ResourceKey};
+use crate::s3::reconcile::{Job, Reconciler};
+
+/// The cookie the console keeps its session in.
+const SESSION_COOKIE: &str = "fencegate_admin";
 
 /// A registration body is `{"token": N}`; anything much larger is not one.
 const REGISTRATION_BYTES_MAX: usize = 4096;
 
 pub struct Admin {
     gate: Arc<Gate>,
+    feed: Arc<Feed>,
+    reconciler: Reconciler,
     metrics: PrometheusHandle,
     /// `Bearer <token>` expected in `Authorization`, when configured.
     bearer: Option<String>,
+    /// The console's cookie value: the token's SHA-256 in hex (a cookie holds it in any
+    /// character set; the token itself never travels back to the browser).
+    session: Option<String>,
     /// Who the listener answers to (`Host`): a page whose name was rebound to this address
     /// (DNS rebinding) gets 421.
     hosts: ServedHosts,
+    /// The console page's `Content-Security-Policy`.
+    page_policy: http::HeaderValue,
+}
+
+/// What a request may do, by what it presents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Access {
+    /// Nothing: probes, the console page and its session only.
+    Anyone,
+    /// The console's cookie: every read.
+    Reader,
+    /// The bearer token (or no token configured): everything.
+    Operator,
 }
 
 /// The `Host` values the admin listener answers to: the address it listens on (any address
@@ -65,7 +101,13 @@ struct Registration {
     token: u64,
 }
 
-type AdminResponse = Response<Full<Bytes>>;
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Session {
+    token: String,
+}
+
+type AdminResponse = Response<UnsyncBoxBody<Bytes, Infallible>>;
 
 /// The token of an `Authorization: Bearer <token>` value (the scheme is case-insensitive).
 fn bearer_token(value: &[u8]) -> Option<&[u8]> {
@@ -74,8 +116,17 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 }
 
 impl Admin {
-    pub fn new(gate: Arc<Gate>, metrics: PrometheusHandle, admin_token: Option<String>, hosts: ServedHosts) -> Self {
-        Self { gate, metrics, bearer: admin_token, hosts }
+    pub fn new(
+        gate: Arc<Gate>,
+        feed: Arc<Feed>,
+        reconciler: Reconciler,
+        metrics: PrometheusHandle,
+        admin_token: Option<String>,
+        hosts: ServedHosts,
+    ) -> Self {
+        let session = admin_token.as_deref().map(session_value);
+        let page_policy = console::content_security_policy().parse().expect("a policy is a header value");
+        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy }
     }
 
     pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
@@ -91,18 +142,28 @@ impl Admin {
                 "this admin listener answers only to the address it listens on (and server.admin_host_names)",
             ));
         }
-        // Probes of liveness and readiness need no token; everything else does, when one is set.
-        let probe = req.method() == Method::GET && matches!(req.uri().path(), "/healthz" | "/readyz");
-        if let Some(expected) = &self.bearer
-            && !probe
-        {
-            let presented = req.headers().get(header::AUTHORIZATION).and_then(|v| bearer_token(v.as_bytes()));
-            if !presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
-                return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", "a valid admin bearer token is required"));
-            }
-        }
+        let access = self.access(req.headers());
         let path = req.uri().path().to_owned();
-        let response = match (req.method(), path.as_str()) {
+        let needs = match (req.method(), path.as_str()) {
+            (&Method::GET, "/" | "/healthz" | "/readyz") | (_, "/v1/session") => Access::Anyone,
+            (&Method::GET | &Method::HEAD, _) => Access::Reader,
+            _ => Access::Operator,
+        };
+        if access < needs {
+            let detail = match access {
+                Access::Reader => "raising a fence takes the admin bearer token (the console's session only reads)",
+                _ => "a valid admin bearer token is required",
+            };
+            return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", detail));
+        }
+        Ok(self.route(req, &path, access).await)
+    }
+
+    async fn route(&self, req: http::Request<Incoming>, path: &str, access: Access) -> AdminResponse {
+        let query = req.uri().query().map(str::to_owned);
+        let query = query.as_deref();
+        match (req.method(), path) {
+            (&Method::GET, "/") => self.page(),
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") => match self.gate.ping().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
@@ -114,20 +175,113 @@ impl Admin {
                     .insert(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8".parse().expect("static"));
                 resp
             }
+            (&Method::POST, "/v1/session") => self.open_session(req).await,
+            (&Method::DELETE, "/v1/session") => self.close_session(),
+            (_, "/v1/session") => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use POST or DELETE"),
+            (&Method::GET, "/v1/status") => views::status(&self.gate, &self.feed, self.bearer.is_some()).await,
+            (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
+            (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
+            (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),
+            (&Method::GET, "/v1/events") => events::watch(&self.feed),
+            (&Method::POST, "/v1/reconcile") => self.reconcile(req).await,
             (method, p) if p.starts_with("/v1/fences/") => {
                 let raw = &p["/v1/fences/".len()..];
                 match decode_resource(raw) {
                     Err(detail) => problem(StatusCode::BAD_REQUEST, "InvalidFencingResource", &detail),
                     Ok(resource) => match *method {
                         Method::GET => self.get_fence(&resource).await,
-                        Method::PUT => self.put_fence(&resource, req.into_body()).await,
+                        Method::PUT if access == Access::Operator => self.put_fence(&resource, req.into_body()).await,
                         _ => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use GET or PUT"),
                     },
                 }
             }
             _ => problem(StatusCode::NOT_FOUND, "NotFound", "no such admin endpoint"),
+        }
+    }
+
+    /// What the request presents: the bearer token, the console's cookie, or nothing. Without
+    /// an admin token configured, everyone is the operator (the listener is then on loopback:
+    /// config refuses another address without a token).
+    fn access(&self, headers: &HeaderMap) -> Access {
+        let (Some(expected), Some(session)) = (&self.bearer, &self.session) else {
+            return Access::Operator;
         };
-        Ok(response)
+        let presented = headers.get(header::AUTHORIZATION).and_then(|v| bearer_token(v.as_bytes()));
+        if presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
+            return Access::Operator;
+        }
+        if session_cookie(headers).is_some_and(|c| constant_time_eq(c.as_bytes(), session.as_bytes())) {
+            return Access::Reader;
+        }
+        Access::Anyone
+    }
+
+    fn page(&self) -> AdminResponse {
+        let mut resp = full(StatusCode::OK, Bytes::from_static(console::PAGE.as_bytes()));
+        let headers = resp.headers_mut();
+        headers.insert(header::CONTENT_TYPE, "text/html; charset=utf-8".parse().expect("static"));
+        headers.insert(header::CONTENT_SECURITY_POLICY, self.page_policy.clone());
+        headers.insert(header::X_CONTENT_TYPE_OPTIONS, "nosniff".parse().expect("static"));
+        headers.insert(header::X_FRAME_OPTIONS, "DENY".parse().expect("static"));
+        headers.insert(header::REFERRER_POLICY, "no-referrer".parse().expect("static"));
+        headers.insert(header::CACHE_CONTROL, "no-store".parse().expect("static"));
+        resp
+    }
+
+    /// `POST /v1/session` `{"token": "..."}`: the console's cookie, for the right token. Only
+    /// JSON is taken: a form of another site cannot send it without the browser asking first.
+    async fn open_session(&self, req: http::Request<Incoming>) -> AdminResponse {
+        let json =
+            req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| {
+                v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+            });
+        if !json {
+            return problem(StatusCode::UNSUPPORTED_MEDIA_TYPE, "UnsupportedMediaType", "send the token as JSON");
+        }
+        let Ok(body) = Limited::new(req.into_body(), REGISTRATION_BYTES_MAX).collect().await else {
+            return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "the body is not a small JSON object");
+        };
+        let Ok(Session { token }) = serde_json::from_slice::<Session>(&body.to_bytes()) else {
+            return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "expected {\"token\": \"<admin token>\"}");
+        };
+        let (Some(expected), Some(session)) = (&self.bearer, &self.session) else {
+            return full(StatusCode::NO_CONTENT, Bytes::new());
+        };
+        if !constant_time_eq(token.as_bytes(), expected.as_bytes()) {
+            return problem(StatusCode::UNAUTHORIZED, "Unauthorized", "that is not the admin token");
+        }
+        with_cookie(format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/"))
+    }
+
+    /// `POST /v1/reconcile` `{"bucket", "prefix", "apply"}`: the scan's events as JSON lines,
+    /// as they come (`s3::reconcile`).
+    async fn reconcile(&self, req: http::Request<Incoming>) -> AdminResponse {
+        let Ok(body) = Limited::new(req.into_body(), REGISTRATION_BYTES_MAX).collect().await else {
+            return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "the body is not a small JSON object");
+        };
+        let job: Job = match serde_json::from_slice(&body.to_bytes()) {
+            Ok(job) => job,
+            Err(e) => {
+                let detail = format!("expected {{\"bucket\": \"...\", \"prefix\": \"...\", \"apply\": false}}: {e}");
+                return problem(StatusCode::BAD_REQUEST, "InvalidRequest", &detail);
+            }
+        };
+        let Some(events) = self.reconciler.start(job) else {
+            return problem(StatusCode::CONFLICT, "ReconcileRunning", "a reconciliation is already running");
+        };
+        let lines = futures_util::stream::unfold(events, |mut events| async move {
+            let event = events.recv().await?;
+            let mut line = serde_json::to_vec(&event).expect("an event serialises");
+            line.push(b'\n');
+            Some((Ok::<_, Infallible>(http_body::Frame::data(Bytes::from(line))), events))
+        });
+        let mut resp = Response::new(http_body_util::StreamBody::new(lines).boxed_unsync());
+        resp.headers_mut().insert(header::CONTENT_TYPE, "application/x-ndjson".parse().expect("static"));
+        resp
+    }
+
+    fn close_session(&self) -> AdminResponse {
+        with_cookie(format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"))
     }
 
     async fn get_fence(&self, resource: &ResourceKey) -> AdminResponse {
@@ -176,27 +330,59 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn text(status: StatusCode, body: &str) -> AdminResponse {
-    let mut resp = Response::new(Full::new(Bytes::from(body.to_owned())));
+/// The console's cookie value for `token`.
+fn session_value(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The value of the console's cookie, if the request carries it.
+fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|pair| pair.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='))
+}
+
+fn with_cookie(cookie: String) -> AdminResponse {
+    let mut resp = full(StatusCode::NO_CONTENT, Bytes::new());
+    if let Ok(value) = cookie.parse() {
+        resp.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    resp.headers_mut().insert(header::CACHE_CONTROL, "no-store".parse().expect("static"));
+    resp
+}
+
+fn full(status: StatusCode, body: Bytes) -> AdminResponse {
+    let mut resp = Response::new(Full::new(body).boxed_unsync());
     *resp.status_mut() = status;
+    resp
+}
+
+fn text(status: StatusCode, body: &str) -> AdminResponse {
+    let mut resp = full(status, Bytes::from(body.to_owned()));
     resp.headers_mut().insert(header::CONTENT_TYPE, "text/plain; charset=utf-8".parse().expect("static"));
     resp
 }
 
 fn fence_json(status: StatusCode, resource: &ResourceKey, token: FenceToken) -> AdminResponse {
     let body = serde_json::json!({ "resource": resource.as_str(), "token": token.0 });
-    json(status, "application/json", &body)
+    json_response(status, &body)
 }
 
 /// An RFC 9457 problem whose `type` ends in `code`.
 fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
-    json(status, crate::net::problem::CONTENT_TYPE, &crate::net::problem::document(status, code, detail))
+    let body = crate::net::problem::document(status, code, detail);
+    let mut resp = full(status, Bytes::from(body.to_string()));
+    resp.headers_mut().insert(header::CONTENT_TYPE, crate::net::problem::CONTENT_TYPE.parse().expect("static"));
+    resp
 }
 
-fn json(status: StatusCode, content_type: &'static str, body: &serde_json::Value) -> AdminResponse {
-    let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, content_type.parse().expect("static"));
+fn json_response(status: StatusCode, body: &serde_json::Value) -> AdminResponse {
+    let mut resp = full(status, Bytes::from(body.to_string()));
+    resp.headers_mut().insert(header::CONTENT_TYPE, "application/json".parse().expect("static"));
+    resp.headers_mut().insert(header::CACHE_CONTROL, "no-store".parse().expect("static"));
     resp
 }
 

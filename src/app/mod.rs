@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 
 use crate::admin::{Admin, ServedHosts};
 use crate::config::{Config, ProbeMode, StoreBackend, StoreKind, ms};
+use crate::feed::Feed;
 use crate::fence::{Gate, GateLimits, InflightBounds, Store};
 use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
@@ -18,6 +19,7 @@ use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
 use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
 
+pub mod reconcile;
 mod router;
 
 use router::Router;
@@ -38,6 +40,8 @@ pub struct App {
     enforcement: Option<Enforcement>,
     /// Wall-clock time of leases and idempotency records.
     clock: Arc<dyn Clock>,
+    /// Every write decision, to whoever watches (`/v1/events`).
+    feed: Arc<Feed>,
 }
 
 /// The listeners' bound addresses.
@@ -87,12 +91,13 @@ impl App {
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
-        let gateway = Arc::new(Gateway::new(&config, gate.clone(), clock.clone())?);
+        let feed = Feed::new(config.store.replica_id.clone().unwrap_or_else(default_replica_id));
+        let gateway = Arc::new(Gateway::new(&config, gate.clone(), clock.clone(), feed.clone())?);
         let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None, clock })
+        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None, clock, feed })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -208,6 +213,7 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let metrics = crate::metrics::install();
+        crate::metrics::register_store(self.gate.store_kind());
         let issuers = Arc::new(crate::lease::credentials::Issuers::from_config(&self.config));
         let leases = Arc::new(LeaseService::new(
             self.gate.clone(),
@@ -216,19 +222,22 @@ impl App {
             self.config.leases.ttl_ms_max,
             issuers.clone(),
         ));
-        let s3_service = crate::s3::service(
+        let (s3_service, reconciler) = crate::s3::service(
             &self.config,
             self.gate.clone(),
             self.upstream.clone(),
             leases,
             issuers,
             self.enforcement,
+            self.feed.clone(),
         )?;
         let router = Arc::new(Router::new(self.gateway.clone(), s3_service));
         let s3_service = service_fn(move |req| router.clone().handle(req));
         let hosts = ServedHosts::new(admin_listener.local_addr()?, self.config.server.admin_host_names.clone());
         let admin = Arc::new(Admin::new(
             self.gate.clone(),
+            self.feed.clone(),
+            reconciler,
             metrics,
             self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
             hosts,
@@ -273,6 +282,8 @@ impl App {
         shutdown.await;
         let stop_by = tokio::time::Instant::now() + shutdown_timeout;
         tracing::info!("shutting down: finishing open requests");
+        // A watcher's feed is an open request that never finishes by itself.
+        self.feed.close();
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
         self.settle_writes(stop_by).await;

@@ -16,7 +16,7 @@ mod write;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN, millis};
 pub use decision::{Decision, decide};
-pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, Permit};
+pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, InflightView, Permit};
 pub use idempotency::{
     AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
     fingerprint,
@@ -25,10 +25,10 @@ pub use lease::{
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, WITHDRAWN_GRANT_TTL_MS, apply_lease,
 };
 pub use store::{
-    AdvanceOutcome, FenceStore, IdempotencyStore, LeaseStore, SharedAdmit, SharedRegistry, Store, StoreError,
-    StoreEvent, UploadStore,
+    AdvanceOutcome, FencePage, FenceStore, IdempotencyStore, LeaseStore, ListingStore, SharedAdmit, SharedRegistry,
+    Store, StoreError, StoreEvent, UploadStore, listing_start,
 };
-pub use timed::{IdempotencyRecords, TimedStore, UploadRecords};
+pub use timed::{IdempotencyRecords, LISTING_TIMEOUT, Listings, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};
 pub use uploads::{UploadPage, UploadRecord};
 pub use write::{FencedWrite, WriteFailure};

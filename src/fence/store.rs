@@ -152,11 +152,51 @@ pub trait UploadStore: Send + Sync + 'static {
     async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError>;
 }
 
+/// A page of fences and where the next one starts (`None`: this was the last).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct FencePage {
+    pub fences: Vec<(ResourceKey, FenceToken)>,
+    /// The last resource of this page, when more may follow: pass it as `after`.
+    pub next: Option<String>,
+}
+
+impl FencePage {
+    /// A page of `limit` from fences read in order, one past the page when more follow.
+    pub fn of(mut fences: Vec<(ResourceKey, FenceToken)>, limit: usize) -> Self {
+        let more = fences.len() > limit;
+        fences.truncate(limit);
+        let next = if more { fences.last().map(|(r, _)| r.as_str().to_owned()) } else { None };
+        Self { fences, next }
+    }
+}
+
+/// Where a listing of `prefix` after `after` starts: `after` (exclusive) when it is past the
+/// prefix's start, else the prefix (inclusive).
+pub fn listing_start<'a>(prefix: &'a str, after: Option<&'a str>) -> std::ops::Bound<&'a str> {
+    match after {
+        Some(after) if after >= prefix => std::ops::Bound::Excluded(after),
+        _ => std::ops::Bound::Included(prefix),
+    }
+}
+
+/// What an operator sees of a store (the admin listener's `/v1/fences` and `/v1/leases`):
+/// reads only, in pages of a bounded size, never on a write's path.
+#[async_trait]
+pub trait ListingStore: Send + Sync + 'static {
+    /// The fences of resources that start with `prefix` and come after `after` (byte order,
+    /// exclusive), in that order, at most `limit` (at least 1).
+    async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError>;
+
+    /// The leases (live or not) of resources that start with `prefix`, in byte order of the
+    /// resource, at most `limit` (at least 1).
+    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError>;
+}
+
 /// A fence store as fencegate opens one: fences, leases, idempotency records and uploads in one
 /// place.
-pub trait Store: FenceStore + LeaseStore + IdempotencyStore + UploadStore {}
+pub trait Store: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore {}
 
-impl<T: FenceStore + LeaseStore + IdempotencyStore + UploadStore> Store for T {}
+impl<T: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore> Store for T {}
 
 /// The answer of a shared store to "may this write go ahead?".
 #[derive(Debug, Clone, PartialEq, Eq)]

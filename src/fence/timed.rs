@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::millis;
 use super::{
-    AdvanceOutcome, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome,
-    LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError, UploadPage, UploadRecord,
+    AdvanceOutcome, FencePage, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
+    LeaseOutcome, LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError, UploadPage, UploadRecord,
 };
 use crate::metrics;
 
@@ -68,6 +68,35 @@ impl TimedStore {
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.call(self.store.ping()).await
     }
+
+    /// The operator's listings, bounded by [`LISTING_TIMEOUT`] rather than the store timeout
+    /// of a write's calls (a page of a Redis store is a walk of its keys), and not counted in
+    /// the store-call metrics, which time writes.
+    pub fn listings(&self) -> Listings {
+        Listings(self.store.clone())
+    }
+}
+
+/// How long a page of a listing may take.
+pub const LISTING_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The store's listings ([`TimedStore::listings`]).
+pub struct Listings(Arc<dyn Store>);
+
+impl Listings {
+    pub async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {
+        bounded(self.0.fences(prefix, after, limit)).await
+    }
+
+    pub async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+        bounded(self.0.leases(prefix, limit)).await
+    }
+}
+
+async fn bounded<T>(call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    tokio::time::timeout(LISTING_TIMEOUT, call)
+        .await
+        .unwrap_or(Err(StoreError::Timeout { after_ms: millis(LISTING_TIMEOUT) }))
 }
 
 /// The API gateway's part of the store: its idempotency records, timed like every store call.

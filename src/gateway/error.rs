@@ -98,6 +98,11 @@ impl GatewayError {
         }
     }
 
+    /// The code its problem's `type` ends in.
+    pub fn code(&self) -> &'static str {
+        self.parts().1
+    }
+
     fn parts(&self) -> (StatusCode, &'static str) {
         use StatusCode as S;
         match self {

@@ -40,6 +40,7 @@ use self::etags::ResourceEtags;
 use self::replay::Collected;
 use self::route::Route;
 use crate::config::{Config, RouteMode, millis, ms};
+use crate::feed::{Decision as FeedDecision, Feed};
 use crate::fence::outcome::detached;
 use crate::fence::{
     AmbiguousCause, Decision, FenceToken, FencedWrite, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
@@ -48,7 +49,7 @@ use crate::fence::{
 use crate::lease::Clock;
 use crate::metrics;
 use crate::net::body::{BodyFailure, ForwardBody};
-use crate::refusal::{Refusal, record_refused, single_token};
+use crate::refusal::{Refusal, single_token};
 
 /// The header carrying the client's request id, and fencegate's key to the API.
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -63,6 +64,8 @@ use crate::net::server::{REQUEST_HOP_HEADERS as HOP_HEADERS, RESPONSE_HOP_HEADER
 pub struct Gateway {
     /// Longest prefix first, so the most specific route takes a path.
     routes: Vec<Route>,
+    /// Where each request's decision is told (`crate::feed`).
+    feed: Arc<Feed>,
     gate: Arc<Gate>,
     /// The idempotency records (`mode = "idempotency-key"`), in the fence store.
     records: IdempotencyRecords,
@@ -81,7 +84,7 @@ pub struct Gateway {
 
 impl Gateway {
     /// Compiles the `[[routes]]`; errors name the key at fault.
-    pub fn new(config: &Config, gate: Arc<Gate>, clock: Arc<dyn Clock>) -> anyhow::Result<Self> {
+    pub fn new(config: &Config, gate: Arc<Gate>, clock: Arc<dyn Clock>, feed: Arc<Feed>) -> anyhow::Result<Self> {
         let connect_timeout = ms(config.upstream.connect_timeout_ms);
         let idle_max = config.upstream.idle_connections_max;
         let pools = config.server.serving_threads();
@@ -103,6 +106,7 @@ impl Gateway {
         routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
         Ok(Self {
             routes,
+            feed,
             records: gate.idempotency_records(),
             gate,
             token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
@@ -145,7 +149,10 @@ impl Gateway {
         let started = Instant::now();
         // Detached: a client that disconnects does not end a write the API may still execute,
         // nor a claimed idempotency record (`fence::outcome`).
-        let result = detached(Box::pin(self.clone().dispatch(ix, req).instrument(span.clone()))).await;
+        let decision = FeedDecision::new(&self.feed, span.clone());
+        decision.operation(operation(req.method()));
+        let dispatched = self.clone().dispatch(ix, req, decision.clone());
+        let result = detached(Box::pin(dispatched.instrument(span.clone()))).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -153,9 +160,10 @@ impl Gateway {
                 resp
             }
             Err(error) => {
-                let decision = error.decision();
+                let (decision_record, decision) = (&decision, error.decision());
                 metrics::gateway_request(mode, error.outcome());
-                record_refused(&span, decision, error.current_fence(), true, decision != "error", &error);
+                let code = error.code();
+                decision_record.refused(decision, code, error.current_fence(), true, &error);
                 error.into_response()
             }
         }
@@ -165,6 +173,7 @@ impl Gateway {
         self: Arc<Self>,
         ix: usize,
         req: http::Request<Incoming>,
+        decision: Arc<FeedDecision>,
     ) -> Result<http::Response<Body>, GatewayError> {
         let (parts, body) = req.into_parts();
         let route = &self.routes[ix];
@@ -177,16 +186,14 @@ impl Gateway {
             if self.require_token {
                 return Err(Refusal::MissingToken.into());
             }
-            metrics::decision("unchecked");
-            tracing::Span::current().record("decision", "unchecked");
+            decision.let_through("unchecked");
             metrics::gateway_request(route.mode_name(), "unchecked");
             let req = self.upstream_request(&parts, uri, limited(body, route.body_bytes_max));
             return self.send_unfenced(route, req, true).await;
         };
         let resource = self.resource(route, &rest, &parts.headers)?;
-        let span = tracing::Span::current();
-        span.record("resource", resource.as_str());
-        span.record("token", token.0);
+        decision.write(&resource, token);
+        let fencing = Fencing { resource: &resource, token, decision: &decision };
         if content_length(&parts.headers).is_some_and(|n| n > route.body_bytes_max as u64) {
             return Err(GatewayError::BodyTooLarge { max: route.body_bytes_max });
         }
@@ -194,12 +201,12 @@ impl Gateway {
             RouteMode::FenceOnly => {
                 let req = self.upstream_request(&parts, uri, Body::empty());
                 let body = limited(body, route.body_bytes_max);
-                let (resp, _permit) = self.send_fenced(route, req, body, &resource, token, false).await?;
+                let (resp, _permit) = self.send_fenced(route, req, body, fencing, false).await?;
                 metrics::gateway_request(route.mode_name(), "forwarded");
                 Ok(client_response(resp))
             }
-            RouteMode::Conditional => self.conditional(route, &parts, uri, body, resource, token).await,
-            RouteMode::IdempotencyKey => self.clone().idempotent(ix, parts, uri, body, resource, token).await,
+            RouteMode::Conditional => self.conditional(route, &parts, uri, body, fencing).await,
+            RouteMode::IdempotencyKey => self.clone().idempotent(ix, parts, uri, body, fencing).await,
         }
     }
 
@@ -233,21 +240,21 @@ impl Gateway {
         parts: &http::request::Parts,
         uri: http::Uri,
         body: Incoming,
-        resource: ResourceKey,
-        token: FenceToken,
+        fencing: Fencing<'_>,
     ) -> Result<http::Response<Body>, GatewayError> {
+        let resource = fencing.resource;
         let req = self.upstream_request(parts, uri, Body::empty());
         let body = limited(body, route.body_bytes_max);
-        let (resp, permit) = self.send_fenced(route, req, body, &resource, token, true).await?;
+        let (resp, permit) = self.send_fenced(route, req, body, fencing, true).await?;
         let status = resp.status();
         if status.is_success() {
             match resp.headers().get(header::ETAG) {
-                Some(etag) if parts.method != Method::DELETE => self.etags.put(resource, etag.clone()),
-                _ => self.etags.forget(&resource),
+                Some(etag) if parts.method != Method::DELETE => self.etags.put(resource.clone(), etag.clone()),
+                _ => self.etags.forget(resource),
             }
             metrics::gateway_request(route.mode_name(), "forwarded");
         } else if status == StatusCode::PRECONDITION_FAILED {
-            self.etags.forget(&resource);
+            self.etags.forget(resource);
             metrics::precondition_conflict("api_refused");
             metrics::gateway_request(route.mode_name(), "precondition_failed");
         } else {
@@ -264,9 +271,9 @@ impl Gateway {
         parts: http::request::Parts,
         uri: http::Uri,
         body: Incoming,
-        resource: ResourceKey,
-        token: FenceToken,
+        fencing: Fencing<'_>,
     ) -> Result<http::Response<Body>, GatewayError> {
+        let Fencing { resource, token, decision } = fencing;
         let route = &self.routes[ix];
         let client_key = client_idempotency_key(&parts.headers)?;
         let now_ms = self.clock.now_ms();
@@ -274,7 +281,7 @@ impl Gateway {
         // A stale token may still be the retry of a request that executed: its record answers
         // for it. Without a record it is refused, before its body is read when the client
         // named its request.
-        let fence = self.gate.fence(&resource).await?;
+        let fence = self.gate.fence(resource).await?;
         let stale = match decide(fence, token) {
             Decision::Stale { current } => Some(current),
             _ => None,
@@ -305,7 +312,7 @@ impl Gateway {
         let key = record_key(request_id);
         if let Some(current) = stale {
             return match self.records.get(&key, now_ms).await? {
-                Some(record) => self.answer_from(route, &record, &fingerprint, now_ms),
+                Some(record) => self.answer_from(route, &record, &fingerprint, now_ms, decision),
                 None => Err(Refusal::Stale { presented: token, current }.into()),
             };
         }
@@ -321,11 +328,13 @@ impl Gateway {
             },
         };
         match self.records.begin(&key, &claim, now_ms).await? {
-            IdempotencyBegin::Existing(record) => return self.answer_from(route, &record, &fingerprint, now_ms),
+            IdempotencyBegin::Existing(record) => {
+                return self.answer_from(route, &record, &fingerprint, now_ms, decision);
+            }
             IdempotencyBegin::Full => return Err(GatewayError::RecordsFull),
             IdempotencyBegin::Claimed => {}
         }
-        let sent = Claimed { key: &key, claim: &claim, resource: &resource, token };
+        let sent = Claimed { key: &key, claim: &claim, fencing };
         self.call_claimed(route, &sent, &parts, uri, body).await
     }
 
@@ -340,8 +349,8 @@ impl Gateway {
         uri: http::Uri,
         body: Bytes,
     ) -> Result<http::Response<Body>, GatewayError> {
-        let Claimed { key, claim, resource, token } = *sent;
-        let write = match self.admit(route, resource, token).await {
+        let Claimed { key, claim, fencing } = *sent;
+        let write = match self.admit(route, fencing).await {
             Ok(write) => write,
             Err(error) => {
                 self.finish(key, claim, None).await;
@@ -415,10 +424,11 @@ impl Gateway {
         record: &IdempotencyRecord,
         fingerprint: &str,
         now_ms: u64,
+        decision: &FeedDecision,
     ) -> Result<http::Response<Body>, GatewayError> {
         let recorded = replay::judge(record, fingerprint, now_ms)?;
         metrics::gateway_request(route.mode_name(), "replayed");
-        tracing::Span::current().record("decision", "replayed");
+        decision.let_through("replayed");
         Ok(replay::replay(recorded))
     }
 
@@ -447,13 +457,12 @@ impl Gateway {
         route: &Route,
         mut req: http::Request<Body>,
         body: Body,
-        resource: &ResourceKey,
-        token: FenceToken,
+        fencing: Fencing<'_>,
         conditional: bool,
     ) -> Result<(http::Response<Incoming>, Arc<Permit>), GatewayError> {
-        let write = self.admit(route, resource, token).await?;
+        let write = self.admit(route, fencing).await?;
         if conditional {
-            let (name, value) = self.etags.precondition(resource);
+            let (name, value) = self.etags.precondition(fencing.resource);
             let headers = req.headers_mut();
             headers.remove(header::IF_MATCH);
             headers.remove(header::IF_NONE_MATCH);
@@ -468,14 +477,10 @@ impl Gateway {
     }
 
     /// Admits a write of `token` on `resource`.
-    async fn admit(
-        &self,
-        route: &Route,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<FencedWrite, GatewayError> {
+    async fn admit(&self, route: &Route, fencing: Fencing<'_>) -> Result<FencedWrite, GatewayError> {
+        let Fencing { resource, token, decision } = fencing;
         let permit = self.gate.admit_write(resource, token, route.writes_advance, None).await?;
-        self.accepted();
+        decision.let_through("accepted");
         Ok(FencedWrite::new(permit, resource.clone(), route.request_timeout, self.inflight_deadline))
     }
 
@@ -542,11 +547,6 @@ impl Gateway {
         result
     }
 
-    fn accepted(&self) {
-        metrics::decision("accepted");
-        tracing::Span::current().record("decision", "accepted");
-    }
-
     /// The client's request with the client's headers, less the hop and fencing headers.
     fn upstream_request(&self, parts: &http::request::Parts, uri: http::Uri, body: Body) -> http::Request<Body> {
         let mut req = http::Request::new(body);
@@ -599,13 +599,20 @@ fn client_idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Gateway
     }
 }
 
+/// What fences a write: the resource, the token presented, and where the decision is told.
+#[derive(Clone, Copy)]
+struct Fencing<'a> {
+    resource: &'a ResourceKey,
+    token: FenceToken,
+    decision: &'a FeedDecision,
+}
+
 /// A write whose idempotency record a request claimed.
 #[derive(Clone, Copy)]
 struct Claimed<'a> {
     key: &'a IdempotencyKey,
     claim: &'a IdempotencyRecord,
-    resource: &'a ResourceKey,
-    token: FenceToken,
+    fencing: Fencing<'a>,
 }
 
 /// How an admitted write's call failed.
@@ -637,6 +644,19 @@ fn limited(body: Incoming, bytes_max: usize) -> Body {
 }
 
 /// The whole client body, up to `bytes_max`.
+/// A route request's operation, as the feed names it: its method.
+fn operation(method: &Method) -> &'static str {
+    match *method {
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        _ => "other",
+    }
+}
+
 async fn read_body(body: Incoming, bytes_max: usize) -> Result<Bytes, GatewayError> {
     match http_body_util::Limited::new(body, bytes_max).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),

@@ -17,6 +17,7 @@ use super::error::FrontError;
 use super::forward::upstream_headers;
 use super::objects::ClientCondition;
 use super::{Admitted, Front, Request, Target};
+use crate::feed::Decision;
 use crate::fence::{AdmitError, FenceToken, FencedWrite, ResourceKey};
 use crate::metrics;
 use crate::refusal::Refusal;
@@ -171,6 +172,7 @@ impl Front {
         request: Request,
         token: FenceToken,
         lease: Option<ResourceKey>,
+        decision: &Decision,
     ) -> Result<S3Response<Body>, FrontError> {
         let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
         let parsed = read(request.body).await?;
@@ -205,13 +207,13 @@ impl Front {
         for (resource, objects) in by_resource {
             match self.gate.admit_write(&resource, token, request.may_advance, request.caller).await {
                 Ok(permit) => {
-                    metrics::decision("accepted");
+                    decision.key_decided(&resource, token, "accepted", None, None);
                     let write = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
                     admitted.extend(objects.into_iter().map(|object| (write.clone(), object)));
                 }
                 Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {
                     let error = FrontError::from(refusal);
-                    metrics::decision(error.decision());
+                    decision.key_decided(&resource, token, error.decision(), Some(error.code()), error.current_fence());
                     for object in &objects {
                         entries.push(error_entry(object, error.code(), &error.to_string()));
                     }

@@ -24,6 +24,7 @@ mod leased;
 mod multipart;
 mod objects;
 mod put;
+pub mod reconcile;
 mod scopes;
 mod service;
 mod signed;
@@ -55,11 +56,12 @@ use self::objects::EtagCache;
 use self::scopes::Scopes;
 use self::uploads::upload_of;
 use crate::config::Config;
+use crate::feed::{Decision, Feed};
 use crate::fence::outcome::detached;
 use crate::fence::{CallerId, FenceToken, FencedWrite, Gate, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
-use crate::refusal::{Refusal, record_refused};
+use crate::refusal::Refusal;
 use crate::upstream::Upstream;
 
 /// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
@@ -68,6 +70,8 @@ const S3_METHODS: &[Method] = &[Method::GET, Method::HEAD, Method::PUT, Method::
 /// The S3 front's state.
 pub struct Front {
     gate: Arc<Gate>,
+    /// Where each request's decision is told (`crate::feed`).
+    feed: Arc<Feed>,
     upstream: Arc<dyn Upstream>,
     wire: WireContract,
     require_token: bool,
@@ -139,7 +143,7 @@ impl Request {
 type Admitted = FencedWrite;
 
 impl Front {
-    fn new(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>) -> anyhow::Result<Self> {
+    fn new(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>, feed: Arc<Feed>) -> anyhow::Result<Self> {
         let wire = WireContract {
             token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
             resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
@@ -174,6 +178,7 @@ impl Front {
                 .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
                 .collect(),
             clock: Arc::new(crate::lease::SystemClock),
+            feed,
         })
     }
 
@@ -211,12 +216,10 @@ impl Front {
         );
         let started = Instant::now();
         let read = matches!(req.method, Method::GET | Method::HEAD);
-        // A field recorded twice shows twice: the decision is recorded once, at admission or
-        // at the refusal, and what failed after admission goes to `error`.
-        let mut decided = false;
+        let decision = Decision::new(&self.feed, span.clone());
         // Boxed: the route's state machine is kilobytes, and this future, the library's and
         // hyper's around it would each hold it inline and copy it at every move.
-        let result = Box::pin(self.route(req, lease, signature, &mut decided)).instrument(span.clone()).await;
+        let result = Box::pin(self.route(req, lease, signature, &decision)).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -231,14 +234,14 @@ impl Front {
                     metrics::lease_read_refused();
                 }
                 span.record("error", error.code());
-                record_refused(&span, error.decision(), error.current_fence(), !lease_read, !decided, &error);
+                decision.refused(error.decision(), error.code(), error.current_fence(), !lease_read, &error);
                 // Rendered here rather than returned as an error, which s3s would log again.
                 Ok(client_response(error.into_response(request_id.text().as_str())))
             }
         }
     }
 
-    /// `decided`: set once the span's `decision` is recorded (admitted or unchecked).
+    /// `decision`: the request's, recorded once (`crate::feed`).
     ///
     /// Everything up to admission runs on the client's connection: a client that goes away
     /// then ends it, and nothing was admitted. Admission and the write after it run detached
@@ -249,7 +252,7 @@ impl Front {
         req: S3Request<Body>,
         lease: Option<Claims>,
         signature: signed::Signature,
-        decided: &mut bool,
+        decision: &Arc<Decision>,
     ) -> Result<S3Response<Body>, FrontError> {
         if !S3_METHODS.contains(&req.method) {
             // A method S3 does not know (`put`, `Put`, `PATCH`...) is refused, never forwarded
@@ -271,11 +274,14 @@ impl Front {
             scopes.check(&req.method, &target, req.uri.query(), &req.headers)?;
         }
         let op = classify(&req.method, &target, req.uri.query(), &req.headers);
-        tracing::Span::current().record("op", op.name());
+        decision.operation(op.name());
+        if let Some(credentials) = &req.credentials {
+            decision.who(&credentials.access_key);
+        }
         if op == Op::AbortMultipartUpload
             && let Some(signer) = signer
             && let Some(resp) =
-                self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers).await?
+                self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers, decision).await?
         {
             return Ok(resp);
         }
@@ -303,12 +309,10 @@ impl Front {
             if self.require_token {
                 return Err(Refusal::MissingToken.into());
             }
-            metrics::decision("unchecked");
-            tracing::Span::current().record("decision", "unchecked");
-            *decided = true;
+            decision.let_through("unchecked");
             return self.pass_through(request).await;
         };
-        self.route_write(op, request, token, lease.map(|l| l.resource), decided).await
+        self.route_write(op, request, token, lease.map(|l| l.resource), decision).await
     }
 
     /// The request as the front carries it on: its body bounded by `server.body_bytes_max`.
@@ -353,11 +357,11 @@ impl Front {
         request: Request,
         token: FenceToken,
         lease: Option<ResourceKey>,
-        decided: &mut bool,
+        decision: &Arc<Decision>,
     ) -> Result<S3Response<Body>, FrontError> {
         if op == Op::DeleteObjects {
-            let front = Arc::clone(&self);
-            let deletes = async move { front.delete_objects(request, token, lease).await };
+            let (front, decision) = (Arc::clone(&self), decision.clone());
+            let deletes = async move { front.delete_objects(request, token, lease, &decision).await };
             return detached(Box::pin(deletes.instrument(tracing::Span::current()))).await;
         }
         // A fenced multipart step: its upload must be the key's (an unchecked one, without a
@@ -379,24 +383,17 @@ impl Front {
         if op == Op::CompleteMultipartUpload {
             self.read_parts_list(&mut request, &resource, token).await?;
         }
-        let span = tracing::Span::current();
-        span.record("resource", resource.as_str());
-        span.record("token", token.0);
+        decision.write(&resource, token);
         if op == Op::CopyObject && copies_onto_itself_unchanged(&request.target, &request.headers) {
             // fencegate's stamp would make it a change; S3 refuses it, and so does fencegate.
             return Err(FrontError::SelfCopyUnchanged);
         }
         // A token below the fence this replica knows is refused here, without a task.
         self.gate.refuse_known_stale(&resource, token)?;
-        let front = Arc::clone(&self);
-        let write = async move {
-            let mut admitted_now = false;
-            let result = front.admit_and_write(op, request, resource, token, &mut admitted_now).await;
-            (result, admitted_now)
-        };
-        let (result, admitted_now) = detached(Box::pin(write.instrument(span))).await;
-        *decided |= admitted_now;
-        result
+        let (front, decision) = (Arc::clone(&self), decision.clone());
+        let span = decision.span().clone();
+        let write = async move { front.admit_and_write(op, request, resource, token, &decision).await };
+        detached(Box::pin(write.instrument(span))).await
     }
 
     /// A CompleteMultipartUpload's parts list, read before admission: a client that sends it
@@ -422,20 +419,17 @@ impl Front {
         Ok(())
     }
 
-    /// Admission and the write it admits (detached: see [`Front::route`]). `admitted` is set
-    /// once the span's `decision` is recorded.
+    /// Admission and the write it admits (detached: see [`Front::route`]).
     async fn admit_and_write(
         &self,
         op: Op,
         request: Request,
         resource: ResourceKey,
         token: FenceToken,
-        admitted: &mut bool,
+        decision: &Decision,
     ) -> Result<S3Response<Body>, FrontError> {
         let permit = self.gate.admit_write(&resource, token, request.may_advance, request.caller).await?;
-        metrics::decision("accepted");
-        tracing::Span::current().record("decision", "accepted");
-        *admitted = true;
+        decision.let_through("accepted");
         let admitted = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
         if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload) {
             self.take_over_upload(&request, &admitted).await?;

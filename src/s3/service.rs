@@ -11,9 +11,11 @@ use s3s::service::S3ServiceBuilder;
 use s3s::{Body, S3Request, S3Response, S3Result};
 
 use super::auth::{self, Service};
+use super::reconcile::Reconciler;
 use super::signed::Signature;
 use super::{Front, FrontError, lean};
 use crate::config::Config;
+use crate::feed::Feed;
 use crate::fence::Gate;
 use crate::lease::LeaseService;
 use crate::lease::credentials::{ACCESS_KEY_PREFIX, Issuers};
@@ -28,10 +30,11 @@ pub fn service(
     leases: Arc<LeaseService>,
     issuers: Arc<Issuers>,
     enforcement: Option<Enforcement>,
-) -> anyhow::Result<Service> {
+    feed: Arc<Feed>,
+) -> anyhow::Result<(Service, Reconciler)> {
     let fixed: std::collections::HashMap<String, String> =
         config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect();
-    let mut front = Front::new(config, gate, upstream)?;
+    let mut front = Front::new(config, gate, upstream, feed)?;
     front.clock = leases.clock();
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
@@ -59,7 +62,10 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    Ok(auth::Service { inner: builder.build(), lean, front: route_front, region: config.upstream.region.clone() })
+    let reconciler = Reconciler::new(route_front.clone());
+    let service =
+        auth::Service { inner: builder.build(), lean, front: route_front, region: config.upstream.region.clone() };
+    Ok((service, reconciler))
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;

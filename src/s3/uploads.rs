@@ -18,6 +18,7 @@ use s3s::{Body, S3Response};
 use super::error::FrontError;
 use super::forward::{XML_RESPONSE_BYTES_MAX, client_response};
 use super::{Admitted, Front, Request, Target};
+use crate::feed::Decision;
 use crate::fence::{FenceToken, ResourceKey, StoreError, UploadRecord};
 use crate::lease::credentials::Claims;
 use crate::metrics;
@@ -84,6 +85,7 @@ impl Front {
         lease: Option<&Claims>,
         signer: &str,
         headers: &HeaderMap,
+        decision: &Decision,
     ) -> Result<Option<S3Response<Body>>, FrontError> {
         let (Some(bucket), Some(key), Some(upload_id)) = (&target.bucket, &target.key, upload_id_of(query)) else {
             return Ok(None);
@@ -104,10 +106,8 @@ impl Front {
             return Ok(None);
         };
         let stale = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?.is_some_and(|f| f > token);
-        let span = tracing::Span::current();
-        span.record("resource", resource.as_str());
-        span.record("token", token.0);
-        span.record("decision", "own_upload_aborted");
+        decision.write(&resource, token);
+        decision.let_through("own_upload_aborted");
         let resp = self.abort_upload(&record, "abort_own_upload").await?;
         if stale && resp.status().is_success() {
             metrics::stale_upload_aborted("creator");
@@ -135,7 +135,11 @@ impl Front {
 
     /// Sends AbortMultipartUpload for `record`'s upload, and forgets the record once the
     /// upstream has no such upload (aborted now, or before: 404).
-    async fn abort_upload(&self, record: &UploadRecord, op: &'static str) -> Result<http::Response<Body>, FrontError> {
+    pub(super) async fn abort_upload(
+        &self,
+        record: &UploadRecord,
+        op: &'static str,
+    ) -> Result<http::Response<Body>, FrontError> {
         let query = form_urlencoded::Serializer::new(String::new()).append_pair("uploadId", &record.upload_id).finish();
         let path = format!("{}?{query}", record.path);
         let resp = self.send(op, Method::DELETE, &path, HeaderMap::new(), Body::empty()).await?;
@@ -243,18 +247,29 @@ impl Front {
             return;
         }
         sweep.verified.insert(name, Instant::now());
+        match self.upload_exists(record).await {
+            Ok(false) => {
+                tracing::info!(upload_id = %record.upload_id, "the upstream no longer has a recorded upload: forgotten");
+                self.forget_upload(&record.bucket, &record.upload_id).await;
+            }
+            Ok(true) => {}
+            Err(error) => tracing::debug!(%error, upload_id = %record.upload_id, "checking a recorded upload failed"),
+        }
+    }
+
+    /// Whether the upstream still has a recorded upload (a ListParts of one part: 404 when it
+    /// was completed or aborted).
+    pub(super) async fn upload_exists(&self, record: &UploadRecord) -> Result<bool, String> {
         let query = form_urlencoded::Serializer::new(String::new())
             .append_pair("max-parts", "1")
             .append_pair("uploadId", &record.upload_id)
             .finish();
         let path = format!("{}?{query}", record.path);
         match self.send("verify_upload", Method::GET, &path, HeaderMap::new(), Body::empty()).await {
-            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => {
-                tracing::info!(upload_id = %record.upload_id, "the upstream no longer has a recorded upload: forgotten");
-                self.forget_upload(&record.bucket, &record.upload_id).await;
-            }
-            Ok(_) => {}
-            Err(error) => tracing::debug!(%error, upload_id = %record.upload_id, "checking a recorded upload failed"),
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => Ok(false),
+            Ok(resp) if resp.status().is_success() => Ok(true),
+            Ok(resp) => Err(format!("ListParts of upload {} answered {}", record.upload_id, resp.status())),
+            Err(error) => Err(format!("ListParts of upload {}: {error}", record.upload_id)),
         }
     }
 }

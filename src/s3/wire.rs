@@ -36,6 +36,15 @@ impl WireContract {
 
     /// The resource a write to `bucket/key` belongs to: the rule that binds the key (a
     /// disagreeing header is refused), else the header, else the object itself.
+    /// The resource the most specific rule binds `bucket`/`key` to, if one does.
+    pub fn rule_resource(&self, bucket: &str, key: &str) -> Option<&str> {
+        self.rules
+            .iter()
+            .filter(|r| r.bucket == bucket && key.starts_with(&r.prefix))
+            .max_by_key(|r| r.prefix.len())
+            .map(|r| r.resource.as_str())
+    }
+
     pub fn resource(&self, headers: &HeaderMap, bucket: &str, key: &str) -> Result<ResourceKey, FrontError> {
         let presented = match headers.get(&self.resource_header) {
             Some(v) => Some(
@@ -43,16 +52,11 @@ impl WireContract {
             ),
             None => None,
         };
-        let rule = self
-            .rules
-            .iter()
-            .filter(|r| r.bucket == bucket && key.starts_with(&r.prefix))
-            .max_by_key(|r| r.prefix.len());
-        let name = match (rule, presented) {
-            (Some(rule), Some(p)) if p != rule.resource => {
-                return Err(Refusal::ResourceMismatch { bound: rule.resource.clone(), presented: p.to_owned() }.into());
+        let name = match (self.rule_resource(bucket, key), presented) {
+            (Some(bound), Some(p)) if p != bound => {
+                return Err(Refusal::ResourceMismatch { bound: bound.to_owned(), presented: p.to_owned() }.into());
             }
-            (Some(rule), _) => rule.resource.clone(),
+            (Some(bound), _) => bound.to_owned(),
             (None, Some(p)) => p.to_owned(),
             (None, None) => {
                 let mut name = String::with_capacity(bucket.len() + 1 + key.len());

@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
-    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, UploadPage, UploadRecord,
-    UploadStore, apply_lease,
+    AdvanceOutcome, FencePage, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
+    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ListingStore, ResourceKey,
+    StoreError, UploadPage, UploadRecord, UploadStore, apply_lease, listing_start,
 };
 
 #[derive(Default)]
@@ -177,5 +177,43 @@ impl UploadStore for MemoryStore {
             uploads.range(from..).take(limit.max(1) + 1).map(|(_, r)| r.clone()).collect();
         let next = (records.len() > limit.max(1)).then(|| records.pop().expect("one past the page").storage_name());
         Ok(UploadPage { records, next })
+    }
+}
+
+#[async_trait]
+impl ListingStore for MemoryStore {
+    async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {
+        self.check()?;
+        let limit = limit.max(1);
+        let fences = self.fences.lock().expect("memory store lock");
+        let start = listing_start(prefix, after);
+        let mut page: Vec<(ResourceKey, FenceToken)> = fences
+            .iter()
+            .filter(|(r, _)| {
+                let r = r.as_str();
+                r.starts_with(prefix)
+                    && match start {
+                        std::ops::Bound::Excluded(after) => r > after,
+                        _ => true,
+                    }
+            })
+            .map(|(r, t)| (r.clone(), *t))
+            .collect();
+        page.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        page.truncate(limit + 1);
+        Ok(FencePage::of(page, limit))
+    }
+
+    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+        self.check()?;
+        let leases = self.leases.lock().expect("memory store lock");
+        let mut out: Vec<(ResourceKey, LeaseRecord)> = leases
+            .iter()
+            .filter(|(r, _)| r.as_str().starts_with(prefix))
+            .map(|(r, l)| (r.clone(), l.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        out.truncate(limit.max(1));
+        Ok(out)
     }
 }

@@ -253,6 +253,21 @@ def test_operations_register_a_token(start, tmp_path):
     assert fence(fg, "job:invoices") == 13
 
 
+@runs("docs/operations.md", "reconcile")
+def test_operations_reconcile_a_bucket(start, tmp_path):
+    """The reconcile example scans a bucket written through fencegate and finds nothing (exit
+    0). The command reads the config file, so it is pointed at the test instance's admin
+    listener by an override, as any would be."""
+    fg = start()
+    s3 = fg.client(token=3)
+    s3.create_bucket(Bucket="bkt1")
+    s3.put_object(Bucket="bkt1", Key="reports/a.csv", Body=b"a")
+    code = block("docs/operations.md", "reconcile").code.replace("config/fencegate.toml", str(SHIPPED_CONFIG))
+    env = {"FENCEGATE_SERVER__ADMIN_LISTEN": "%s:%d" % fg.admin_addr, "PATH": f"{bin_path().parent}:{os.environ['PATH']}"}
+    r = ok(run_sh(code, tmp_path, env))
+    assert "0 found in 0 uploads and 1 objects" in r.stdout, r.stdout
+
+
 def replicas_file(directory: Path, text: str | None = None) -> Path:
     path = directory / "replicas.toml"
     path.write_text(text if text is not None else block("docs/operations.md", "redis-replicas").code)

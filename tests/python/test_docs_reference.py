@@ -262,6 +262,8 @@ ERROR_SOURCES = {
     "src/net/problem.rs": False,  # the problem+json document; its codes come from its callers
     "src/lease/mod.rs": True,  # leases and registrations on the S3 listener
     "src/admin/mod.rs": True,  # the admin API
+    "src/admin/views.rs": True,  # the operator's listings
+    "src/admin/events.rs": True,  # the feed of decisions
 }
 
 # A code is a string literal of one capitalised word (`"FencingTokenStale"`, `"SlowDown"`) that

@@ -7,8 +7,10 @@ are 400 before anything is sent, never 502 or an ambiguous outcome.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+from pathlib import Path
 
 import pytest
 from botocore.exceptions import ClientError
@@ -114,3 +116,38 @@ def test_a_write_failing_after_admission_logs_one_decision(fg, bucket):
     line = refused[-1]
     assert line.count("decision=") == 1, line
     assert 'decision="accepted"' in line and 'error="IncompleteBody"' in line, line
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def documented_counters() -> set:
+    """Every counter docs/operations.md ("Metrics and logs") and the README name."""
+    text = (DOCS / "operations.md").read_text() + (DOCS.parent / "README.md").read_text()
+    return set(re.findall(r"\bfencegate_[a-z_]+_total\b", text))
+
+
+def test_every_documented_counter_exists_at_zero_from_start_up(fg):
+    """A counter that appears only once it moved cannot be told from a missing scrape: every
+    counter the docs name is there, at 0, before the first request."""
+    samples = metric_samples(fg)
+    names = {name for name, _ in samples}
+    counters = documented_counters()
+    assert len(counters) >= 15, counters
+    assert counters <= names, f"missing from a fresh /metrics: {sorted(counters - names)}"
+    assert all(value == 0 for (name, _), value in samples.items() if name in counters)
+
+
+def test_every_metric_of_the_dashboard_is_exported(fg, bucket):
+    """docs/grafana-dashboard.json reads only metrics fencegate exports (after one write and
+    one stale write, which every histogram it reads has then observed)."""
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    read = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"\bfencegate_[a-z_]+\b", e)}
+    assert len(read) >= 15, read
+    fg.client(token=5).put_object(Bucket=bucket, Key="k", Body=b"x")
+    with pytest.raises(ClientError):
+        fg.client(token=4).put_object(Bucket=bucket, Key="k", Body=b"stale")
+    exported = {name for name, _ in metric_samples(fg)}
+    exported |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
+    assert read <= exported, f"the dashboard reads what /metrics does not have: {sorted(read - exported)}"

@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::millis;
 use super::{
-    AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey,
-    SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
+    AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, Listings,
+    ResourceKey, SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
 };
 use crate::metrics;
 
@@ -117,6 +117,8 @@ struct SlotState {
     /// `None` until loaded from the store.
     fence: Option<Option<FenceToken>>,
     inflight: Vec<Inflight>,
+    /// Admissions of a newer token waiting for older writes in flight to finish.
+    waiting: usize,
     /// When this replica last asked a shared store to come back up to its mark without an
     /// admission (a refusal from the mark, an announcement below it): at most once per
     /// [`REPAIR_EVERY`].
@@ -130,6 +132,8 @@ const REPAIR_EVERY: Duration = Duration::from_secs(1);
 struct Inflight {
     id: u64,
     token: FenceToken,
+    /// When it was admitted, for the operator's view of writes in flight.
+    since: Instant,
     caller: Option<CallerId>,
     cancel: CancellationToken,
     /// Set once the whole body was handed to the upstream: from then on the write can only be
@@ -137,6 +141,34 @@ struct Inflight {
     body_sent: Arc<AtomicBool>,
     /// Why the write was cut off, once it is ([`CutOff`] as a number, 0 for none).
     cut_off: Arc<AtomicU8>,
+}
+
+/// One resource's writes in flight on this replica ([`Gate::inflight`]).
+#[derive(Debug, Clone)]
+pub struct InflightView {
+    pub resource: ResourceKey,
+    /// The tokens of its writes in flight, in admission order.
+    pub tokens: Vec<FenceToken>,
+    /// How long the oldest of them has been in flight.
+    pub oldest: Duration,
+    /// Whether an admission of a newer token waits for them.
+    pub newer_waiting: bool,
+}
+
+/// Counts an admission waiting for older writes while it lives.
+struct Waiting<'a>(&'a Slot);
+
+impl<'a> Waiting<'a> {
+    fn on(slot: &'a Slot) -> Self {
+        slot.state().waiting += 1;
+        Self(slot)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.state().waiting -= 1;
+    }
 }
 
 /// Why an admitted write was cut off before its whole body reached the upstream.
@@ -236,6 +268,44 @@ impl Gate {
     pub fn inflight_writes(&self) -> usize {
         let slots: Vec<Arc<Slot>> = self.slots.lock().expect("gate map lock poisoned").values().cloned().collect();
         slots.iter().map(|slot| slot.state().inflight.len()).sum()
+    }
+
+    /// This replica's writes in flight, per resource (at most `max` resources): for the
+    /// operator (`/v1/inflight`), never on a write's path.
+    pub fn inflight(&self, max: usize) -> Vec<InflightView> {
+        let slots: Vec<(ResourceKey, Arc<Slot>)> = {
+            let map = self.slots.lock().expect("gate map lock poisoned");
+            map.iter().map(|(r, slot)| (r.clone(), slot.clone())).collect()
+        };
+        let now = Instant::now();
+        let mut views = Vec::new();
+        for (resource, slot) in slots {
+            let state = slot.state();
+            if state.inflight.is_empty() && state.waiting == 0 {
+                continue;
+            }
+            views.push(InflightView {
+                resource,
+                tokens: state.inflight.iter().map(|w| w.token).collect(),
+                oldest: state.inflight.iter().map(|w| now - w.since).max().unwrap_or_default(),
+                newer_waiting: state.waiting > 0,
+            });
+            if views.len() == max {
+                break;
+            }
+        }
+        views.sort_by_key(|view| std::cmp::Reverse(view.oldest));
+        views
+    }
+
+    /// The store's listings, for the operator.
+    pub fn listings(&self) -> Listings {
+        self.store.listings()
+    }
+
+    /// The kind of the fence store (`embedded`, `redis`, `etcd`).
+    pub fn store_kind(&self) -> &'static str {
+        self.store.kind()
     }
 
     /// Whether the fence store is shared by several replicas.
@@ -384,6 +454,7 @@ impl Gate {
                 Step::Load => self.load(slot, resource).await?,
                 Step::Advance => self.advance_store(slot, resource, token).await?,
                 Step::WaitForOlder => {
+                    let _waiting = Waiting::on(slot);
                     let wait_started = Instant::now();
                     let woken = slot.wait_until(deadline, |state| !state.has_older(token)).await;
                     metrics::drain_wait(wait_started.elapsed());
@@ -429,6 +500,7 @@ impl Gate {
         state.inflight.push(Inflight {
             id,
             token,
+            since: Instant::now(),
             caller,
             cancel: cancel.clone(),
             body_sent: body_sent.clone(),

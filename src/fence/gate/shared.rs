@@ -34,6 +34,7 @@ impl Gate {
             None => None,
         };
         let mut backoff = Duration::from_millis(1);
+        let mut waiting = None;
         loop {
             let floor = slot.state().fence.flatten();
             // On an error the store withdraws what the call may have registered.
@@ -65,6 +66,7 @@ impl Gate {
                     if Instant::now() >= deadline {
                         return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
                     }
+                    waiting.get_or_insert_with(|| Waiting::on(slot));
                     tokio::time::sleep(backoff.min(deadline - Instant::now())).await;
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                     metrics::drain_wait(started.elapsed());

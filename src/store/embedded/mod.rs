@@ -714,5 +714,7 @@ fn decode(json: &[u8]) -> Result<IdempotencyRecord, StoreError> {
     serde_json::from_slice(json).map_err(|e| StoreError::Backend(Box::new(e)))
 }
 
+mod listing;
+
 #[cfg(test)]
 mod tests;

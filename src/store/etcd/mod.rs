@@ -45,6 +45,7 @@ use crate::fence::{
 };
 use crate::metrics;
 
+mod listing;
 mod records;
 
 const FENCES: &str = "fg/f/";

@@ -23,6 +23,11 @@ pub(super) struct Connection {
 }
 
 impl Connection {
+    /// Whether this is a Redis Cluster's connection (a `SCAN` there sees one node only).
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.shared, Link::Cluster(_))
+    }
+
     /// Runs `call` on the thread's own connection or the shared one. A broken connection (an
     /// error on which the client library reconnects), own or shared, most likely means that
     /// Redis restarted or failed over: every thread then forgets its own connection, which is

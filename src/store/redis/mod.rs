@@ -47,6 +47,7 @@ use crate::metrics;
 mod links;
 use links::*;
 
+mod listing;
 mod records;
 
 /// The channel advances are announced on.

@@ -1,0 +1,152 @@
+//! `fencegate reconcile`: asks a running fencegate (its admin listener, as the config names
+//! it) to compare its upstream with its fences (`POST /v1/reconcile`, `s3::reconcile`), shows
+//! what it finds as it finds it, and exits non-zero when it found anything, so that cron and
+//! CI can run it.
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use anyhow::Context;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+
+use crate::config::Config;
+
+/// What the command was asked.
+pub struct Ask {
+    pub bucket: String,
+    pub prefix: String,
+    pub apply: bool,
+    /// JSON lines on stdout (one per finding, then the summary) instead of a table.
+    pub json: bool,
+}
+
+/// How a reconciliation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Clean,
+    Found,
+}
+
+/// Runs one reconciliation against the fencegate `config` describes.
+pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
+    let admin = reachable(config.server.admin_listen);
+    let stream = tokio::net::TcpStream::connect(admin).await.with_context(|| {
+        format!("cannot reach fencegate's admin listener at {admin} (server.admin_listen): is it running?")
+    })?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": ask.apply });
+    let mut req = http::Request::post("/v1/reconcile")
+        .header(http::header::HOST, admin.to_string())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    if let Some(token) = &config.server.admin_token {
+        let value = http::HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+            .context("server.admin_token is not a header value")?;
+        req.headers_mut().insert(http::header::AUTHORIZATION, value);
+    }
+    let resp = sender.send_request(req).await.context("the reconcile request failed")?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        let text = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let detail: Value = serde_json::from_slice(&text).unwrap_or(Value::Null);
+        anyhow::bail!("fencegate answered {status}: {}", detail["detail"].as_str().unwrap_or("(no detail)"));
+    }
+    let mut out = Output::new(ask.json);
+    let mut pending = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.context("the reconcile answer broke off")?.into_data() else { continue };
+        pending.extend_from_slice(&data);
+        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let event: Value = serde_json::from_slice(&line).context("fencegate sent a line that is not JSON")?;
+            if let Some(outcome) = out.event(&event)? {
+                return Ok(outcome);
+            }
+        }
+    }
+    anyhow::bail!("the reconcile answer ended before its summary")
+}
+
+/// The admin listener as a client reaches it: an unspecified address is this host's loopback.
+fn reachable(listen: SocketAddr) -> SocketAddr {
+    match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen.port()),
+        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(Ipv6Addr::LOCALHOST.into(), listen.port()),
+        _ => listen,
+    }
+}
+
+/// Findings as a table for people or JSON lines for scripts; progress on stderr.
+struct Output {
+    json: bool,
+    header_shown: bool,
+}
+
+impl Output {
+    fn new(json: bool) -> Self {
+        Self { json, header_shown: false }
+    }
+
+    /// Shows one event; the outcome once the scan ended.
+    fn event(&mut self, event: &Value) -> anyhow::Result<Option<Outcome>> {
+        let mut stdout = std::io::stdout().lock();
+        match event["event"].as_str() {
+            Some("progress") => {
+                eprintln!("scanned {} uploads, {} objects", event["uploads"], event["objects"]);
+            }
+            Some("finding") if self.json => writeln!(stdout, "{event}")?,
+            Some("finding") => {
+                if !self.header_shown {
+                    writeln!(
+                        stdout,
+                        "{:<20} {:<40} {:<30} {:>8} {:>8}  ACTION",
+                        "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE"
+                    )?;
+                    self.header_shown = true;
+                }
+                let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
+                let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
+                writeln!(
+                    stdout,
+                    "{:<20} {:<40} {:<30} {:>8} {:>8}  {}",
+                    event["kind"].as_str().unwrap_or("?"),
+                    event["key"].as_str().unwrap_or(""),
+                    event["resource"].as_str().unwrap_or(""),
+                    show(token),
+                    show(event["fence"].as_u64()),
+                    action(&event["action"]),
+                )?;
+            }
+            Some("done") => {
+                let findings = event["findings"].as_u64().unwrap_or(0);
+                if self.json {
+                    writeln!(stdout, "{event}")?;
+                } else {
+                    writeln!(
+                        stdout,
+                        "{findings} found in {} uploads and {} objects; {} applied; {} objects of unknown resource",
+                        event["uploads"], event["objects"], event["applied"], event["unattributed"]
+                    )?;
+                }
+                return Ok(Some(if findings == 0 { Outcome::Clean } else { Outcome::Found }));
+            }
+            Some("failed") => anyhow::bail!("the reconciliation failed: {}", event["error"].as_str().unwrap_or("?")),
+            _ => {}
+        }
+        Ok(None)
+    }
+}
+
+fn action(value: &Value) -> String {
+    match value {
+        Value::String(s) if s == "none" => "-".into(),
+        Value::String(s) => s.clone(),
+        Value::Object(o) => o.get("failed").and_then(Value::as_str).map_or("failed".into(), |e| format!("failed: {e}")),
+        _ => "-".into(),
+    }
+}

@@ -1,0 +1,506 @@
+//! Every write decision, recorded once per request ([`Decision`]): the request span's
+//! `decision` field, the `fencegate_decisions_total` counter, and, while an operator watches,
+//! an event on the feed ([`Feed`], `GET /v1/events` on the admin listener).
+//!
+//! The feed costs a write nothing while nobody watches (one atomic load). A watcher that reads
+//! slower than decisions are made loses accepted events, counted and told (`dropped`), never a
+//! refusal: past [`REFUSALS_QUEUED_MAX`] refusals unread, its feed ends with `overflow` rather
+//! than skip one.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use crate::fence::{FenceToken, ResourceKey};
+
+/// Accepted events kept for a watcher that has not read them; beyond, they are dropped and
+/// counted.
+pub const ACCEPTED_QUEUED_MAX: usize = 256;
+
+/// Refusals kept for a watcher that has not read them; beyond, its feed ends (`overflow`).
+pub const REFUSALS_QUEUED_MAX: usize = 10_000;
+
+/// Watchers at once at most; one more is refused (the admin listener answers 503).
+pub const WATCHERS_MAX: usize = 16;
+
+/// One decision as the feed tells it. Nothing secret: the caller is named by its access key
+/// id, never by a secret or a route caller's credentials.
+#[derive(Debug, Clone, Serialize)]
+pub struct DecisionEvent<'a> {
+    pub time_ms: u64,
+    pub replica: &'a str,
+    pub operation: &'static str,
+    pub resource: Option<&'a str>,
+    /// The token presented, if any.
+    pub token: Option<u64>,
+    /// The resource's fence, when the decision named it (a refusal as stale).
+    pub fence: Option<u64>,
+    /// `accepted` or `refused`.
+    pub decision: &'static str,
+    /// What kind: `accepted`, `unchecked`, `replayed`, `stale`, `unregistered`, ...
+    pub detail: &'static str,
+    /// The refusal's code (`FencingTokenStale`, ...); `None` when accepted.
+    pub code: Option<&'static str>,
+    pub who: Option<&'a str>,
+}
+
+impl DecisionEvent<'_> {
+    fn is_refusal(&self) -> bool {
+        self.decision == "refused"
+    }
+}
+
+/// What a watcher reads next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeedItem {
+    /// A decision, as JSON.
+    Decision(Arc<str>),
+    /// Accepted events dropped since the last item, because the watcher read too slowly.
+    Dropped(u64),
+    /// The watcher fell [`REFUSALS_QUEUED_MAX`] refusals behind: its feed ends here.
+    Overflow,
+}
+
+/// The decisions of this replica, to whoever watches.
+pub struct Feed {
+    replica: Arc<str>,
+    watchers: Mutex<Vec<Arc<Watcher>>>,
+    /// `watchers.len()`, read without the lock on every decision.
+    watched: AtomicUsize,
+    closed: AtomicBool,
+}
+
+#[derive(Default)]
+struct Watcher {
+    queue: Mutex<Queue>,
+    ready: Notify,
+}
+
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<(bool, Arc<str>)>,
+    accepted: usize,
+    refusals: usize,
+    dropped: u64,
+    /// Why the feed ends, once it does: the rest is read first, then this.
+    ended: Option<End>,
+    /// The end was read: nothing follows.
+    finished: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// The watcher fell behind by too many refusals.
+    Overflow,
+    /// fencegate is stopping.
+    Closed,
+}
+
+impl Feed {
+    pub fn new(replica: impl Into<Arc<str>>) -> Arc<Self> {
+        Arc::new(Self {
+            replica: replica.into(),
+            watchers: Mutex::new(Vec::new()),
+            watched: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn replica(&self) -> &Arc<str> {
+        &self.replica
+    }
+
+    /// Whether anyone watches (decisions are then worth describing).
+    pub fn watched(&self) -> bool {
+        self.watched.load(Ordering::Relaxed) > 0
+    }
+
+    /// A new watcher, or `None` when [`WATCHERS_MAX`] already watch or the feed closed.
+    pub fn watch(self: &Arc<Self>) -> Option<Watch> {
+        let mut watchers = self.watchers.lock().expect("feed lock");
+        if watchers.len() >= WATCHERS_MAX || self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let watcher = Arc::new(Watcher::default());
+        watchers.push(watcher.clone());
+        self.watched.store(watchers.len(), Ordering::Relaxed);
+        Some(Watch { feed: self.clone(), watcher })
+    }
+
+    /// Ends every watcher's feed (at shutdown: an open feed would hold the admin listener's
+    /// drain for its whole budget).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for watcher in self.watchers.lock().expect("feed lock").drain(..) {
+            watcher.end(End::Closed);
+        }
+        self.watched.store(0, Ordering::Relaxed);
+    }
+
+    fn publish(&self, event: &DecisionEvent) {
+        let watchers: Vec<Arc<Watcher>> = self.watchers.lock().expect("feed lock").clone();
+        if watchers.is_empty() {
+            return;
+        }
+        let json: Arc<str> = serde_json::to_string(event).expect("an event serialises").into();
+        let refusal = event.is_refusal();
+        for watcher in watchers {
+            watcher.push(refusal, json.clone());
+        }
+    }
+
+    fn forget(&self, watcher: &Arc<Watcher>) {
+        let mut watchers = self.watchers.lock().expect("feed lock");
+        watchers.retain(|w| !Arc::ptr_eq(w, watcher));
+        self.watched.store(watchers.len(), Ordering::Relaxed);
+    }
+}
+
+impl Watcher {
+    fn push(&self, refusal: bool, json: Arc<str>) {
+        let mut queue = self.queue.lock().expect("feed lock");
+        if queue.ended.is_some() {
+            return;
+        }
+        if refusal {
+            if queue.refusals == REFUSALS_QUEUED_MAX {
+                queue.ended = Some(End::Overflow);
+                drop(queue);
+                self.ready.notify_one();
+                return;
+            }
+            queue.refusals += 1;
+        } else {
+            if queue.accepted == ACCEPTED_QUEUED_MAX {
+                queue.dropped += 1;
+                return;
+            }
+            queue.accepted += 1;
+        }
+        queue.items.push_back((refusal, json));
+        drop(queue);
+        self.ready.notify_one();
+    }
+
+    fn end(&self, end: End) {
+        let mut queue = self.queue.lock().expect("feed lock");
+        if end == End::Closed {
+            // At shutdown nothing more is read: the feed just ends.
+            queue.items.clear();
+            queue.dropped = 0;
+        }
+        queue.ended.get_or_insert(end);
+        drop(queue);
+        self.ready.notify_one();
+    }
+}
+
+/// One watcher of the feed; it stops watching when dropped (its client went away).
+pub struct Watch {
+    feed: Arc<Feed>,
+    watcher: Arc<Watcher>,
+}
+
+impl Watch {
+    /// The next item; `None` once the feed ended (after [`FeedItem::Overflow`], or at
+    /// shutdown).
+    pub async fn next(&mut self) -> Option<FeedItem> {
+        loop {
+            let notified = self.watcher.ready.notified();
+            {
+                let mut queue = self.watcher.queue.lock().expect("feed lock");
+                if queue.dropped > 0 {
+                    return Some(FeedItem::Dropped(std::mem::take(&mut queue.dropped)));
+                }
+                if let Some((refusal, json)) = queue.items.pop_front() {
+                    if refusal {
+                        queue.refusals -= 1;
+                    } else {
+                        queue.accepted -= 1;
+                    }
+                    return Some(FeedItem::Decision(json));
+                }
+                if queue.finished {
+                    return None;
+                }
+                if let Some(end) = queue.ended {
+                    queue.finished = true;
+                    return (end == End::Overflow).then_some(FeedItem::Overflow);
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.feed.forget(&self.watcher);
+    }
+}
+
+/// One request's decision, recorded once. Cheap to share with the task that admits the write.
+pub struct Decision {
+    feed: Arc<Feed>,
+    span: tracing::Span,
+    decided: AtomicBool,
+    /// What the feed's event says of the request, kept only while someone watches.
+    facts: Mutex<Facts>,
+}
+
+#[derive(Default)]
+struct Facts {
+    operation: &'static str,
+    resource: Option<String>,
+    token: Option<u64>,
+    who: Option<String>,
+}
+
+impl Decision {
+    pub fn new(feed: &Arc<Feed>, span: tracing::Span) -> Arc<Self> {
+        Arc::new(Self {
+            feed: feed.clone(),
+            span,
+            decided: AtomicBool::new(false),
+            facts: Mutex::new(Facts::default()),
+        })
+    }
+
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// The operation (`PutObject`, a route's method...), also the span's `op` when it has one.
+    pub fn operation(&self, name: &'static str) {
+        self.span.record("op", name);
+        if self.feed.watched() {
+            self.facts.lock().expect("decision lock").operation = name;
+        }
+    }
+
+    /// Who asked: an access key id (never a secret).
+    pub fn who(&self, who: &str) {
+        if self.feed.watched() {
+            self.facts.lock().expect("decision lock").who = Some(who.to_owned());
+        }
+    }
+
+    /// The resource written and the token presented.
+    pub fn write(&self, resource: &ResourceKey, token: FenceToken) {
+        self.span.record("resource", resource.as_str());
+        self.span.record("token", token.0);
+        if self.feed.watched() {
+            let mut facts = self.facts.lock().expect("decision lock");
+            facts.resource = Some(resource.as_str().to_owned());
+            facts.token = Some(token.0);
+        }
+    }
+
+    /// The write was let through: `accepted` (admitted by the gate), `unchecked` (no token,
+    /// none required), `replayed` (an idempotency record answered), `own_upload_aborted`.
+    pub fn let_through(&self, detail: &'static str) {
+        if self.decided.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if detail != "replayed" && detail != "own_upload_aborted" {
+            crate::metrics::decision(detail);
+        }
+        self.span.record("decision", detail);
+        self.publish("accepted", detail, None, None);
+    }
+
+    /// The request failed: refused by the fencing protocol, or an error after admission
+    /// (`decision` is then `error`). The first decision names the span's; each is logged.
+    /// `counted`: whether it counts in the decisions counter (a read refused is no write
+    /// decision).
+    pub fn refused(
+        &self,
+        decision: &'static str,
+        code: &'static str,
+        fence: Option<FenceToken>,
+        counted: bool,
+        error: &dyn std::fmt::Display,
+    ) {
+        if counted && decision != "error" {
+            crate::metrics::decision(decision);
+        }
+        if let Some(current) = fence {
+            self.span.record("fence", current.0);
+        }
+        // A refusal after admission (a newer stamp found on the object) is a decision of its
+        // own; an error after admission is no decision, only the write's outcome.
+        let first = !self.decided.swap(true, Ordering::AcqRel);
+        if first {
+            self.span.record("decision", decision);
+        }
+        if first || decision != "error" {
+            self.publish("refused", decision, Some(code), fence);
+        }
+        self.span.in_scope(|| tracing::info!(%error, "refused"));
+    }
+
+    /// One key's decision inside a request that decides many (DeleteObjects): counted and
+    /// told, the request's own decision left as it is.
+    pub fn key_decided(
+        &self,
+        resource: &ResourceKey,
+        token: FenceToken,
+        detail: &'static str,
+        code: Option<&'static str>,
+        fence: Option<FenceToken>,
+    ) {
+        crate::metrics::decision(detail);
+        let decision = if code.is_some() { "refused" } else { "accepted" };
+        self.tell(decision, detail, code, fence, Some((resource, token)));
+    }
+
+    fn publish(
+        &self,
+        decision: &'static str,
+        detail: &'static str,
+        code: Option<&'static str>,
+        fence: Option<FenceToken>,
+    ) {
+        self.tell(decision, detail, code, fence, None);
+    }
+
+    /// Sends the event, while someone watches; `write`: the resource and token of one key's
+    /// decision, when they are not the request's.
+    fn tell(
+        &self,
+        decision: &'static str,
+        detail: &'static str,
+        code: Option<&'static str>,
+        fence: Option<FenceToken>,
+        write: Option<(&ResourceKey, FenceToken)>,
+    ) {
+        if !self.feed.watched() {
+            return;
+        }
+        let facts = self.facts.lock().expect("decision lock");
+        let (resource, token) = match write {
+            Some((resource, token)) => (Some(resource.as_str()), Some(token.0)),
+            None => (facts.resource.as_deref(), facts.token),
+        };
+        self.feed.publish(&DecisionEvent {
+            time_ms: now_ms(),
+            replica: &self.feed.replica,
+            operation: facts.operation,
+            resource,
+            token,
+            fence: fence.map(|f| f.0),
+            decision,
+            detail,
+            code,
+            who: facts.who.as_deref(),
+        });
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, crate::fence::millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(feed: &Arc<Feed>, resource: &str, token: u64) -> Arc<Decision> {
+        let decision = Decision::new(feed, tracing::Span::none());
+        decision.operation("PutObject");
+        decision.write(&ResourceKey::new(resource).unwrap(), FenceToken(token));
+        decision
+    }
+
+    /// Everything a watcher has been told, up to the first pause.
+    async fn drain(watch: &mut Watch) -> Vec<FeedItem> {
+        let mut items = Vec::new();
+        while let Ok(Some(item)) = tokio::time::timeout(std::time::Duration::from_millis(50), watch.next()).await {
+            items.push(item);
+        }
+        items
+    }
+
+    fn is_refusal(item: &FeedItem) -> bool {
+        matches!(item, FeedItem::Decision(json) if json.contains("\"decision\":\"refused\""))
+    }
+
+    #[tokio::test]
+    async fn a_slow_watcher_loses_accepted_events_counted_and_never_a_refusal() {
+        let feed = Feed::new("r1");
+        let mut watch = feed.watch().unwrap();
+        for n in 0..600u64 {
+            let d = decision(&feed, "job:a", n);
+            if n % 6 == 0 {
+                d.refused("stale", "FencingTokenStale", Some(FenceToken(1000)), true, &"stale");
+            } else {
+                d.let_through("accepted");
+            }
+        }
+        let items = drain(&mut watch).await;
+        let refusals = items.iter().filter(|i| is_refusal(i)).count();
+        let accepted = items.iter().filter(|i| matches!(i, FeedItem::Decision(_)) && !is_refusal(i)).count();
+        let dropped: u64 = items.iter().map(|i| if let FeedItem::Dropped(n) = i { *n } else { 0 }).sum();
+        assert_eq!(refusals, 100, "every refusal");
+        assert_eq!(accepted, ACCEPTED_QUEUED_MAX, "accepted events up to the queue");
+        assert_eq!(accepted as u64 + dropped, 500, "the rest counted as dropped");
+        assert!(matches!(items[0], FeedItem::Dropped(_)), "the loss is told first");
+    }
+
+    #[tokio::test]
+    async fn a_watcher_too_far_behind_on_refusals_is_ended_not_skipped() {
+        let feed = Feed::new("r1");
+        let mut watch = feed.watch().unwrap();
+        for n in 0..=REFUSALS_QUEUED_MAX as u64 {
+            decision(&feed, "job:a", n).refused("stale", "FencingTokenStale", None, false, &"stale");
+        }
+        let mut refusals = 0;
+        loop {
+            match watch.next().await {
+                Some(FeedItem::Decision(_)) => refusals += 1,
+                Some(FeedItem::Overflow) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(refusals, REFUSALS_QUEUED_MAX);
+        assert_eq!(watch.next().await, None, "nothing after the overflow");
+    }
+
+    #[tokio::test]
+    async fn each_request_tells_its_decision_once() {
+        let feed = Feed::new("r1");
+        let mut watch = feed.watch().unwrap();
+        let d = decision(&feed, "job:a", 7);
+        d.who("AKIDEXAMPLE");
+        d.let_through("accepted");
+        d.let_through("accepted");
+        d.refused("error", "UpstreamTimeout", None, true, &"timeout");
+        d.refused("stale", "FencingTokenStale", Some(FenceToken(9)), true, &"a newer stamp");
+        let items = drain(&mut watch).await;
+        assert_eq!(items.len(), 2, "{items:?}");
+        let FeedItem::Decision(first) = &items[0] else { panic!() };
+        let first: serde_json::Value = serde_json::from_str(first).unwrap();
+        assert_eq!(first["decision"], "accepted");
+        assert_eq!((first["resource"].as_str(), first["token"].as_u64()), (Some("job:a"), Some(7)));
+        assert_eq!((first["replica"].as_str(), first["who"].as_str()), (Some("r1"), Some("AKIDEXAMPLE")));
+        assert_eq!(first["operation"], "PutObject");
+        assert!(is_refusal(&items[1]), "a refusal after admission is a decision of its own");
+    }
+
+    #[tokio::test]
+    async fn watchers_are_bounded_and_end_at_close() {
+        let feed = Feed::new("r1");
+        assert!(!feed.watched());
+        let mut watches: Vec<Watch> = (0..WATCHERS_MAX).map(|_| feed.watch().unwrap()).collect();
+        assert!(feed.watch().is_none(), "one more is refused");
+        drop(watches.pop());
+        let mut last = feed.watch().expect("a place freed");
+        decision(&feed, "job:a", 1).let_through("accepted");
+        feed.close();
+        assert_eq!(last.next().await, None, "the feed ends at shutdown");
+        assert!(feed.watch().is_none() && !feed.watched());
+    }
+}

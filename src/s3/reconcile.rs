@@ -1,0 +1,376 @@
+//! Reconciliation: the upstream compared with the fences, for the operator
+//! (`fencegate reconcile`, `POST /v1/reconcile` on the admin listener). Where the upstream
+//! cannot check tokens, writes that went around fencegate, and advances a store lost, show
+//! only here:
+//!
+//! - an incomplete multipart upload made under a token below its resource's fence (its
+//!   record, confirmed at the upstream); `apply` aborts it;
+//! - an object with no stamp whose resource is fenced (under a rule's prefix, or its own
+//!   `bucket/key` with a fence): written around fencegate;
+//! - an object stamped above its resource's fence: the store lost an advance; `apply` raises
+//!   the fence to the stamp (never lowers one), as a registration does.
+//!
+//! An object outside every rule whose own name has no fence may have been written under a
+//! resource its writer named (`Fencing-Resource`), which the object does not record: it is
+//! counted as unattributed, never judged.
+//!
+//! The scan streams: one page of the listing at a time, heads read a few at once, findings
+//! sent as they are found, so its memory does not grow with the bucket.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use http::{HeaderMap, Method, StatusCode};
+use http_body_util::BodyExt;
+use s3s::Body;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use super::Front;
+use super::objects::{self, ObjectState};
+use crate::fence::{FenceToken, ResourceKey, StoreError};
+use crate::net::percent::encode_key;
+
+/// Heads read at once.
+const HEADS_AT_ONCE: usize = 8;
+/// Keys asked per listing page, and upload records per page.
+const PAGE: usize = 1000;
+/// Fences remembered during a scan (most objects of a rule share one); beyond, forgotten.
+const FENCES_REMEMBERED_MAX: usize = 10_000;
+/// A listing page's body at most.
+const LISTING_BYTES_MAX: usize = 16 * 1024 * 1024;
+
+/// What to reconcile.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Job {
+    pub bucket: String,
+    #[serde(default)]
+    pub prefix: String,
+    #[serde(default)]
+    pub apply: bool,
+}
+
+/// What the scan tells, in order: progress now and then, findings as found, then `done` (or
+/// `failed`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Progress { objects: u64, uploads: u64 },
+    Finding(Finding),
+    Done(Summary),
+    Failed { error: String },
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Finding {
+    /// An incomplete multipart upload made under a token below its resource's fence.
+    StaleUpload { key: String, upload_id: String, resource: String, token: u64, fence: u64, action: Action },
+    /// An object of a fenced resource with no stamp: written around fencegate.
+    Unstamped { key: String, resource: String, fence: Option<u64> },
+    /// An object stamped above its resource's fence: the store lost an advance.
+    StampAboveFence { key: String, resource: String, stamp: u64, fence: Option<u64>, action: Action },
+}
+
+/// What `apply` did about a finding.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Reported only.
+    None,
+    Aborted,
+    Raised,
+    /// `apply` tried and failed: why.
+    Failed(String),
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    pub objects: u64,
+    pub uploads: u64,
+    pub findings: u64,
+    /// Objects outside every rule whose own name has no fence: their resource is unknown.
+    pub unattributed: u64,
+    pub applied: u64,
+}
+
+impl Front {
+    /// Runs `job`, telling `events` what it finds; stops early when nobody listens any more.
+    pub async fn reconcile(self: Arc<Self>, job: Job, events: mpsc::Sender<Event>) {
+        let mut scan =
+            Scan { front: &self, job: &job, events: &events, summary: Summary::default(), fences: HashMap::new() };
+        let result = match scan.uploads().await {
+            Ok(()) => scan.objects().await,
+            Err(e) => Err(e),
+        };
+        let last = match result {
+            Ok(()) => Event::Done(scan.summary),
+            Err(ScanError::Gone) => return,
+            Err(ScanError::Failed(error)) => Event::Failed { error },
+        };
+        let _ = events.send(last).await;
+    }
+}
+
+enum ScanError {
+    /// The listener went away: nothing more to do.
+    Gone,
+    Failed(String),
+}
+
+impl From<StoreError> for ScanError {
+    fn from(e: StoreError) -> Self {
+        Self::Failed(format!("the fence store: {e}"))
+    }
+}
+
+struct Scan<'a> {
+    front: &'a Arc<Front>,
+    job: &'a Job,
+    events: &'a mpsc::Sender<Event>,
+    summary: Summary,
+    fences: HashMap<ResourceKey, Option<FenceToken>>,
+}
+
+impl Scan<'_> {
+    async fn tell(&mut self, event: Event) -> Result<(), ScanError> {
+        if let Event::Finding(finding) = &event {
+            self.summary.findings += 1;
+            if matches!(finding, Finding::StaleUpload { action: Action::Aborted, .. })
+                || matches!(finding, Finding::StampAboveFence { action: Action::Raised, .. })
+            {
+                self.summary.applied += 1;
+            }
+        }
+        self.events.send(event).await.map_err(|_| ScanError::Gone)
+    }
+
+    async fn progress(&mut self) -> Result<(), ScanError> {
+        let (objects, uploads) = (self.summary.objects, self.summary.uploads);
+        self.tell(Event::Progress { objects, uploads }).await
+    }
+
+    async fn fence(&mut self, resource: &ResourceKey) -> Result<Option<FenceToken>, ScanError> {
+        if let Some(fence) = self.fences.get(resource) {
+            return Ok(*fence);
+        }
+        let fence = self.front.gate.fence(resource).await?;
+        if self.fences.len() >= FENCES_REMEMBERED_MAX {
+            self.fences.clear();
+        }
+        self.fences.insert(resource.clone(), fence);
+        Ok(fence)
+    }
+
+    /// The upload records of the bucket under the prefix whose token a newer one superseded,
+    /// each confirmed at the upstream (a record of an upload ended around fencegate is not).
+    async fn uploads(&mut self) -> Result<(), ScanError> {
+        let records = self.front.gate.upload_records();
+        let mut cursor = None;
+        loop {
+            let page = records.page(cursor.take(), PAGE).await?;
+            for record in page.records {
+                if record.bucket != self.job.bucket || !record.key.starts_with(&self.job.prefix) {
+                    continue;
+                }
+                self.summary.uploads += 1;
+                let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
+                let Some(fence) = self.fence(&resource).await?.filter(|fence| *fence > record.token) else { continue };
+                if !self.front.upload_exists(&record).await.map_err(ScanError::Failed)? {
+                    continue;
+                }
+                let action = if self.job.apply {
+                    match self.front.abort_upload(&record, "reconcile").await {
+                        Ok(resp) if resp.status().is_success() || resp.status() == StatusCode::NOT_FOUND => {
+                            Action::Aborted
+                        }
+                        Ok(resp) => Action::Failed(format!("the upstream answered {}", resp.status())),
+                        Err(e) => Action::Failed(e.to_string()),
+                    }
+                } else {
+                    Action::None
+                };
+                let finding = Finding::StaleUpload {
+                    key: record.key,
+                    upload_id: record.upload_id,
+                    resource: record.resource,
+                    token: record.token.0,
+                    fence: fence.0,
+                    action,
+                };
+                self.tell(Event::Finding(finding)).await?;
+            }
+            self.progress().await?;
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Every object of the bucket under the prefix, a listing page at a time.
+    async fn objects(&mut self) -> Result<(), ScanError> {
+        let mut continuation: Option<String> = None;
+        loop {
+            let page = self.front.list_page(&self.job.bucket, &self.job.prefix, continuation.as_deref()).await?;
+            let front = self.front.clone();
+            let bucket = self.job.bucket.clone();
+            let mut heads = futures_util::stream::iter(page.keys)
+                .map(|key| {
+                    let (front, bucket) = (front.clone(), bucket.clone());
+                    async move {
+                        let state = front.object_head(&bucket, &key).await;
+                        (key, state)
+                    }
+                })
+                .buffered(HEADS_AT_ONCE);
+            while let Some((key, state)) = heads.next().await {
+                self.summary.objects += 1;
+                match state.map_err(ScanError::Failed)? {
+                    ObjectState::Present { stamp, .. } => self.judge_object(key, stamp).await?,
+                    ObjectState::Absent => {} // deleted since the listing
+                }
+            }
+            self.progress().await?;
+            match page.next {
+                Some(next) => continuation = Some(next),
+                None => return Ok(()),
+            }
+        }
+    }
+
+    async fn judge_object(&mut self, key: String, stamp: Option<FenceToken>) -> Result<(), ScanError> {
+        let bound = self.front.wire.rule_resource(&self.job.bucket, &key);
+        let resource = match bound {
+            Some(name) => name.to_owned(),
+            None => format!("{}/{key}", self.job.bucket),
+        };
+        let Ok(resource_key) = ResourceKey::new(&resource) else { return Ok(()) };
+        let fence = self.fence(&resource_key).await?;
+        if bound.is_none() && fence.is_none() {
+            self.summary.unattributed += u64::from(stamp.is_some());
+            return Ok(());
+        }
+        let finding = match stamp {
+            None => Finding::Unstamped { key, resource, fence: fence.map(|f| f.0) },
+            Some(stamp) if fence.is_none_or(|fence| stamp > fence) => {
+                let action = if self.job.apply {
+                    match self.front.gate.advance(&resource_key, stamp).await {
+                        Ok(_) => {
+                            self.fences.insert(resource_key, Some(stamp));
+                            Action::Raised
+                        }
+                        Err(e) => Action::Failed(e.to_string()),
+                    }
+                } else {
+                    Action::None
+                };
+                Finding::StampAboveFence { key, resource, stamp: stamp.0, fence: fence.map(|f| f.0), action }
+            }
+            Some(_) => return Ok(()),
+        };
+        self.tell(Event::Finding(finding)).await
+    }
+}
+
+/// A key as `encoding-type=url` lists it: `+` for a space, `%XX` for the rest (as S3 and the
+/// SDKs, which read it with `unquote_plus`).
+fn url_decoded(listed: &str) -> String {
+    percent_encoding::percent_decode_str(&listed.replace('+', " ")).decode_utf8_lossy().into_owned()
+}
+
+/// One page of a bucket's keys.
+struct KeyPage {
+    keys: Vec<String>,
+    next: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ListBucketResult {
+    #[serde(default)]
+    contents: Vec<Contents>,
+    #[serde(default)]
+    is_truncated: bool,
+    next_continuation_token: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Contents {
+    key: String,
+}
+
+impl Front {
+    /// A page of the bucket's keys under `prefix` (ListObjectsV2, keys URL-encoded so that any
+    /// key survives the XML).
+    async fn list_page(&self, bucket: &str, prefix: &str, continuation: Option<&str>) -> Result<KeyPage, ScanError> {
+        let query = {
+            let mut query = form_urlencoded::Serializer::new(String::new());
+            query.append_pair("list-type", "2").append_pair("encoding-type", "url");
+            query.append_pair("max-keys", &PAGE.to_string()).append_pair("prefix", prefix);
+            if let Some(token) = continuation {
+                query.append_pair("continuation-token", token);
+            }
+            query.finish()
+        };
+        let path = format!("/{}?{query}", encode_key(bucket));
+        let resp = self
+            .send("reconcile_list", Method::GET, &path, HeaderMap::new(), Body::empty())
+            .await
+            .map_err(|e| ScanError::Failed(format!("listing the bucket: {e}")))?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), LISTING_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|e| ScanError::Failed(format!("reading the listing: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&body);
+            return Err(ScanError::Failed(format!("listing the bucket: the upstream answered {status}: {text}")));
+        }
+        let listed: ListBucketResult = quick_xml::de::from_reader(body.as_ref())
+            .map_err(|e| ScanError::Failed(format!("the listing is not S3's: {e}")))?;
+        let keys = listed.contents.into_iter().map(|c| url_decoded(&c.key)).collect();
+        let next = listed.next_continuation_token.filter(|_| listed.is_truncated);
+        Ok(KeyPage { keys, next })
+    }
+
+    /// An object's head at the upstream, with its stamp.
+    async fn object_head(&self, bucket: &str, key: &str) -> Result<ObjectState, String> {
+        let path = format!("/{}/{}", encode_key(bucket), encode_key(key));
+        let read = objects::head(self.upstream.as_ref(), &path);
+        match tokio::time::timeout(self.request_timeout, read).await {
+            Ok(result) => result.map_err(|e| format!("reading the head of {key:?}: {e}")),
+            Err(_) => Err(format!("reading the head of {key:?}: no answer in time")),
+        }
+    }
+}
+
+/// Starts reconciliations, one at a time (a scan reads the whole bucket).
+#[derive(Clone)]
+pub struct Reconciler {
+    front: Arc<Front>,
+    one: Arc<tokio::sync::Semaphore>,
+}
+
+impl Reconciler {
+    pub(super) fn new(front: Arc<Front>) -> Self {
+        Self { front, one: Arc::new(tokio::sync::Semaphore::new(1)) }
+    }
+
+    /// The events of `job`, run on a task of its own; `None` while another runs. Dropping the
+    /// receiver stops the scan at its next event.
+    pub fn start(&self, job: Job) -> Option<mpsc::Receiver<Event>> {
+        let permit = self.one.clone().try_acquire_owned().ok()?;
+        let (events, received) = mpsc::channel(64);
+        let front = self.front.clone();
+        tokio::spawn(async move {
+            let _one = permit;
+            front.reconcile(job, events).await;
+        });
+        Some(received)
+    }
+}

@@ -1,0 +1,143 @@
+//! The Redis store's listings: a `SCAN` of the keyspace for the resources' keys, keeping only
+//! the page asked for (the first `limit` in byte order after `after`), so memory stays bounded
+//! by the page whatever the number of fences. Redis keeps no order of its keys: each page is a
+//! walk of every key that matches the prefix (`docs/operations.md`, "The console").
+
+use std::collections::BTreeSet;
+
+use async_trait::async_trait;
+
+use super::{RedisStore, backend, key, parse_token};
+use crate::fence::{FencePage, LeaseRecord, LeaseStore, ListingStore, ResourceKey, StoreError};
+
+/// Keys asked for per `SCAN` step.
+const SCAN_COUNT: usize = 1000;
+
+#[async_trait]
+impl ListingStore for RedisStore {
+    async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {
+        let limit = limit.max(1);
+        let resources = self.scan(prefix, "fence", after, limit + 1).await?;
+        if resources.is_empty() {
+            return Ok(FencePage::default());
+        }
+        let mut mget = redis::cmd("MGET");
+        for resource in &resources {
+            mget.arg(key(resource, "fence"));
+        }
+        let tokens: Vec<Option<String>> = self.connection.query(&mget).await.map_err(backend)?;
+        let mut fences = Vec::with_capacity(resources.len());
+        for (resource, token) in resources.into_iter().zip(tokens) {
+            // A fence is never removed; one gone since the scan went with a store that lost
+            // its data, and is not listed.
+            if let Some(token) = token.as_deref().map(parse_token).transpose()?.flatten() {
+                fences.push((resource, token));
+            }
+        }
+        Ok(FencePage::of(fences, limit))
+    }
+
+    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+        let mut leases = Vec::new();
+        for resource in self.scan(prefix, "lease", None, limit.max(1)).await? {
+            if let Some(lease) = self.lease_record(&resource).await? {
+                leases.push((resource, lease));
+            }
+        }
+        Ok(leases)
+    }
+}
+
+impl RedisStore {
+    /// The first `keep` resources (byte order) after `after` that start with `prefix` and have
+    /// a key ending in `suffix`.
+    async fn scan(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        after: Option<&str>,
+        keep: usize,
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        if self.connection.is_cluster() {
+            return Err(StoreError::Backend(
+                "listing is not supported on a Redis Cluster store: each node would have to be scanned".into(),
+            ));
+        }
+        let pattern = format!("fg:{{{}*}}:{suffix}", glob_escaped(&tag_escaped(prefix)));
+        let mut page: BTreeSet<String> = BTreeSet::new();
+        let mut cursor = "0".to_owned();
+        loop {
+            let cmd =
+                redis::cmd("SCAN").arg(&cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(SCAN_COUNT).to_owned();
+            let (next, keys): (String, Vec<String>) = self.connection.query(&cmd).await.map_err(backend)?;
+            for key in keys {
+                let Some(resource) = resource_of_key(&key, suffix) else { continue };
+                if !resource.starts_with(prefix) || after.is_some_and(|after| resource.as_str() <= after) {
+                    continue;
+                }
+                page.insert(resource);
+                if page.len() > keep {
+                    page.pop_last();
+                }
+            }
+            if next == "0" {
+                break;
+            }
+            cursor = next;
+        }
+        page.into_iter().map(|r| ResourceKey::new(&r).map_err(|e| StoreError::Backend(Box::new(e)))).collect()
+    }
+}
+
+/// A resource name as it sits in a key's hash tag (`key`): `%` and `}` escaped.
+fn tag_escaped(raw: &str) -> String {
+    raw.replace('%', "%25").replace('}', "%7D")
+}
+
+/// `raw` matched literally by a `SCAN` pattern.
+fn glob_escaped(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The resource of key `fg:{<tag>}:<suffix>`, its tag unescaped.
+fn resource_of_key(key: &str, suffix: &str) -> Option<String> {
+    let tag = key.strip_prefix("fg:{")?.strip_suffix(suffix)?.strip_suffix("}:")?;
+    let mut out = String::with_capacity(tag.len());
+    let mut rest = tag;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        match rest.get(at..at + 3)? {
+            "%25" => out.push('%'),
+            "%7D" => out.push('}'),
+            _ => return None,
+        }
+        rest = &rest[at + 3..];
+    }
+    out.push_str(rest);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_give_back_their_resources() {
+        for name in ["a", "job:1", "x}y%z", "%7D", "50%25}", "a*b?[c]\\"] {
+            let resource = ResourceKey::new(name).unwrap();
+            let stored = key(&resource, "fence");
+            assert_eq!(resource_of_key(&stored, "fence").as_deref(), Some(name), "{stored}");
+            assert_eq!(stored, format!("fg:{{{}}}:fence", tag_escaped(name)));
+        }
+        assert_eq!(resource_of_key("fg:{a}:lease", "fence"), None);
+        assert_eq!(resource_of_key("fg:{a%zz}:fence", "fence"), None);
+        assert_eq!(glob_escaped("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+    }
+}

@@ -1,0 +1,245 @@
+"""The operator's view on the admin listener (SPEC section 12), on the embedded and the Redis
+store: who may read and who may raise (the console's cookie reads only, and only JSON opens a
+session), the fences in pages, the live leases without their ids, the writes in flight with a
+newer token waiting behind them, and the live feed of decisions (`/v1/events`), which names the
+stale writer and ends at shutdown."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+from botocore.exceptions import ClientError
+
+from fencegate_testlib import ACCESS_KEY, code_of, quote_resource, signed_raw_request, status_of, wait_until
+from holding_upstream import HELD_PREFIX, HELD_RESOURCE
+
+ADMIN_TOKEN = "operator-view-token-0123"
+WAIT_S = 15.0
+
+
+def redis_store(redis_server) -> dict:
+    return {"store": {"kind": "redis", "url": redis_server.url, "path": None}}
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def any_store(request, fencegate):
+    """A fencegate with an admin token and a bucket `feed`, on each store."""
+    config = {"server": {"admin_token": ADMIN_TOKEN}}
+    if request.param == "redis":
+        config.update(redis_store(request.getfixturevalue("redis_server")))
+        config["upstream"] = {"probe_bucket": "feed"}
+    return fencegate(config=config, local_buckets=("feed",))
+
+
+def bearer() -> dict:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def session(fg) -> requests.Session:
+    """A browser's session: the cookie `POST /v1/session` set, and nothing else."""
+    s = requests.Session()
+    r = s.post(fg.admin_url + "/v1/session", json={"token": ADMIN_TOKEN}, timeout=10)
+    assert r.status_code == 204, r.text
+    return s
+
+
+def put(fg, bucket, key, token, resource=None):
+    headers = {"Fencing-Token": str(token)}
+    if resource:
+        headers["Fencing-Resource"] = resource
+    return signed_raw_request(fg, "PUT", f"/{bucket}/{key}", headers, b"x")
+
+
+# --------------------------------------------------------------------------------------------
+# who may do what
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_cookie_reads_and_only_the_bearer_token_raises(fencegate):
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN}})
+    url = fg.admin_url
+    page = requests.get(url + "/", timeout=10)
+    assert page.status_code == 200 and "<title>" in page.text
+    policy = page.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy and "script-src 'sha256-" in policy
+    assert page.headers["X-Content-Type-Options"] == "nosniff"
+    for path in ("/v1/status", "/v1/fences", "/v1/leases", "/v1/inflight", "/v1/events", "/metrics"):
+        assert requests.get(url + path, timeout=10).status_code == 401, path
+
+    wrong = requests.post(url + "/v1/session", json={"token": "not-the-token-at-all"}, timeout=10)
+    assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
+    # A form another site could post without asking first is no way in.
+    form = requests.post(url + "/v1/session", data=json.dumps({"token": ADMIN_TOKEN}),
+                         headers={"Content-Type": "text/plain"}, timeout=10)
+    assert form.status_code == 415 and "set-cookie" not in form.headers
+
+    s = requests.Session()
+    opened = s.post(url + "/v1/session", json={"token": ADMIN_TOKEN}, timeout=10)
+    assert opened.status_code == 204
+    cookie = opened.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+    assert ADMIN_TOKEN not in cookie, "the cookie holds a digest, never the token"
+    assert s.get(url + "/v1/fences", timeout=10).status_code == 200
+    assert fg.put_fence("job:locked", 5, token=ADMIN_TOKEN).status_code == 200
+
+    raised = s.put(url + "/v1/fences/" + quote_resource("job:locked"), json={"token": 2 ** 64 - 1}, timeout=10)
+    assert raised.status_code == 401, "the console's cookie must not raise a fence"
+    assert fg.get_fence("job:locked", token=ADMIN_TOKEN).json()["token"] == 5
+
+    closed = s.delete(url + "/v1/session", timeout=10)
+    assert closed.status_code == 204 and "Max-Age=0" in closed.headers["Set-Cookie"]
+    assert s.get(url + "/v1/fences", timeout=10).status_code == 401
+
+
+def test_listing_queries_are_checked(fencegate):
+    fg = fencegate()
+    for query in ("limit=0", "limit=1001", "limit=ten", "prefix=a&prefix=b", "color=red"):
+        r = fg.admin("GET", "/v1/fences?" + query)
+        assert r.status_code == 400 and r.headers["Content-Type"] == "application/problem+json", query
+    assert fg.admin("GET", "/v1/leases?after=x").status_code == 400
+
+
+# --------------------------------------------------------------------------------------------
+# what it lists, on each store
+# --------------------------------------------------------------------------------------------
+
+
+def test_fences_are_listed_in_pages_by_prefix(any_store):
+    fg = any_store
+    names = [f"batch/{n:02}" for n in range(23)] + ["batchx", "other"]
+    for n, name in enumerate(names):
+        assert fg.put_fence(name, n + 1, token=ADMIN_TOKEN).status_code == 200
+    walked, after, pages = [], None, 0
+    while True:
+        query = "prefix=batch%2F&limit=7" + (f"&after={requests.utils.quote(after, safe='')}" if after else "")
+        page = requests.get(fg.admin_url + "/v1/fences?" + query, headers=bearer(), timeout=10).json()
+        walked += [(f["resource"], f["token"]) for f in page["fences"]]
+        pages += 1
+        after = page["next"]
+        if after is None:
+            break
+    assert walked == [(name, n + 1) for n, name in enumerate(names[:23])]
+    assert pages == 4
+    everything = requests.get(fg.admin_url + "/v1/fences", headers=bearer(), timeout=10).json()
+    assert [f["resource"] for f in everything["fences"]] == sorted(names) and everything["next"] is None
+
+
+def test_live_leases_are_listed_without_their_ids(any_store):
+    fg = any_store
+    body = json.dumps({"holder": "worker-7", "ttl_ms": 30000}).encode()
+    r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/nightly", {"Content-Type": "application/json"}, body)
+    assert r.status == 201, r.body
+    granted = json.loads(r.body)
+    s = session(fg)
+    leases = s.get(fg.admin_url + "/v1/leases?prefix=night", timeout=10).json()["leases"]
+    assert len(leases) == 1
+    lease = leases[0]
+    assert (lease["resource"], lease["holder"], lease["token"]) == ("nightly", "worker-7", granted["token"])
+    assert 0 < lease["expires_in_ms"] <= 30000 and lease["ttl_ms"] == 30000
+    assert "lease_id" not in lease and granted["lease_id"] not in json.dumps(leases)
+    status = s.get(fg.admin_url + "/v1/status", timeout=10).json()
+    assert status["store"]["ready"] is True and status["auth"] is True
+    assert status["replica"] in status["replicas"]
+
+
+# --------------------------------------------------------------------------------------------
+# the feed of decisions
+# --------------------------------------------------------------------------------------------
+
+
+class Feed:
+    """A reader of `/v1/events` on a thread of its own, collecting every event."""
+
+    def __init__(self, fg, headers):
+        self.events: list = []
+        self.ended = threading.Event()
+        self.resp = requests.get(fg.admin_url + "/v1/events", headers=headers, stream=True, timeout=(5, 60))
+        assert self.resp.status_code == 200 and self.resp.headers["Content-Type"] == "text/event-stream"
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        event = None
+        try:
+            for line in self.resp.iter_lines(decode_unicode=True):
+                if line.startswith("event: "):
+                    event = line[len("event: "):]
+                elif line.startswith("data: "):
+                    self.events.append((event, json.loads(line[len("data: "):])))
+        except requests.RequestException:
+            pass
+        finally:
+            self.ended.set()
+
+    def decisions(self, **match) -> list:
+        return [e for kind, e in list(self.events) if kind == "decision"
+                and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_the_feed_names_the_stale_writer(any_store):
+    fg = any_store
+    feed = Feed(fg, bearer())
+    assert put(fg, "feed", "report.csv", 5).status == 200
+    stale = put(fg, "feed", "report.csv", 3)
+    assert stale.status == 409 and stale.code() == "FencingTokenStale"
+    wait_until(lambda: feed.decisions(decision="refused"), WAIT_S, what="the refusal on the feed")
+    accepted = feed.decisions(decision="accepted", resource="feed/report.csv")
+    refused = feed.decisions(decision="refused")
+    assert [(e["token"], e["operation"], e["who"]) for e in accepted] == [(5, "PutObject", ACCESS_KEY)]
+    assert len(refused) == 1
+    r = refused[0]
+    assert (r["resource"], r["token"], r["fence"], r["code"], r["who"]) == \
+        ("feed/report.csv", 3, 5, "FencingTokenStale", ACCESS_KEY)
+    assert r["replica"] and r["time_ms"] > 0
+    text = json.dumps(feed.events)
+    assert "secret" not in text.lower() and ADMIN_TOKEN not in text
+
+    # A missing token is a refusal too, with no token to name.
+    missing = signed_raw_request(fg, "PUT", "/feed/other", {}, b"x")
+    assert missing.status == 428
+    wait_until(lambda: feed.decisions(code="FencingTokenRequired"), WAIT_S, what="the 428 on the feed")
+    assert feed.decisions(code="FencingTokenRequired")[0]["token"] is None
+
+    # An open feed does not hold a stop: fencegate ends it and stops well inside its budget.
+    started = time.monotonic()
+    fg.stop()
+    assert time.monotonic() - started < 5.0
+    assert feed.ended.wait(WAIT_S), "the feed did not end at shutdown"
+
+
+def test_a_write_in_flight_shows_with_the_newer_token_waiting_behind_it(held_s3):
+    env = held_s3(config={"server": {"admin_token": ADMIN_TOKEN}})
+    fg, key = env.fg, HELD_PREFIX + "a"
+    hold = env.up.hold_next("PUT", env.path(key))
+    results = {}
+
+    def write(name, token, target):
+        try:
+            fg.client(token=token).put_object(Bucket=env.bucket, Key=target, Body=b"x")
+            results[name] = 200
+        except ClientError as e:
+            results[name] = (status_of(e), code_of(e))
+
+    five = threading.Thread(target=write, args=("five", 5, key))
+    five.start()
+    assert hold.wait_arrived(WAIT_S), "token 5's PUT never reached the upstream whole"
+
+    def view():
+        return requests.get(fg.admin_url + "/v1/inflight", headers=bearer(), timeout=10).json()["resources"]
+
+    first = wait_until(lambda: [r for r in view() if r["resource"] == HELD_RESOURCE], WAIT_S, what="in flight")
+    assert first[0]["tokens"] == [5] and first[0]["writes"] == 1 and first[0]["newer_waiting"] is False
+    six = threading.Thread(target=write, args=("six", 6, HELD_PREFIX + "b"))
+    six.start()
+    waiting = wait_until(lambda: [r for r in view() if r["resource"] == HELD_RESOURCE and r["newer_waiting"]],
+                         WAIT_S, what="token 6 waiting behind token 5")
+    assert waiting[0]["tokens"] == [5] and waiting[0]["oldest_ms"] > 0
+    hold.release()
+    five.join(30)
+    six.join(30)
+    assert results == {"five": 200, "six": 200}
+    wait_until(lambda: not view(), WAIT_S, what="nothing in flight")

@@ -1,0 +1,159 @@
+"""`fencegate reconcile` (SPEC section 12) against a running fencegate, on moto and on the local
+upstream, on the embedded and the Redis store: a bucket written only through fencegate is
+clean (exit 0); an upload of a superseded token, an object written around fencegate under a
+fenced prefix, and an object stamped above a fence the store lost are found (exit 1), shown as a
+table or as JSON lines, with progress on stderr; `--apply` aborts the upload and raises the lost
+fence to the stamp, after which the same scan finds only what it cannot repair (the object
+written around fencegate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from fencegate_testlib import bin_path, quote_resource, unique
+
+RESOURCE = "job:reports"
+ADMIN_TOKEN = "reconcile-admin-token-0123"
+
+
+def start(fencegate, moto_server, upstream_kind: str, extra: dict | None = None):
+    bucket = unique("recon")
+    config = {
+        "server": {"admin_token": ADMIN_TOKEN},
+        "fencing": {"rules": [{"bucket": bucket, "prefix": "reports/", "resource": RESOURCE}]},
+    }
+    config.update(extra or {})
+    if upstream_kind == "moto":
+        moto_server.client().create_bucket(Bucket=bucket)
+        upstream = dict(moto_server.upstream_config(), probe_bucket=bucket)
+        fg = fencegate(upstream=upstream, config=config)
+    else:
+        if "store" in config:
+            config["upstream"] = {"probe_bucket": bucket}
+        fg = fencegate(config=config, local_buckets=(bucket,))
+    fg.bucket = bucket
+    return fg
+
+
+def reconcile(fg, *args: str) -> subprocess.CompletedProcess:
+    """`fencegate reconcile` on the instance's config file; its admin listener took a free port,
+    which an override names, as for any command run beside a fencegate."""
+    env = dict(os.environ, FENCEGATE_SERVER__ADMIN_LISTEN="%s:%d" % fg.admin_addr)
+    return subprocess.run([str(bin_path()), "reconcile", "--config", str(fg.config_path), "--bucket", fg.bucket,
+                           *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def findings(run: subprocess.CompletedProcess) -> list:
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.strip()]
+    assert lines and lines[-1]["event"] == "done", run.stdout + run.stderr
+    return [line for line in lines if line["event"] == "finding"]
+
+
+def fence(fg, resource: str) -> int | None:
+    r = fg.admin("GET", "/v1/fences/" + quote_resource(resource), token=ADMIN_TOKEN)
+    return r.json()["token"] if r.status_code == 200 else None
+
+
+@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
+def test_a_bucket_written_through_fencegate_is_clean(fencegate, moto_server, upstream_kind):
+    fg = start(fencegate, moto_server, upstream_kind)
+    for token, key in [(3, "reports/a.csv"), (4, "reports/b.csv"), (9, "loose/c.txt")]:
+        fg.client(token=token).put_object(Bucket=fg.bucket, Key=key, Body=b"x")
+    run = reconcile(fg)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 found in 0 uploads and 3 objects" in run.stdout
+    assert "scanned" in run.stderr, "progress goes to stderr"
+    assert findings(reconcile(fg, "--json")) == []
+
+
+@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
+def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, upstream_kind):
+    fg = start(fencegate, moto_server, upstream_kind)
+    s3 = fg.client(token=5)
+    upload = s3.create_multipart_upload(Bucket=fg.bucket, Key="reports/big.bin")["UploadId"]
+    s3.upload_part(Bucket=fg.bucket, Key="reports/big.bin", UploadId=upload, PartNumber=1, Body=b"p" * 1024)
+    live = fg.client(token=5).create_multipart_upload(Bucket=fg.bucket, Key="other/live.bin")["UploadId"]
+    assert fg.put_fence(RESOURCE, 6, token=ADMIN_TOKEN).status_code == 200
+
+    run = reconcile(fg)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "stale_upload" in run.stdout and "reports/big.bin" in run.stdout
+    found = findings(reconcile(fg, "--json"))
+    assert [(f["kind"], f["upload_id"], f["token"], f["fence"], f["action"]) for f in found] == \
+        [("stale_upload", upload, 5, 6, "none")]
+
+    applied = findings(reconcile(fg, "--json", "--apply"))
+    assert [(f["kind"], f["action"]) for f in applied] == [("stale_upload", "aborted")]
+    listed = fg.client().list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
+    assert {u["UploadId"] for u in listed} == {live}, "only the live upload is left"
+    assert reconcile(fg).returncode == 0
+
+
+def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_server):
+    fg = start(fencegate, moto_server, "moto")
+    fg.client(token=7).put_object(Bucket=fg.bucket, Key="reports/ok.csv", Body=b"x")
+    fg.client(token=7).put_object(Bucket=fg.bucket, Key="loose/ok.txt", Body=b"x")
+    moto = moto_server.client()
+    # Written straight to the upstream: no stamp, under the rule's prefix.
+    moto.put_object(Bucket=fg.bucket, Key="reports/around.csv", Body=b"around")
+    # Outside every rule, its own name never fenced: its resource cannot be known.
+    moto.put_object(Bucket=fg.bucket, Key="loose/unknown.txt", Body=b"?", Metadata={"fencing-token": "4"})
+    # Stamped 12 straight at the upstream: as if the store lost the advance to 12.
+    moto.put_object(Bucket=fg.bucket, Key="reports/lost.csv", Body=b"12", Metadata={"fencing-token": "12"})
+
+    run = reconcile(fg, "--json")
+    assert run.returncode == 1, run.stdout + run.stderr
+    found = {(f["kind"], f["key"]): f for f in findings(run)}
+    assert set(found) == {("unstamped", "reports/around.csv"), ("stamp_above_fence", "reports/lost.csv")}
+    lost = found[("stamp_above_fence", "reports/lost.csv")]
+    assert (lost["resource"], lost["stamp"], lost["fence"], lost["action"]) == (RESOURCE, 12, 7, "none")
+    done = json.loads(run.stdout.splitlines()[-1])
+    assert (done["objects"], done["findings"], done["unattributed"]) == (5, 2, 1)
+
+    applied = findings(reconcile(fg, "--json", "--apply"))
+    assert {(f["kind"], f["action"]) for f in applied if f["kind"] == "stamp_above_fence"} == \
+        {("stamp_above_fence", "raised")}
+    assert fence(fg, RESOURCE) == 12, "the lost fence is raised to the stamp"
+    again = findings(reconcile(fg, "--json"))
+    assert [(f["kind"], f["key"]) for f in again] == [("unstamped", "reports/around.csv")]
+    # Only a prefix: the rest of the bucket is not read.
+    assert findings(reconcile(fg, "--json", "--prefix", "loose/")) == []
+
+
+def test_a_fence_the_store_lost_is_raised_back_on_the_embedded_store(fencegate, moto_server, tmp_path):
+    """The embedded store restored from a copy taken before an advance: the object's stamp
+    is above the fence; `--apply` raises it back, and stale writes are refused again."""
+    fg = start(fencegate, moto_server, "local")
+    fg.client(token=3).put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"3")
+    fg.stop()
+    backup = tmp_path / "fences-backup"
+    shutil.copytree(fg.workdir / "fences", backup)
+    fg.start()
+    fg.client(token=8).put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"8")
+    fg.stop()
+    shutil.rmtree(fg.workdir / "fences")
+    shutil.copytree(backup, fg.workdir / "fences")
+    fg.start()
+    assert fence(fg, RESOURCE) == 3, "the restored store lost the advance to 8"
+
+    found = findings(reconcile(fg, "--json", "--apply"))
+    assert [(f["kind"], f["stamp"], f["fence"], f["action"]) for f in found] == [("stamp_above_fence", 8, 3, "raised")]
+    assert fence(fg, RESOURCE) == 8
+    with pytest.raises(Exception):
+        fg.client(token=5).put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"stale")
+
+
+def test_reconcile_needs_the_admin_token_and_a_running_fencegate(fencegate, moto_server):
+    fg = start(fencegate, moto_server, "local")
+    r = fg.admin("POST", "/v1/reconcile", json={"bucket": fg.bucket})
+    assert r.status_code == 401
+    r = fg.admin("POST", "/v1/reconcile", token=ADMIN_TOKEN, json={"bucket": fg.bucket, "color": "red"})
+    assert r.status_code == 400
+    fg.stop()
+    run = reconcile(fg)
+    assert run.returncode == 2 and "is it running?" in run.stderr
