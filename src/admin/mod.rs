@@ -25,7 +25,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::feed::Feed;
-use crate::fence::{AdmitError, FenceToken, Gate, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, Gate, Registered, ResourceKey};
 use crate::s3::reconcile::{Job, Reconciler};
 
 /// The cookie the console keeps its session in.
@@ -306,12 +306,9 @@ impl Admin {
                 return problem(StatusCode::BAD_REQUEST, "InvalidFencingToken", &detail);
             }
         };
-        match self.gate.advance(resource, FenceToken(registration.token)).await {
-            Ok(token) => {
-                tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
-                fence_json(StatusCode::OK, resource, token)
-            }
-            Err(AdmitError::Stale { current, .. }) => fence_json(StatusCode::CONFLICT, resource, current),
+        match self.gate.register(resource, FenceToken(registration.token)).await {
+            Ok(Registered::Raised(token)) => fence_json(StatusCode::OK, resource, token),
+            Ok(Registered::Below(current)) => fence_json(StatusCode::CONFLICT, resource, current),
             Err(AdmitError::StoreUnavailable(e)) => {
                 problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string())
             }

@@ -286,7 +286,7 @@ impl App {
         self.feed.close();
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
-        self.settle_writes(stop_by).await;
+        self.await_writes_in_flight(stop_by).await;
         // Last: a write whose client left finishes on its serving thread.
         threads.stop().await;
         Ok(())
@@ -295,12 +295,12 @@ impl App {
     /// After the listeners stopped: no more admissions (a detached request could still be
     /// waiting for one), then writes whose client left wait for their upstream outcome until
     /// `stop_by` at most, and a stop with none left in flight is recorded as clean.
-    async fn settle_writes(&self, stop_by: tokio::time::Instant) {
+    async fn await_writes_in_flight(&self, stop_by: tokio::time::Instant) {
         self.gate.close();
         // Past the budget, a write still in flight is left to the next start, which holds
         // advances for D (as after a crash): stopping sooner is safe, only slower to resume.
-        let settle_by = (tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms)).min(stop_by);
-        while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < settle_by {
+        let wait_until = (tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms)).min(stop_by);
+        while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < wait_until {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         if self.gate.inflight_writes() == 0 {

@@ -24,6 +24,16 @@ pub fn decide(fence: Option<FenceToken>, presented: FenceToken) -> Decision {
     }
 }
 
+/// The fence that makes `presented` stale, if one does: [`decide`]'s `Stale`, for the callers
+/// that only refuse (a read of the fence before a body, a stamp found on the object, a lapsed
+/// lease's last write, the uploads of superseded tokens).
+pub fn stale_below(fence: Option<FenceToken>, presented: FenceToken) -> Option<FenceToken> {
+    match decide(fence, presented) {
+        Decision::Stale { current } => Some(current),
+        Decision::Current | Decision::Advance => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,8 +15,8 @@ mod uploads;
 mod write;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN, millis};
-pub use decision::{Decision, decide};
-pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, InflightView, Permit};
+pub use decision::{Decision, decide, stale_below};
+pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, InflightView, Permit, Registered};
 pub use idempotency::{
     AmbiguousCause, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord, RecordedResponse,
     fingerprint,

@@ -16,7 +16,7 @@ use s3s::{Body, S3Response};
 use serde::Deserialize;
 
 use self::credentials::Issuers;
-use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, ResourceKey};
+use crate::fence::{AdmitError, FenceToken, Gate, LeaseCommand, LeaseOutcome, LeaseRecord, Registered, ResourceKey};
 use crate::metrics;
 
 /// The path prefix of fencegate's own endpoints on the main listener. No bucket name can start
@@ -238,13 +238,9 @@ impl LeaseService {
             },
             Method::PUT => {
                 let req: RegisterBody = read_json(body).await?;
-                match self.gate.advance(&resource, FenceToken(req.token)).await {
-                    Ok(token) => {
-                        tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
-                        Ok(fence(StatusCode::OK, token))
-                    }
-                    Err(AdmitError::Stale { current, .. }) => Ok(fence(StatusCode::CONFLICT, current)),
-                    Err(e) => Err(LeaseError::Unavailable(e.to_string())),
+                match self.gate.register(&resource, FenceToken(req.token)).await? {
+                    Registered::Raised(token) => Ok(fence(StatusCode::OK, token)),
+                    Registered::Below(current) => Ok(fence(StatusCode::CONFLICT, current)),
                 }
             }
             _ => Err(LeaseError::NotFound),
@@ -350,14 +346,22 @@ impl LeaseService {
     }
 
     async fn apply(&self, name: &ResourceKey, command: LeaseCommand, now_ms: u64) -> Result<LeaseOutcome, LeaseError> {
-        self.gate.lease(name, command, now_ms).await.map_err(|e| match e {
+        Ok(self.gate.lease(name, command, now_ms).await?)
+    }
+}
+
+/// A grant or a registration the gate could not make: the store's state is unknown (503),
+/// with when to retry when the store said.
+impl From<AdmitError> for LeaseError {
+    fn from(e: AdmitError) -> Self {
+        match e {
             AdmitError::StoreUnavailable(e) if e.retry_after_ms().is_some() => LeaseError::Recovering {
                 message: e.to_string(),
                 retry_after_s: e.retry_after_ms().unwrap_or(1000).div_ceil(1000),
             },
             AdmitError::StoreUnavailable(e) => LeaseError::Unavailable(e.to_string()),
             other => LeaseError::Unavailable(other.to_string()),
-        })
+        }
     }
 }
 

@@ -35,8 +35,10 @@ impl Front {
         let token = FenceToken(claims.token);
         if !stands {
             if write
-                && let Some(current) = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?
-                && current > token
+                && let Some(current) = crate::fence::stale_below(
+                    self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?,
+                    token,
+                )
             {
                 return Err(Refusal::Stale { presented: token, current }.into());
             }

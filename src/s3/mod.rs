@@ -405,9 +405,8 @@ impl Front {
         resource: &ResourceKey,
         token: FenceToken,
     ) -> Result<(), FrontError> {
-        if let Some(current) = self.gate.fence(resource).await.map_err(Refusal::StoreUnavailable)?
-            && token < current
-        {
+        let fence = self.gate.fence(resource).await.map_err(Refusal::StoreUnavailable)?;
+        if let Some(current) = crate::fence::stale_below(fence, token) {
             return Err(Refusal::Stale { presented: token, current }.into());
         }
         let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)

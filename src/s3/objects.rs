@@ -41,8 +41,8 @@ impl ObjectState {
     /// The stamp, if it is newer than `token`: the write is stale whatever the fence store says.
     pub fn newer_stamp(&self, token: FenceToken) -> Option<FenceToken> {
         match self {
-            Self::Present { stamp: Some(s), .. } if *s > token => Some(*s),
-            _ => None,
+            Self::Present { stamp, .. } => crate::fence::stale_below(*stamp, token),
+            Self::Absent => None,
         }
     }
 }

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 
 use super::Front;
 use super::objects::{self, ObjectState};
-use crate::fence::{FenceToken, ResourceKey, StoreError};
+use crate::fence::{FenceToken, ResourceKey, StoreError, stale_below};
 use crate::net::percent::encode_key;
 
 /// Heads read at once.
@@ -177,7 +177,7 @@ impl Scan<'_> {
                 }
                 self.summary.uploads += 1;
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
-                let Some(fence) = self.fence(&resource).await?.filter(|fence| *fence > record.token) else { continue };
+                let Some(fence) = stale_below(self.fence(&resource).await?, record.token) else { continue };
                 if !self.front.upload_exists(&record).await.map_err(ScanError::Failed)? {
                     continue;
                 }

@@ -105,7 +105,8 @@ impl Front {
         else {
             return Ok(None);
         };
-        let stale = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?.is_some_and(|f| f > token);
+        let fence = self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?;
+        let stale = crate::fence::stale_below(fence, token).is_some();
         decision.write(&resource, token);
         decision.let_through("own_upload_aborted");
         let resp = self.abort_upload(&record, "abort_own_upload").await?;
@@ -183,7 +184,7 @@ impl Front {
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
                 let name = record.storage_name();
                 walked.insert(name.clone());
-                let superseded = self.gate.fence(&resource).await?.is_some_and(|fence| fence > record.token);
+                let superseded = crate::fence::stale_below(self.gate.fence(&resource).await?, record.token).is_some();
                 if !superseded {
                     sweep.superseded_since.remove(&name);
                 } else if let Some(after) = after {

@@ -15,6 +15,7 @@ use super::millis;
 use super::{
     AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, Listings,
     ResourceKey, SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
+    stale_below,
 };
 use crate::metrics;
 
@@ -141,6 +142,15 @@ struct Inflight {
     body_sent: Arc<AtomicBool>,
     /// Why the write was cut off, once it is ([`CutOff`] as a number, 0 for none).
     cut_off: Arc<AtomicU8>,
+}
+
+/// What a registration did ([`Gate::register`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registered {
+    /// The fence is now this token (200).
+    Raised(FenceToken),
+    /// The fence already stood at this, above the token registered (409).
+    Below(FenceToken),
 }
 
 /// One resource's writes in flight on this replica ([`Gate::inflight`]).
@@ -366,8 +376,8 @@ impl Gate {
     /// the token), so it is raised back.
     fn refuse_below_mark(&self, slot: &Arc<Slot>, resource: &ResourceKey, token: FenceToken) -> Result<(), AdmitError> {
         let mark = slot.state().fence.flatten(); // the guard must not outlive this line
-        match mark {
-            Some(current) if token < current => {
+        match stale_below(mark, token) {
+            Some(current) => {
                 self.repair_in_background(slot, resource, current);
                 Err(AdmitError::Stale { presented: token, current })
             }
@@ -382,6 +392,20 @@ impl Gate {
         let slot = self.slot(resource);
         self.settle(&slot, resource, token, None, true).await?;
         Ok(token)
+    }
+
+    /// A registration (G7), as both the admin listener and the lease endpoints take it
+    /// (`PUT .../fences/{resource}`): the fence raised to `token`, or, when it already stands
+    /// above, where it stands. Each front renders the errors its own way.
+    pub async fn register(&self, resource: &ResourceKey, token: FenceToken) -> Result<Registered, AdmitError> {
+        match self.advance(resource, token).await {
+            Ok(token) => {
+                tracing::info!(resource = resource.as_str(), token = token.0, "fence registered");
+                Ok(Registered::Raised(token))
+            }
+            Err(AdmitError::Stale { current, .. }) => Ok(Registered::Below(current)),
+            Err(error) => Err(error),
+        }
     }
 
     /// The fence of `resource` as the store has it.
@@ -444,7 +468,7 @@ impl Gate {
                             None => return Ok(None),
                             Some(caller) => {
                                 self.check_budget(&state, caller)?;
-                                return self.register(slot, &mut state, token, caller).map(Some);
+                                return self.track_inflight(slot, &mut state, token, caller).map(Some);
                             }
                         },
                     },
@@ -479,11 +503,11 @@ impl Gate {
         Ok(())
     }
 
-    /// Registers a write in flight, unless the gate closed. Checked under the slot's lock: a
+    /// Tracks a write in flight, unless the gate closed. Checked under the slot's lock: a
     /// write that waited (for a load, an advance, an older write) while shutdown began is
     /// either counted by [`Gate::inflight_writes`], which takes the same lock after
     /// [`Gate::close`], or refused here; never registered unseen after the count.
-    fn register(
+    fn track_inflight(
         &self,
         slot: &Arc<Slot>,
         state: &mut MutexGuard<'_, SlotState>,

@@ -29,7 +29,7 @@ impl Gate {
             Some(caller) => {
                 let mut state = slot.state();
                 self.check_budget(&state, caller)?;
-                Some(self.register(slot, &mut state, token, caller)?)
+                Some(self.track_inflight(slot, &mut state, token, caller)?)
             }
             None => None,
         };
