@@ -142,6 +142,15 @@ impl Admin {
                 "this admin listener answers only to the address it listens on (and server.admin_host_names)",
             ));
         }
+        if !matches!(*req.method(), Method::GET | Method::HEAD) && !self.same_origin(req.headers()) {
+            // A page of another site may send a "simple" POST without asking first; curl and
+            // the tools send no Origin.
+            return Ok(problem(
+                StatusCode::FORBIDDEN,
+                "CrossSiteRequest",
+                "a change on the admin listener from a page of another origin is refused",
+            ));
+        }
         let access = self.access(req.headers());
         let path = req.uri().path().to_owned();
         let needs = match (req.method(), path.as_str()) {
@@ -210,10 +219,27 @@ impl Admin {
         if presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
             return Access::Operator;
         }
-        if session_cookie(headers).is_some_and(|c| constant_time_eq(c.as_bytes(), session.as_bytes())) {
+        if session_cookies(headers).any(|c| constant_time_eq(c.as_bytes(), session.as_bytes())) {
             return Access::Reader;
         }
         Access::Anyone
+    }
+
+    /// Whether a change comes from this listener's own page, or from no page at all: the
+    /// browser's `Sec-Fetch-Site` and `Origin` name where it comes from.
+    fn same_origin(&self, headers: &HeaderMap) -> bool {
+        let site = headers.get("sec-fetch-site").map(|v| v.as_bytes());
+        if site.is_some_and(|s| s != b"same-origin" && s != b"none") {
+            return false;
+        }
+        match headers.get(header::ORIGIN).map(|v| v.to_str()) {
+            None => true,
+            Some(Ok(origin)) => origin
+                .strip_prefix("http://")
+                .or_else(|| origin.strip_prefix("https://"))
+                .is_some_and(|authority| self.hosts.serves(Some(authority))),
+            Some(Err(_)) => false,
+        }
     }
 
     fn page(&self) -> AdminResponse {
@@ -266,6 +292,9 @@ impl Admin {
                 return problem(StatusCode::BAD_REQUEST, "InvalidRequest", &detail);
             }
         };
+        if let Err(detail) = job.check() {
+            return problem(StatusCode::BAD_REQUEST, "InvalidRequest", &detail);
+        }
         let Some(events) = self.reconciler.start(job) else {
             return problem(StatusCode::CONFLICT, "ReconcileRunning", "a reconciliation is already running");
         };
@@ -332,14 +361,15 @@ fn session_value(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
 
-/// The value of the console's cookie, if the request carries it.
-fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+/// The values of the console's cookie the request carries (a page of another port of the host
+/// may have set one more, with a narrower path, which the browser sends first).
+fn session_cookies(headers: &HeaderMap) -> impl Iterator<Item = &str> {
     headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
-        .find_map(|pair| pair.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='))
+        .filter_map(|pair| pair.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='))
 }
 
 fn with_cookie(cookie: String) -> AdminResponse {

@@ -115,8 +115,8 @@ impl Output {
                     stdout,
                     "{:<20} {:<40} {:<30} {:>8} {:>8}  {}",
                     event["kind"].as_str().unwrap_or("?"),
-                    event["key"].as_str().unwrap_or(""),
-                    event["resource"].as_str().unwrap_or(""),
+                    shown(event["key"].as_str().unwrap_or("")),
+                    shown(event["resource"].as_str().unwrap_or("")),
                     show(token),
                     show(event["fence"].as_u64()),
                     action(&event["action"]),
@@ -140,6 +140,12 @@ impl Output {
         }
         Ok(None)
     }
+}
+
+/// A name as the terminal shows it: control characters escaped (a key can hold any), so that
+/// no key moves the cursor or retitles the window.
+fn shown(name: &str) -> String {
+    name.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 fn action(value: &Value) -> String {

@@ -127,7 +127,7 @@ pub fn result_document(entries: &[String]) -> Bytes {
 }
 
 /// An S3 error document's `<Code>` and `<Message>` (what a key's failed delete came back with).
-fn error_of(body: &[u8]) -> (String, String) {
+pub(super) fn error_of(body: &[u8]) -> (String, String) {
     let text = String::from_utf8_lossy(body);
     let field = |name: &str| {
         let open = format!("<{name}>");

@@ -16,6 +16,11 @@ pub enum FrontError {
     Refused(#[from] Refusal),
     #[error("the {0} header counts only if the request's SigV4 signature covers it: sign it (SignedHeaders)")]
     Unsigned(String),
+    /// The stamp named in the query (`?x-amz-meta-fencing-token=...`) with another value than
+    /// the token presented: an upstream that takes metadata from the query would store it over
+    /// fencegate's own.
+    #[error("x-amz-meta-fencing-token in the query must be the write's token: it is the stamp fencegate stores")]
+    StampInQuery,
     #[error("There were headers present in the request which were not signed: {0}")]
     HeadersNotSigned(String),
     #[error(
@@ -117,7 +122,9 @@ impl FrontError {
     pub fn decision(&self) -> &'static str {
         match self {
             Self::Refused(refusal) => refusal.decision(),
-            Self::TokenMismatch { .. } | Self::Unsigned(_) | Self::PresignTooLong => "invalid_token",
+            Self::TokenMismatch { .. } | Self::Unsigned(_) | Self::PresignTooLong | Self::StampInQuery => {
+                "invalid_token"
+            }
             Self::LeaseTokenMismatch { .. } => "invalid_token",
             Self::LeaseResourceMismatch { .. } => "invalid_resource",
             Self::LeaseExpired => "lease_expired",
@@ -134,7 +141,9 @@ impl FrontError {
         use StatusCode as S;
         match self {
             Self::Refused(refusal) => (refusal.status(), refusal.s3_code()),
-            Self::TokenMismatch { .. } | Self::Unsigned(_) => (S::BAD_REQUEST, "InvalidFencingToken"),
+            Self::TokenMismatch { .. } | Self::Unsigned(_) | Self::StampInQuery => {
+                (S::BAD_REQUEST, "InvalidFencingToken")
+            }
             Self::HeadersNotSigned(_) | Self::SigV2Date | Self::SigV2Refused(_) => (S::FORBIDDEN, "AccessDenied"),
             Self::SigV2Off => (S::BAD_REQUEST, "InvalidRequest"),
             Self::AuthorizationMalformed | Self::WrongRegion { .. } => (S::BAD_REQUEST, "AuthorizationHeaderMalformed"),

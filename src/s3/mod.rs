@@ -305,6 +305,9 @@ impl Front {
             Some(lease) => Some(lease.token),
             None => self.wire.token(&request.headers)?,
         };
+        if stamp_in_query_disagrees(&request.query, presented) {
+            return Err(FrontError::StampInQuery);
+        }
         let Some(token) = presented else {
             if self.require_token {
                 return Err(Refusal::MissingToken.into());
@@ -579,6 +582,15 @@ impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.text().as_str())
     }
+}
+
+/// Whether the query of a write names the stamp as metadata to store (a presigned URL carries
+/// metadata so, and an upstream that takes it from there stores it over fencegate's own) with
+/// another value than the token presented, or without one.
+fn stamp_in_query_disagrees(query: &str, presented: Option<FenceToken>) -> bool {
+    form_urlencoded::parse(query.trim_start_matches('?').as_bytes())
+        .filter(|(name, _)| name.eq_ignore_ascii_case(METADATA_TOKEN_HEADER))
+        .any(|(_, value)| presented.is_none_or(|token| FenceToken::parse(value.as_bytes()) != Ok(token)))
 }
 
 #[cfg(test)]

@@ -7,12 +7,14 @@
 //!   record, confirmed at the upstream); `apply` aborts it;
 //! - an object with no stamp whose resource is fenced (under a rule's prefix, or its own
 //!   `bucket/key` with a fence): written around fencegate;
-//! - an object stamped above its resource's fence: the store lost an advance; `apply` raises
-//!   the fence to the stamp (never lowers one), as a registration does.
+//! - an object stamped above its resource's fence, where a rule binds the key (so the resource
+//!   is known): the store lost an advance; `apply` raises the fence to the stamp (never lowers
+//!   one), as a registration does, but never to 2^64-1, which would lock the resource for good.
 //!
-//! An object outside every rule whose own name has no fence may have been written under a
-//! resource its writer named (`Fencing-Resource`), which the object does not record: it is
-//! counted as unattributed, never judged.
+//! A stamped object outside every rule may have been written under a resource its writer
+//! named (`Fencing-Resource`), which the object does not record: its stamp is counted as
+//! unattributed, never judged. A stamp is not authenticated: whoever can write the upstream
+//! directly can forge one, so `apply` is the operator's call on what the report shows.
 //!
 //! The scan streams: one page of the listing at a time, heads read a few at once, findings
 //! sent as they are found, so its memory does not grow with the bucket.
@@ -29,7 +31,7 @@ use tokio::sync::mpsc;
 
 use super::Front;
 use super::objects::{self, ObjectState};
-use crate::fence::{FenceToken, ResourceKey, StoreError, stale_below};
+use crate::fence::{FenceToken, ResourceKey, StoreError, UploadRecord, stale_below};
 use crate::net::percent::encode_key;
 
 /// Heads read at once.
@@ -50,6 +52,17 @@ pub struct Job {
     pub prefix: String,
     #[serde(default)]
     pub apply: bool,
+}
+
+impl Job {
+    /// A bucket name as S3 could have one (the rest is the upstream's to refuse): a name with a
+    /// `/` or nothing in it would list the buckets, or read an object, as if it were a listing.
+    pub fn check(&self) -> Result<(), String> {
+        let bucket = &self.bucket;
+        let fits = (1..=255).contains(&bucket.len())
+            && bucket.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+        if fits { Ok(()) } else { Err(format!("{bucket:?} is not a bucket name")) }
+    }
 }
 
 /// What the scan tells, in order: progress now and then, findings as found, then `done` (or
@@ -182,12 +195,9 @@ impl Scan<'_> {
                     continue;
                 }
                 let action = if self.job.apply {
-                    match self.front.abort_upload(&record, "reconcile").await {
-                        Ok(resp) if resp.status().is_success() || resp.status() == StatusCode::NOT_FOUND => {
-                            Action::Aborted
-                        }
-                        Ok(resp) => Action::Failed(format!("the upstream answered {}", resp.status())),
-                        Err(e) => Action::Failed(e.to_string()),
+                    match self.abort(&record).await? {
+                        Some(action) => action,
+                        None => continue, // a newer token took it over meanwhile: not stale
                     }
                 } else {
                     Action::None
@@ -208,6 +218,20 @@ impl Scan<'_> {
                 None => return Ok(()),
             }
         }
+    }
+
+    /// Aborts a stale upload, unless a newer token took it over since its record was read
+    /// (read again just before, as the sweep does): `None` then.
+    async fn abort(&self, record: &UploadRecord) -> Result<Option<Action>, ScanError> {
+        let now = self.front.gate.upload_records().get(&record.bucket, &record.upload_id).await?;
+        if now.as_ref().is_none_or(|now| now.token != record.token) {
+            return Ok(None);
+        }
+        Ok(Some(match self.front.abort_upload(record, "reconcile").await {
+            Ok(resp) if resp.status().is_success() || resp.status() == StatusCode::NOT_FOUND => Action::Aborted,
+            Ok(resp) => Action::Failed(format!("the upstream answered {}", resp.status())),
+            Err(e) => Action::Failed(e.to_string()),
+        }))
     }
 
     /// Every object of the bucket under the prefix, a listing page at a time.
@@ -248,15 +272,20 @@ impl Scan<'_> {
             None => format!("{}/{key}", self.job.bucket),
         };
         let Ok(resource_key) = ResourceKey::new(&resource) else { return Ok(()) };
+        if bound.is_none() && stamp.is_some() {
+            self.summary.unattributed += 1;
+            return Ok(());
+        }
         let fence = self.fence(&resource_key).await?;
         if bound.is_none() && fence.is_none() {
-            self.summary.unattributed += u64::from(stamp.is_some());
             return Ok(());
         }
         let finding = match stamp {
             None => Finding::Unstamped { key, resource, fence: fence.map(|f| f.0) },
             Some(stamp) if fence.is_none_or(|fence| stamp > fence) => {
-                let action = if self.job.apply {
+                let action = if stamp == FenceToken(u64::MAX) {
+                    Action::Failed("not raised: 2^64-1 would lock the resource for good".into())
+                } else if self.job.apply {
                     match self.front.gate.advance(&resource_key, stamp).await {
                         Ok(_) => {
                             self.fences.insert(resource_key, Some(stamp));
@@ -328,8 +357,11 @@ impl Front {
             .map_err(|e| ScanError::Failed(format!("reading the listing: {e}")))?
             .to_bytes();
         if !status.is_success() {
-            let text = String::from_utf8_lossy(&body);
-            return Err(ScanError::Failed(format!("listing the bucket: the upstream answered {status}: {text}")));
+            // Its code and message only: an S3 error can carry the signature that was sent.
+            let (code, message) = super::delete_objects::error_of(&body);
+            return Err(ScanError::Failed(format!(
+                "listing the bucket: the upstream answered {status} {code}: {message}"
+            )));
         }
         let listed: ListBucketResult = quick_xml::de::from_reader(body.as_ref())
             .map_err(|e| ScanError::Failed(format!("the listing is not S3's: {e}")))?;

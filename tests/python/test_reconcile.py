@@ -12,10 +12,13 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 
 import pytest
+import requests
 
-from fencegate_testlib import bin_path, quote_resource, unique
+from fencegate_testlib import bin_path, quote_resource, signed_raw_request, unique
+from holding_upstream import HELD_PREFIX, HELD_RESOURCE
 
 RESOURCE = "job:reports"
 ADMIN_TOKEN = "reconcile-admin-token-0123"
@@ -101,7 +104,8 @@ def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_serv
     moto = moto_server.client()
     # Written straight to the upstream: no stamp, under the rule's prefix.
     moto.put_object(Bucket=fg.bucket, Key="reports/around.csv", Body=b"around")
-    # Outside every rule, its own name never fenced: its resource cannot be known.
+    # Outside every rule: its stamp may be another resource's, which the object does not record
+    # (as loose/ok.txt's, written through fencegate): not judged, counted as unattributed.
     moto.put_object(Bucket=fg.bucket, Key="loose/unknown.txt", Body=b"?", Metadata={"fencing-token": "4"})
     # Stamped 12 straight at the upstream: as if the store lost the advance to 12.
     moto.put_object(Bucket=fg.bucket, Key="reports/lost.csv", Body=b"12", Metadata={"fencing-token": "12"})
@@ -113,7 +117,7 @@ def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_serv
     lost = found[("stamp_above_fence", "reports/lost.csv")]
     assert (lost["resource"], lost["stamp"], lost["fence"], lost["action"]) == (RESOURCE, 12, 7, "none")
     done = json.loads(run.stdout.splitlines()[-1])
-    assert (done["objects"], done["findings"], done["unattributed"]) == (5, 2, 1)
+    assert (done["objects"], done["findings"], done["unattributed"]) == (5, 2, 2)
 
     applied = findings(reconcile(fg, "--json", "--apply"))
     assert {(f["kind"], f["action"]) for f in applied if f["kind"] == "stamp_above_fence"} == \
@@ -157,3 +161,87 @@ def test_reconcile_needs_the_admin_token_and_a_running_fencegate(fencegate, moto
     fg.stop()
     run = reconcile(fg)
     assert run.returncode == 2 and "is it running?" in run.stderr
+
+
+def test_a_stamp_reconcile_cannot_attribute_or_that_would_lock_is_never_raised(fencegate, moto_server):
+    """A stamp is not authenticated: whoever writes the upstream directly can forge one. A
+    stamp on a key no rule binds may be another resource's (`Fencing-Resource`): never judged,
+    even when the key's own name has a fence. A forged 2^64-1 under a rule is reported and
+    never raised: it would lock the resource for good."""
+    fg = start(fencegate, moto_server, "moto")
+    fg.client(token=5).put_object(Bucket=fg.bucket, Key="loose/shared.bin", Body=b"5")
+    fg.client(token=1000000, resource="tenant:z").put_object(Bucket=fg.bucket, Key="loose/shared.bin", Body=b"z")
+    fg.client(token=7).put_object(Bucket=fg.bucket, Key="reports/ok.csv", Body=b"7")
+    moto_server.client().put_object(Bucket=fg.bucket, Key="reports/forged.csv", Body=b"!",
+                                    Metadata={"fencing-token": str(2 ** 64 - 1)})
+    run = reconcile(fg, "--json", "--apply")
+    found = findings(run)
+    assert [(f["kind"], f["key"], f["action"]) for f in found] == [
+        ("stamp_above_fence", "reports/forged.csv", {"failed": "not raised: 2^64-1 would lock the resource for good"})]
+    assert json.loads(run.stdout.splitlines()[-1])["unattributed"] == 1
+    assert fence(fg, f"{fg.bucket}/loose/shared.bin") == 5 and fence(fg, RESOURCE) == 7
+
+
+def test_an_upload_taken_over_while_the_scan_ran_is_not_aborted(held_s3):
+    """Token 6 takes over token 5's upload while reconcile --apply checks it at the upstream:
+    the record is read again before the abort, and token 6 completes its upload."""
+    env = held_s3(config={"server": {"admin_token": ADMIN_TOKEN}})
+    fg, key = env.fg, HELD_PREFIX + "big.bin"
+    a = fg.client(token=5)
+    upload = a.create_multipart_upload(Bucket=env.bucket, Key=key)["UploadId"]
+    p1 = a.upload_part(Bucket=env.bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"a" * (5 << 20))
+    assert fg.put_fence(HELD_RESOURCE, 6, token=ADMIN_TOKEN).status_code == 200
+    hold = env.up.hold_next("GET", key, query="max-parts=1")  # reconcile asks whether it exists
+    out = {}
+
+    def scan():
+        r = requests.post(fg.admin_url + "/v1/reconcile", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                          json={"bucket": env.bucket, "apply": True}, timeout=120)
+        out["lines"] = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+    t = threading.Thread(target=scan)
+    t.start()
+    assert hold.wait_arrived(30), "reconcile never asked the upstream about the upload"
+    b = fg.client(token=6)
+    p2 = b.upload_part(Bucket=env.bucket, Key=key, UploadId=upload, PartNumber=2, Body=b"b" * 1024)
+    hold.release()
+    t.join(60)
+    assert [line["event"] for line in out["lines"]][-1] == "done"
+    assert not [line for line in out["lines"] if line["event"] == "finding"], out["lines"]
+    b.complete_multipart_upload(Bucket=env.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": [
+        {"PartNumber": 1, "ETag": p1["ETag"]}, {"PartNumber": 2, "ETag": p2["ETag"]}]})
+
+
+def test_reconcile_refuses_what_is_no_bucket_and_pages_of_other_sites(fencegate, moto_server):
+    fg = start(fencegate, moto_server, "local")
+    bearer = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    for bucket in ("", "/", "a/b", "a b", "a\nb"):
+        r = requests.post(fg.admin_url + "/v1/reconcile", headers=bearer, json={"bucket": bucket}, timeout=10)
+        assert r.status_code == 400, bucket
+    # A page of another site may post without asking first ("simple" request): refused.
+    for cross in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+        r = requests.post(fg.admin_url + "/v1/reconcile", data=json.dumps({"bucket": fg.bucket, "apply": True}),
+                          headers={**bearer, "Content-Type": "text/plain", **cross}, timeout=10)
+        assert r.status_code == 403 and r.json()["title"] == "CrossSiteRequest", cross
+    own = {"Origin": fg.admin_url, "Sec-Fetch-Site": "same-origin"}
+    assert fg.put_fence("job:own-page", 3, token=ADMIN_TOKEN).status_code == 200
+    r = requests.put(fg.admin_url + "/v1/fences/" + quote_resource("job:own-page"), json={"token": 4},
+                     headers={**bearer, **own}, timeout=10)
+    assert r.status_code == 200, "the listener's own page may change what its token allows"
+
+
+def test_the_stamp_cannot_be_named_in_the_query(fencegate, moto_server):
+    """An upstream that takes metadata from the query (moto does) would store a writer's own
+    stamp over fencegate's: `?x-amz-meta-fencing-token=` on a write is refused unless it is the
+    token presented (as a presigned URL carries it), nothing sent."""
+    fg = start(fencegate, moto_server, "moto")
+    fg.client(token=5).put_object(Bucket=fg.bucket, Key="reports/x.csv", Body=b"5")
+    for name in ("x-amz-meta-fencing-token", "X-Amz-Meta-Fencing-Token"):
+        r = signed_raw_request(fg, "PUT", f"/{fg.bucket}/reports/x.csv?{name}={2 ** 64 - 1}",
+                               {"Fencing-Token": "5"}, b"mine")
+        assert (r.status, r.code()) == (400, "InvalidFencingToken"), (name, r.body)
+    head = moto_server.client().head_object(Bucket=fg.bucket, Key="reports/x.csv")
+    assert head["Metadata"]["fencing-token"] == "5"
+    r = signed_raw_request(fg, "PUT", f"/{fg.bucket}/reports/x.csv?x-amz-meta-fencing-token=5", {"Fencing-Token": "5"},
+                           b"five again")
+    assert r.status == 200, r.body

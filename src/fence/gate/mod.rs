@@ -300,11 +300,10 @@ impl Gate {
                 oldest: state.inflight.iter().map(|w| now - w.since).max().unwrap_or_default(),
                 newer_waiting: state.waiting > 0,
             });
-            if views.len() == max {
-                break;
-            }
         }
+        // The oldest first, and those kept: they are the ones an operator looks for.
         views.sort_by_key(|view| std::cmp::Reverse(view.oldest));
+        views.truncate(max);
         views
     }
 
