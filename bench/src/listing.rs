@@ -33,6 +33,7 @@ pub async fn walk(admin: SocketAddr, limit: usize, pages_max: u64) -> anyhow::Re
         }
         let page_started = Instant::now();
         let req = http::Request::get(uri).header(http::header::HOST, admin.to_string()).body(Empty::<Bytes>::new())?;
+        sender.ready().await?;
         let resp = sender.send_request(req).await?;
         anyhow::ensure!(resp.status() == http::StatusCode::OK, "GET /v1/fences answered {}", resp.status());
         let body = resp.into_body().collect().await?.to_bytes();

@@ -691,7 +691,7 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
         });
         ctx.lookups.push((count, report.ms(0.99)));
         if target == ctx.args.lookup_resources_large {
-            listing_row(ctx, &proc, fg, count, "fencegate").await?;
+            listing_row(ctx, &proc, fg, count, count / 1000 + 10, "fencegate").await?;
         }
         if count < target {
             ctx.suite.notes.push(format!(
@@ -709,10 +709,17 @@ async fn lookup_runs(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow:
 /// A walk of every fence of a fencegate (`GET /v1/fences`, pages of 1,000) whose store holds
 /// `count`: its time, its slowest page, and the server's memory before and at its peak during
 /// the walk (the listing keeps one page: its memory must not grow with the store).
-async fn listing_row(ctx: &mut Ctx, proc: &Proc, fg: FencegateAddrs, count: u64, path: &str) -> anyhow::Result<()> {
+async fn listing_row(
+    ctx: &mut Ctx,
+    proc: &Proc,
+    fg: FencegateAddrs,
+    count: u64,
+    pages_max: u64,
+    path: &str,
+) -> anyhow::Result<()> {
     let before = procs::rss(proc.pid()).ok();
     let peak_reset = procs::reset_peak_rss(proc.pid());
-    let walk = crate::listing::walk(fg.admin, 1000, count / 1000 + 10).await?;
+    let walk = crate::listing::walk(fg.admin, 1000, pages_max).await?;
     let after = procs::rss(proc.pid()).ok();
     let mib = |kb: u64| kb as f64 / 1024.0;
     eprintln!("  listed {} fences in {} pages, {:?}", walk.fences, walk.pages, walk.took);
@@ -732,6 +739,9 @@ async fn listing_row(ctx: &mut Ctx, proc: &Proc, fg: FencegateAddrs, count: u64,
     Ok(())
 }
 
+/// Pages of the Redis listing walked.
+const REDIS_LISTING_PAGES: u64 = 20;
+
 /// The listing on a Redis store as large as the lookups' large one: Redis keeps no order of
 /// its keys, so each page walks them all.
 async fn redis_listing_run(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> anyhow::Result<()> {
@@ -747,7 +757,8 @@ async fn redis_listing_run(ctx: &mut Ctx, dir: &Path, upstream: SocketAddr) -> a
     let run_id = format!("{}r", ctx.base_run_id);
     let (count, took) = register(ctx, fg, &run_id, 0, ctx.args.lookup_resources_large).await;
     eprintln!("registered {count} fences in Redis ({took:?})");
-    listing_row(ctx, &proc, fg, count, "fencegate (redis store)").await?;
+    // Each page walks every key: the first pages tell the cost of each.
+    listing_row(ctx, &proc, fg, count, REDIS_LISTING_PAGES, "fencegate (redis store)").await?;
     drop(proc);
     drop(redis);
     Ok(())
