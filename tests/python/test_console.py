@@ -262,10 +262,20 @@ def test_a_hostile_resource_name_and_holder_show_as_text(fencegate, browser):
     assert page.js("return document.querySelectorAll('img, b, main script').length") == 0
 
 
-def test_the_prefix_search_narrows_the_fences_and_pages_turn(fencegate, browser):
+@pytest.fixture(params=["embedded", "redis"])
+def any_store(request, fencegate):
+    """A fencegate on each store (a shared store wants a bucket to probe at start-up)."""
+    if request.param == "embedded":
+        return fencegate()
+    redis = request.getfixturevalue("redis_server")
+    config = {"store": {"kind": "redis", "url": redis.url, "path": None}, "upstream": {"probe_bucket": "probe"}}
+    return fencegate(config=config, local_buckets=("probe",))
+
+
+def test_the_prefix_search_narrows_the_fences_and_pages_turn(any_store, browser):
     """Typing a prefix shows only the fences under it; more than a page (50) turns with next and
-    previous."""
-    fg = fencegate()
+    previous, on the embedded store and on Redis (whose pages are walks of its keys)."""
+    fg = any_store
     names = ["alpha/1", "alpha/2", "beta/1"] + [f"page/{i:03}" for i in range(55)]
     for i, name in enumerate(names):
         assert fg.put_fence(name, 10 + i).status_code == 200
@@ -295,10 +305,10 @@ def test_the_prefix_search_narrows_the_fences_and_pages_turn(fencegate, browser)
     page.until("no fence", lambda: page.rows("fences") == [] and page.shown("fences-empty"))
 
 
-def test_a_granted_lease_shows_its_holder_and_counts_down(fencegate, browser):
+def test_a_granted_lease_shows_its_holder_and_counts_down(any_store, browser):
     """A lease granted through fencegate shows with its holder and token, and its time left
     counts down on the page."""
-    fg = fencegate()
+    fg = any_store
     page = Console(browser, fg.admin_url).open()
     page.wait_healthy()
     lease = grant(fg, "job:console-lease", "worker-a", 30_000)

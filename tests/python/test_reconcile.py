@@ -74,9 +74,12 @@ def test_a_bucket_written_through_fencegate_is_clean(fencegate, moto_server, ups
     assert findings(reconcile(fg, "--json")) == []
 
 
-@pytest.mark.parametrize("upstream_kind", ["local", "moto"])
-def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, upstream_kind):
-    fg = start(fencegate, moto_server, upstream_kind)
+@pytest.mark.parametrize("upstream_kind,store", [("local", "embedded"), ("moto", "embedded"), ("local", "redis")])
+def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, upstream_kind, store, request):
+    extra = None
+    if store == "redis":
+        extra = {"store": {"kind": "redis", "url": request.getfixturevalue("redis_server").url, "path": None}}
+    fg = start(fencegate, moto_server, upstream_kind, extra)
     s3 = fg.client(token=5)
     upload = s3.create_multipart_upload(Bucket=fg.bucket, Key="reports/big.bin")["UploadId"]
     s3.upload_part(Bucket=fg.bucket, Key="reports/big.bin", UploadId=upload, PartNumber=1, Body=b"p" * 1024)
@@ -97,8 +100,12 @@ def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, 
     assert reconcile(fg).returncode == 0
 
 
-def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_server):
-    fg = start(fencegate, moto_server, "moto")
+@pytest.mark.parametrize("store", ["embedded", "redis"])
+def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_server, store, request):
+    extra = None
+    if store == "redis":
+        extra = {"store": {"kind": "redis", "url": request.getfixturevalue("redis_server").url, "path": None}}
+    fg = start(fencegate, moto_server, "moto", extra)
     fg.client(token=7).put_object(Bucket=fg.bucket, Key="reports/ok.csv", Body=b"x")
     fg.client(token=7).put_object(Bucket=fg.bucket, Key="loose/ok.txt", Body=b"x")
     moto = moto_server.client()
