@@ -15,6 +15,7 @@ use serde::Serialize;
 use tokio::sync::Notify;
 
 use crate::fence::{FenceToken, ResourceKey};
+use crate::lease::{Clock, SystemClock};
 
 /// Accepted events kept for a watcher that has not read them; beyond, they are dropped and
 /// counted.
@@ -386,7 +387,7 @@ impl Decision {
             None => (facts.resource.as_deref(), facts.token),
         };
         self.feed.publish(&DecisionEvent {
-            time_ms: now_ms(),
+            time_ms: SystemClock.now_ms(),
             replica: &self.feed.replica,
             operation: facts.operation,
             resource,
@@ -398,10 +399,6 @@ impl Decision {
             who: facts.who.as_deref(),
         });
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, crate::fence::millis)
 }
 
 #[cfg(test)]

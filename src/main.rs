@@ -151,10 +151,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// `GET /readyz` on the admin listener (on loopback when it listens on every address).
 async fn health(config: &Config) -> anyhow::Result<()> {
     use http_body_util::Empty;
-    let mut addr = config.server.admin_listen;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(if addr.is_ipv4() { [127, 0, 0, 1].into() } else { std::net::Ipv6Addr::LOCALHOST.into() });
-    }
+    let addr = reconcile::reachable(config.server.admin_listen);
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Empty<bytes::Bytes>>();
     let uri: http::Uri = format!("http://{addr}/readyz").parse()?;

@@ -2,14 +2,13 @@
 //! leases, the writes in flight. JSON, read only, and nothing secret in it (no lease id: it is
 //! a capability).
 
-use std::time::SystemTime;
-
 use http::StatusCode;
 use serde_json::json;
 
 use super::{AdminResponse, json_response, problem};
 use crate::feed::Feed;
 use crate::fence::{Gate, RESOURCE_BYTES_MAX, StoreError};
+use crate::lease::{Clock, SystemClock};
 
 /// A page of fences holds this many unless asked otherwise.
 pub const FENCES_PAGE_DEFAULT: usize = 100;
@@ -98,7 +97,7 @@ pub async fn leases(gate: &Gate, query: Option<&str>) -> AdminResponse {
         Ok(query) => query,
         Err(detail) => return problem(StatusCode::BAD_REQUEST, "InvalidArgument", &detail),
     };
-    let now_ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, crate::fence::millis);
+    let now_ms = SystemClock.now_ms();
     match gate.listings().leases(&query.prefix, query.limit).await {
         Ok(leases) => {
             let live: Vec<_> = leases

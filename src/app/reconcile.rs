@@ -72,8 +72,9 @@ pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
     anyhow::bail!("the reconcile answer ended before its summary")
 }
 
-/// The admin listener as a client reaches it: an unspecified address is this host's loopback.
-fn reachable(listen: SocketAddr) -> SocketAddr {
+/// The admin listener as a client on this host reaches it (`fencegate health`, `reconcile`): an
+/// unspecified address is this host's loopback.
+pub fn reachable(listen: SocketAddr) -> SocketAddr {
     match listen.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen.port()),
         IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(Ipv6Addr::LOCALHOST.into(), listen.port()),
