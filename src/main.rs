@@ -52,16 +52,17 @@ enum Command {
         config: PathBuf,
     },
     /// Ask the running fencegate the config names to compare its upstream with its fences:
-    /// uploads of superseded tokens, objects written around fencegate, objects stamped above
-    /// their fence. Exits 0 when it found nothing, 1 when it found something, 2 on an error.
+    /// API gateway requests whose outcome is unknown and, in a bucket, uploads of superseded
+    /// tokens, objects written around fencegate, objects stamped above their fence. Exits 0
+    /// when it found nothing, 1 when it found something, 2 on an error.
     Reconcile {
         #[arg(long, short, default_value = "config/fencegate.toml")]
         config: PathBuf,
-        /// The bucket to scan.
+        /// The bucket to scan (without one, only the gateway's records are read).
         #[arg(long)]
-        bucket: String,
-        /// Only keys that start with this.
-        #[arg(long, default_value = "")]
+        bucket: Option<String>,
+        /// Only keys that start with this (in the bucket).
+        #[arg(long, default_value = "", requires = "bucket")]
         prefix: String,
         /// Abort those uploads and raise lost fences to their stamps (never lowers one).
         #[arg(long)]

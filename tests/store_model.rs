@@ -351,6 +351,8 @@ async fn record_contract(store: &dyn IdempotencyStore, name: &str) {
         token: FenceToken(4),
         upstream_key: key.upstream_key(FenceToken(4)),
         expires_at_ms,
+        route: "/api/".into(),
+        claimed_at_ms: 0,
         outcome: IdempotencyOutcome::InFlight { deadline_ms: now + 1_000 },
     };
     let a = record("a", now + 60_000);
@@ -487,7 +489,8 @@ async fn upload_contract(store: &dyn UploadStore, name: &str) {
 
 /// Every store lists its fences the same way: in byte order of the resource, by prefix (taken
 /// literally: `*`, `}` and `%` are no patterns), after a resource, in pages of any size that
-/// walk every fence once; and its leases by prefix, up to a limit.
+/// walk every fence once; its leases the same way; and its idempotency records in pages that
+/// visit each once at least, each with its resource.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_keeps_the_listing_contract() {
     let dir = tempfile::tempdir().unwrap();
@@ -512,7 +515,7 @@ async fn listing_contract(store: &dyn Store, name: &str) {
     }
     let list = |prefix: &'static str, after: Option<&'static str>, limit: usize| async move {
         let page = store.fences(prefix, after, limit).await.unwrap();
-        let names: Vec<String> = page.fences.iter().map(|(r, _)| r.as_str().to_owned()).collect();
+        let names: Vec<String> = page.items.iter().map(|(r, _)| r.as_str().to_owned()).collect();
         (names, page.next)
     };
     let (everything, next) = list("", None, 1000).await;
@@ -520,7 +523,7 @@ async fn listing_contract(store: &dyn Store, name: &str) {
     sorted.sort();
     assert_eq!((everything, next), (sorted, None), "{name}: every fence, in byte order");
     let page = store.fences("job:a", None, 10).await.unwrap();
-    let tokens: Vec<(String, u64)> = page.fences.iter().map(|(r, t)| (r.as_str().to_owned(), t.0)).collect();
+    let tokens: Vec<(String, u64)> = page.items.iter().map(|(r, t)| (r.as_str().to_owned(), t.0)).collect();
     assert_eq!(tokens, [("job:a".to_owned(), 1), ("job:a/x".to_owned(), 2)], "{name}: with their tokens");
     assert_eq!(list("job:", None, 10).await.0, ["job:a", "job:a/x", "job:b"], "{name}: a prefix");
     assert_eq!(list("x}", None, 10).await.0, ["x}", "x}y%z"], "{name}: `}}` is no pattern");
@@ -533,8 +536,8 @@ async fn listing_contract(store: &dyn Store, name: &str) {
         let (mut walked, mut after) = (Vec::new(), None::<String>);
         for _ in 0..100 {
             let page = store.fences("page/", after.as_deref(), limit).await.unwrap();
-            assert!(page.fences.len() <= limit, "{name}: a page holds at most its limit");
-            walked.extend(page.fences.iter().map(|(r, _)| r.as_str().to_owned()));
+            assert!(page.items.len() <= limit, "{name}: a page holds at most its limit");
+            walked.extend(page.items.iter().map(|(r, _)| r.as_str().to_owned()));
             match page.next {
                 Some(next) => after = Some(next),
                 None => break,
@@ -553,11 +556,48 @@ async fn listing_contract(store: &dyn Store, name: &str) {
     for (resource, holder) in [("lease:b", "hb"), ("lease:a", "ha"), ("other", "ho")] {
         store.lease(&ResourceKey::new(resource).unwrap(), acquire(holder), now).await.unwrap();
     }
-    let leases = store.leases("lease:", 10).await.unwrap();
-    let seen: Vec<(&str, &str)> = leases.iter().map(|(r, l)| (r.as_str(), l.holder.as_str())).collect();
+    let leases = store.leases("lease:", None, 10).await.unwrap();
+    let seen: Vec<(&str, &str)> = leases.items.iter().map(|(r, l)| (r.as_str(), l.holder.as_str())).collect();
     assert_eq!(seen, [("lease:a", "ha"), ("lease:b", "hb")], "{name}: leases by prefix, in order");
-    assert!(leases.iter().all(|(_, l)| l.is_live(now) && l.ttl_ms == 60_000), "{name}");
-    assert_eq!(store.leases("", 1).await.unwrap().len(), 1, "{name}: up to the limit");
+    assert_eq!(leases.next, None, "{name}");
+    assert!(leases.items.iter().all(|(_, l)| l.is_live(now) && l.ttl_ms == 60_000), "{name}");
+    let first = store.leases("", None, 1).await.unwrap();
+    assert_eq!((first.items.len(), first.next.as_deref()), (1, Some("lease:a")), "{name}: up to the limit");
+    let second = store.leases("", first.next.as_deref(), 5).await.unwrap();
+    let rest: Vec<&str> = second.items.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!((rest, second.next), (vec!["lease:b", "other"], None), "{name}: and on after it");
+
+    let resources = ["pay:1", "pay:2", "pay:2/x", "x}y%z"];
+    let mut kept = std::collections::BTreeSet::new();
+    for (n, resource) in resources.iter().enumerate() {
+        for client in ["c1", "c2", "c3"] {
+            let key = IdempotencyKey::new(ResourceKey::new(resource).unwrap(), client.as_bytes());
+            let record = IdempotencyRecord {
+                claim: format!("{resource}/{client}"),
+                fingerprint: "fp".into(),
+                token: FenceToken(n as u64 + 1),
+                upstream_key: key.upstream_key(FenceToken(n as u64 + 1)),
+                expires_at_ms: now + 60_000,
+                route: "/api/".into(),
+                claimed_at_ms: now,
+                outcome: IdempotencyOutcome::InFlight { deadline_ms: now + 1_000 },
+            };
+            assert_eq!(store.idempotency_begin(&key, &record, now).await.unwrap(), IdempotencyBegin::Claimed);
+            kept.insert(((*resource).to_owned(), record.claim));
+        }
+    }
+    for limit in [1, 5, 7, 1000] {
+        let (mut seen, mut cursor) = (std::collections::BTreeSet::new(), None);
+        for _ in 0..1000 {
+            let page = store.idempotency_records(cursor.take(), limit).await.unwrap();
+            seen.extend(page.records.into_iter().map(|(r, record)| (r.as_str().to_owned(), record.claim)));
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(seen, kept, "{name}: pages of {limit} visit every record, each with its resource");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

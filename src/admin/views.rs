@@ -14,6 +14,8 @@ use crate::lease::{Clock, SystemClock};
 pub const FENCES_PAGE_DEFAULT: usize = 100;
 /// ... and at most this many (`limit`), as do the leases listed.
 pub const PAGE_MAX: usize = 1000;
+/// Pages of leases read at most for one answer of `/v1/leases`.
+pub const LEASE_PAGES_MAX: usize = 10;
 /// Resources with writes in flight shown at most.
 pub const INFLIGHT_RESOURCES_MAX: usize = 1000;
 
@@ -82,41 +84,48 @@ pub async fn fences(gate: &Gate, query: Option<&str>) -> AdminResponse {
     match gate.listings().fences(&query.prefix, query.after.as_deref(), query.limit).await {
         Ok(page) => {
             let fences: Vec<_> =
-                page.fences.iter().map(|(r, t)| json!({ "resource": r.as_str(), "token": t.0 })).collect();
+                page.items.iter().map(|(r, t)| json!({ "resource": r.as_str(), "token": t.0 })).collect();
             json_response(StatusCode::OK, &json!({ "fences": fences, "next": page.next }))
         }
         Err(e) => unavailable(&e),
     }
 }
 
+/// The live leases: pages of the store's leases are read until `limit` live ones are found or
+/// [`LEASE_PAGES_MAX`] pages were read (expired leases are kept until a grant replaces them,
+/// so a prefix may hold many); `next` tells where to go on from.
 pub async fn leases(gate: &Gate, query: Option<&str>) -> AdminResponse {
     let query = match Query::parse(query, PAGE_MAX) {
-        Ok(Query { after: Some(_), .. }) => {
-            return problem(StatusCode::BAD_REQUEST, "InvalidArgument", "leases are listed by prefix and limit");
-        }
         Ok(query) => query,
         Err(detail) => return problem(StatusCode::BAD_REQUEST, "InvalidArgument", &detail),
     };
     let now_ms = SystemClock.now_ms();
-    match gate.listings().leases(&query.prefix, query.limit).await {
-        Ok(leases) => {
-            let live: Vec<_> = leases
-                .iter()
-                .filter(|(_, lease)| lease.is_live(now_ms))
-                .map(|(resource, lease)| {
-                    json!({
-                        "resource": resource.as_str(),
-                        "holder": lease.holder,
-                        "token": lease.token.0,
-                        "ttl_ms": lease.ttl_ms,
-                        "expires_in_ms": lease.expires_at_ms - now_ms,
-                    })
-                })
-                .collect();
-            json_response(StatusCode::OK, &json!({ "leases": live }))
+    let (mut live, mut after) = (Vec::new(), query.after);
+    for _ in 0..LEASE_PAGES_MAX {
+        let page = match gate.listings().leases(&query.prefix, after.as_deref(), query.limit).await {
+            Ok(page) => page,
+            Err(e) => return unavailable(&e),
+        };
+        for (resource, lease) in page.items.iter().filter(|(_, lease)| lease.is_live(now_ms)) {
+            if live.len() == query.limit {
+                // One live lease past the page: the page ends before it.
+                return json_response(StatusCode::OK, &json!({ "leases": live, "next": after }));
+            }
+            live.push(json!({
+                "resource": resource.as_str(),
+                "holder": lease.holder,
+                "token": lease.token.0,
+                "ttl_ms": lease.ttl_ms,
+                "expires_in_ms": lease.expires_at_ms - now_ms,
+            }));
+            after = Some(resource.as_str().to_owned());
         }
-        Err(e) => unavailable(&e),
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return json_response(StatusCode::OK, &json!({ "leases": live, "next": null })),
+        }
     }
+    json_response(StatusCode::OK, &json!({ "leases": live, "next": after }))
 }
 
 pub fn inflight(gate: &Gate, feed: &Feed) -> AdminResponse {

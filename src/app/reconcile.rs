@@ -16,7 +16,7 @@ use crate::config::Config;
 
 /// What the command was asked.
 pub struct Ask {
-    pub bucket: String,
+    pub bucket: Option<String>,
     pub prefix: String,
     pub apply: bool,
     /// JSON lines on stdout (one per finding, then the summary) instead of a table.
@@ -98,7 +98,10 @@ impl Output {
         let mut stdout = std::io::stdout().lock();
         match event["event"].as_str() {
             Some("progress") => {
-                eprintln!("scanned {} uploads, {} objects", event["uploads"], event["objects"]);
+                eprintln!(
+                    "scanned {} gateway records, {} uploads, {} objects",
+                    event["records"], event["uploads"], event["objects"]
+                );
             }
             Some("finding") if self.json => writeln!(stdout, "{event}")?,
             Some("finding") => {
@@ -111,16 +114,21 @@ impl Output {
                     self.header_shown = true;
                 }
                 let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
+                // A gateway record's key is the one the API was sent, to look it up there.
+                let key = event.get("key").or_else(|| event.get("upstream_key"));
                 let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
                 writeln!(
                     stdout,
                     "{:<20} {:<40} {:<30} {:>8} {:>8}  {}",
                     event["kind"].as_str().unwrap_or("?"),
-                    shown(event["key"].as_str().unwrap_or("")),
+                    shown(key.and_then(Value::as_str).unwrap_or("")),
                     shown(event["resource"].as_str().unwrap_or("")),
                     show(token),
                     show(event["fence"].as_u64()),
-                    action(&event["action"]),
+                    match event["cause"].as_str() {
+                        Some(cause) => format!("ask the API ({cause})"),
+                        None => action(&event["action"]),
+                    },
                 )?;
             }
             Some("done") => {
@@ -130,8 +138,8 @@ impl Output {
                 } else {
                     writeln!(
                         stdout,
-                        "{findings} found in {} uploads and {} objects; {} applied; {} objects of unknown resource",
-                        event["uploads"], event["objects"], event["applied"], event["unattributed"]
+                        "{findings} found in {} gateway records, {} uploads and {} objects; {} applied; {} objects of unknown resource",
+                        event["records"], event["uploads"], event["objects"], event["applied"], event["unattributed"]
                     )?;
                 }
                 return Ok(Some(if findings == 0 { Outcome::Clean } else { Outcome::Found }));

@@ -36,6 +36,14 @@ impl IdempotencyKey {
         format!("{}\n{}", self.resource, self.request)
     }
 
+    /// The resource of a record named [`Self::storage_name`], if `name` is one.
+    pub fn resource_of_storage_name(name: &str) -> Option<ResourceKey> {
+        let (resource, request) = name.rsplit_once('\n')?;
+        (request.len() == 64 && request.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| ResourceKey::new(resource).ok())
+            .flatten()
+    }
+
     /// The `Idempotency-Key` the API is sent: derived from resource, token and request id, so
     /// the same request with the same token always carries the same key, and a request under a
     /// new lease never collides with one of the old lease at the API.
@@ -67,6 +75,12 @@ pub struct IdempotencyRecord {
     /// Wall-clock ms after which the record counts as absent (and may be swept).
     pub expires_at_ms: u64,
     pub outcome: IdempotencyOutcome,
+    /// The route's prefix (`routes[].prefix`), for the operator (`fencegate reconcile`).
+    #[serde(default)]
+    pub route: String,
+    /// Wall-clock ms when the request claimed the record, for the operator.
+    #[serde(default)]
+    pub claimed_at_ms: u64,
 }
 
 impl IdempotencyRecord {
@@ -173,6 +187,18 @@ mod tests {
         assert_ne!(k.upstream_key(FenceToken(7)), key("payment:42", "abd").upstream_key(FenceToken(7)));
     }
 
+    /// A record's storage name gives back its resource, and nothing else parses as one.
+    #[test]
+    fn storage_names_give_back_their_resource() {
+        let k = key("payment:42", "abc");
+        assert_eq!(IdempotencyKey::resource_of_storage_name(&k.storage_name()).as_ref(), Some(k.resource()));
+        for bad in
+            ["payment:42", "payment:42\nabc", "\n0000000000000000000000000000000000000000000000000000000000000000"]
+        {
+            assert_eq!(IdempotencyKey::resource_of_storage_name(bad), None, "{bad:?}");
+        }
+    }
+
     /// Length prefixes keep `("ab", "c")` and `("a", "bc")` apart.
     #[test]
     fn fingerprints_separate_their_parts() {
@@ -189,6 +215,8 @@ mod tests {
             token: FenceToken(u64::MAX),
             upstream_key: "fg-1".into(),
             expires_at_ms: 99,
+            route: "/api/".into(),
+            claimed_at_ms: 0,
             outcome: IdempotencyOutcome::Completed(RecordedResponse {
                 status: 201,
                 headers: vec![("etag".into(), "\"v1\"".into())],

@@ -152,22 +152,42 @@ pub trait UploadStore: Send + Sync + 'static {
     async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError>;
 }
 
-/// A page of fences and where the next one starts (`None`: this was the last).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct FencePage {
-    pub fences: Vec<(ResourceKey, FenceToken)>,
+/// A page of a listing by resource, and where the next one starts (`None`: this was the last).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Page<T> {
+    pub items: Vec<(ResourceKey, T)>,
     /// The last resource of this page, when more may follow: pass it as `after`.
     pub next: Option<String>,
 }
 
-impl FencePage {
-    /// A page of `limit` from fences read in order, one past the page when more follow.
-    pub fn of(mut fences: Vec<(ResourceKey, FenceToken)>, limit: usize) -> Self {
-        let more = fences.len() > limit;
-        fences.truncate(limit);
-        let next = if more { fences.last().map(|(r, _)| r.as_str().to_owned()) } else { None };
-        Self { fences, next }
+impl<T> Default for Page<T> {
+    fn default() -> Self {
+        Self { items: Vec::new(), next: None }
     }
+}
+
+impl<T> Page<T> {
+    /// A page of `limit` from items read in order, one past the page when more follow.
+    pub fn of(mut items: Vec<(ResourceKey, T)>, limit: usize) -> Self {
+        let more = items.len() > limit;
+        items.truncate(limit);
+        let next = if more { items.last().map(|(r, _)| r.as_str().to_owned()) } else { None };
+        Self { items, next }
+    }
+}
+
+/// A page of fences.
+pub type FencePage = Page<FenceToken>;
+
+/// A page of leases, live or not.
+pub type LeasePage = Page<LeaseRecord>;
+
+/// A page of the API gateway's idempotency records, live or not, and the cursor of the next
+/// (`None`: this was the last). The cursor is the store's own: pass it back as it is.
+#[derive(Debug, Default)]
+pub struct RecordPage {
+    pub records: Vec<(ResourceKey, IdempotencyRecord)>,
+    pub next: Option<String>,
 }
 
 /// Where a listing of `prefix` after `after` starts: `after` (exclusive) when it is past the
@@ -187,9 +207,15 @@ pub trait ListingStore: Send + Sync + 'static {
     /// exclusive), in that order, at most `limit` (at least 1).
     async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError>;
 
-    /// The leases (live or not) of resources that start with `prefix`, in byte order of the
-    /// resource, at most `limit` (at least 1).
-    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError>;
+    /// The leases (live or not) of resources that start with `prefix` and come after `after`,
+    /// in byte order of the resource, at most `limit` (at least 1).
+    async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError>;
+
+    /// Idempotency records from `cursor` on (`None`: from the start), in an order that visits
+    /// every record kept for the whole walk once at least (`fencegate reconcile` looks for the
+    /// ones whose outcome is unknown). A page holds at most `limit` (at least 1), except on
+    /// Redis, whose `SCAN` steps hold what they hold: `limit` bounds the keys walked there.
+    async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError>;
 }
 
 /// A fence store as fencegate opens one: fences, leases, idempotency records and uploads in one

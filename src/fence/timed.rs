@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use super::millis;
 use super::{
     AdvanceOutcome, FencePage, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeaseRecord, ResourceKey, SharedRegistry, Store, StoreError, UploadPage, UploadRecord,
+    LeaseOutcome, LeasePage, LeaseRecord, RecordPage, ResourceKey, SharedRegistry, Store, StoreError, UploadPage,
+    UploadRecord,
 };
 use crate::metrics;
 
@@ -88,8 +89,12 @@ impl Listings {
         bounded(self.0.fences(prefix, after, limit)).await
     }
 
-    pub async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
-        bounded(self.0.leases(prefix, limit)).await
+    pub async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
+        bounded(self.0.leases(prefix, after, limit)).await
+    }
+
+    pub async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
+        bounded(self.0.idempotency_records(cursor, limit)).await
     }
 }
 

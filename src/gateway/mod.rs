@@ -326,6 +326,8 @@ impl Gateway {
             outcome: IdempotencyOutcome::InFlight {
                 deadline_ms: now_ms.saturating_add(millis(self.claim_window(route))),
             },
+            route: route.prefix.clone(),
+            claimed_at_ms: now_ms,
         };
         match self.records.begin(&key, &claim, now_ms).await? {
             IdempotencyBegin::Existing(record) => {

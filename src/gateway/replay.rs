@@ -129,6 +129,8 @@ mod tests {
             token: FenceToken(3),
             upstream_key: "fg-k".into(),
             expires_at_ms: 1_000,
+            route: "/api/".into(),
+            claimed_at_ms: 0,
             outcome,
         }
     }

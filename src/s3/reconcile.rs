@@ -11,6 +11,12 @@
 //!   is known): the store lost an advance; `apply` raises the fence to the stamp (never lowers
 //!   one), as a registration does, but never to 2^64-1, which would lock the resource for good.
 //!
+//! - an idempotency record of the API gateway whose outcome is unknown (the call timed out,
+//!   its connection broke, or the fencegate that sent it never recorded an answer): the API may
+//!   or may not have done it, which only the API can tell, looked up by the record's
+//!   `Idempotency-Key`. Live records only (past its retention, a retry is a new request);
+//!   `apply` leaves them.
+//!
 //! A stamped object outside every rule may have been written under a resource its writer
 //! named (`Fencing-Resource`), which the object does not record: its stamp is counted as
 //! unattributed, never judged. A stamp is not authenticated: whoever can write the upstream
@@ -31,7 +37,9 @@ use tokio::sync::mpsc;
 
 use super::Front;
 use super::objects::{self, ObjectState};
-use crate::fence::{FenceToken, ResourceKey, StoreError, UploadRecord, stale_below};
+use crate::fence::{
+    AmbiguousCause, FenceToken, IdempotencyOutcome, ResourceKey, StoreError, UploadRecord, stale_below,
+};
 use crate::net::percent::encode_key;
 
 /// Heads read at once.
@@ -43,11 +51,12 @@ const FENCES_REMEMBERED_MAX: usize = 10_000;
 /// A listing page's body at most.
 const LISTING_BYTES_MAX: usize = 16 * 1024 * 1024;
 
-/// What to reconcile.
+/// What to reconcile: the gateway's records always, and a bucket when one is named.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Job {
-    pub bucket: String,
+    #[serde(default)]
+    pub bucket: Option<String>,
     #[serde(default)]
     pub prefix: String,
     #[serde(default)]
@@ -58,7 +67,12 @@ impl Job {
     /// A bucket name as S3 could have one (the rest is the upstream's to refuse): a name with a
     /// `/` or nothing in it would list the buckets, or read an object, as if it were a listing.
     pub fn check(&self) -> Result<(), String> {
-        let bucket = &self.bucket;
+        let Some(bucket) = &self.bucket else {
+            return match self.prefix.is_empty() {
+                true => Ok(()),
+                false => Err("a prefix is a key prefix in a bucket: name the bucket".into()),
+            };
+        };
         let fits = (1..=255).contains(&bucket.len())
             && bucket.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
         if fits { Ok(()) } else { Err(format!("{bucket:?} is not a bucket name")) }
@@ -70,7 +84,7 @@ impl Job {
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    Progress { objects: u64, uploads: u64 },
+    Progress { records: u64, objects: u64, uploads: u64 },
     Finding(Finding),
     Done(Summary),
     Failed { error: String },
@@ -85,6 +99,20 @@ pub enum Finding {
     Unstamped { key: String, resource: String, fence: Option<u64> },
     /// An object stamped above its resource's fence: the store lost an advance.
     StampAboveFence { key: String, resource: String, stamp: u64, fence: Option<u64>, action: Action },
+    /// A gateway request that may or may not have executed at the API: look it up there by
+    /// `upstream_key`. A retry with its token gets "outcome unknown" until `expires_in_ms`.
+    UnknownOutcome {
+        resource: String,
+        /// The route's prefix (`routes[].prefix`); empty for a record written before it was kept.
+        route: String,
+        upstream_key: String,
+        token: u64,
+        fence: Option<u64>,
+        cause: AmbiguousCause,
+        /// When the request claimed the record (wall clock, ms); 0 if not kept.
+        claimed_at_ms: u64,
+        expires_in_ms: u64,
+    },
 }
 
 /// What `apply` did about a finding.
@@ -101,6 +129,8 @@ pub enum Action {
 
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Summary {
+    /// Live idempotency records read.
+    pub records: u64,
     pub objects: u64,
     pub uploads: u64,
     pub findings: u64,
@@ -114,10 +144,7 @@ impl Front {
     pub async fn reconcile(self: Arc<Self>, job: Job, events: mpsc::Sender<Event>) {
         let mut scan =
             Scan { front: &self, job: &job, events: &events, summary: Summary::default(), fences: HashMap::new() };
-        let result = match scan.uploads().await {
-            Ok(()) => scan.objects().await,
-            Err(e) => Err(e),
-        };
+        let result = scan.all().await;
         let last = match result {
             Ok(()) => Event::Done(scan.summary),
             Err(ScanError::Gone) => return,
@@ -161,8 +188,53 @@ impl Scan<'_> {
     }
 
     async fn progress(&mut self) -> Result<(), ScanError> {
-        let (objects, uploads) = (self.summary.objects, self.summary.uploads);
-        self.tell(Event::Progress { objects, uploads }).await
+        let Summary { records, objects, uploads, .. } = self.summary;
+        self.tell(Event::Progress { records, objects, uploads }).await
+    }
+
+    async fn all(&mut self) -> Result<(), ScanError> {
+        self.records().await?;
+        let Some(bucket) = self.job.bucket.clone() else { return Ok(()) };
+        self.uploads(&bucket).await?;
+        self.objects(&bucket).await
+    }
+
+    /// The gateway's live idempotency records whose outcome is unknown.
+    async fn records(&mut self) -> Result<(), ScanError> {
+        let listings = self.front.gate.listings();
+        let mut cursor = None;
+        loop {
+            let page = listings.idempotency_records(cursor.take(), PAGE).await?;
+            let now_ms = self.front.clock.now_ms();
+            for (resource, record) in page.records {
+                if record.is_expired(now_ms) {
+                    continue;
+                }
+                self.summary.records += 1;
+                let cause = match record.outcome {
+                    IdempotencyOutcome::Ambiguous { cause } => cause,
+                    IdempotencyOutcome::InFlight { deadline_ms } if deadline_ms <= now_ms => AmbiguousCause::Abandoned,
+                    _ => continue,
+                };
+                let fence = self.fence(&resource).await?;
+                let finding = Finding::UnknownOutcome {
+                    resource: resource.as_str().to_owned(),
+                    route: record.route,
+                    upstream_key: record.upstream_key,
+                    token: record.token.0,
+                    fence: fence.map(|f| f.0),
+                    cause,
+                    claimed_at_ms: record.claimed_at_ms,
+                    expires_in_ms: record.expires_at_ms - now_ms,
+                };
+                self.tell(Event::Finding(finding)).await?;
+            }
+            self.progress().await?;
+            match page.next {
+                Some(next) => cursor = Some(next),
+                None => return Ok(()),
+            }
+        }
     }
 
     async fn fence(&mut self, resource: &ResourceKey) -> Result<Option<FenceToken>, ScanError> {
@@ -179,13 +251,13 @@ impl Scan<'_> {
 
     /// The upload records of the bucket under the prefix whose token a newer one superseded,
     /// each confirmed at the upstream (a record of an upload ended around fencegate is not).
-    async fn uploads(&mut self) -> Result<(), ScanError> {
+    async fn uploads(&mut self, bucket: &str) -> Result<(), ScanError> {
         let records = self.front.gate.upload_records();
         let mut cursor = None;
         loop {
             let page = records.page(cursor.take(), PAGE).await?;
             for record in page.records {
-                if record.bucket != self.job.bucket || !record.key.starts_with(&self.job.prefix) {
+                if record.bucket != bucket || !record.key.starts_with(&self.job.prefix) {
                     continue;
                 }
                 self.summary.uploads += 1;
@@ -235,12 +307,12 @@ impl Scan<'_> {
     }
 
     /// Every object of the bucket under the prefix, a listing page at a time.
-    async fn objects(&mut self) -> Result<(), ScanError> {
+    async fn objects(&mut self, bucket: &str) -> Result<(), ScanError> {
         let mut continuation: Option<String> = None;
         loop {
-            let page = self.front.list_page(&self.job.bucket, &self.job.prefix, continuation.as_deref()).await?;
+            let page = self.front.list_page(bucket, &self.job.prefix, continuation.as_deref()).await?;
             let front = self.front.clone();
-            let bucket = self.job.bucket.clone();
+            let bucket = bucket.to_owned();
             let mut heads = futures_util::stream::iter(page.keys)
                 .map(|key| {
                     let (front, bucket) = (front.clone(), bucket.clone());
@@ -253,7 +325,7 @@ impl Scan<'_> {
             while let Some((key, state)) = heads.next().await {
                 self.summary.objects += 1;
                 match state.map_err(ScanError::Failed)? {
-                    ObjectState::Present { stamp, .. } => self.judge_object(key, stamp).await?,
+                    ObjectState::Present { stamp, .. } => self.judge_object(&bucket, key, stamp).await?,
                     ObjectState::Absent => {} // deleted since the listing
                 }
             }
@@ -265,11 +337,11 @@ impl Scan<'_> {
         }
     }
 
-    async fn judge_object(&mut self, key: String, stamp: Option<FenceToken>) -> Result<(), ScanError> {
-        let bound = self.front.wire.rule_resource(&self.job.bucket, &key);
+    async fn judge_object(&mut self, bucket: &str, key: String, stamp: Option<FenceToken>) -> Result<(), ScanError> {
+        let bound = self.front.wire.rule_resource(bucket, &key);
         let resource = match bound {
             Some(name) => name.to_owned(),
-            None => format!("{}/{key}", self.job.bucket),
+            None => format!("{bucket}/{key}"),
         };
         let Ok(resource_key) = ResourceKey::new(&resource) else { return Ok(()) };
         if bound.is_none() && stamp.is_some() {

@@ -9,8 +9,8 @@ use async_trait::async_trait;
 
 use crate::fence::{
     AdvanceOutcome, FencePage, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ListingStore, ResourceKey,
-    StoreError, UploadPage, UploadRecord, UploadStore, apply_lease, listing_start,
+    IdempotencyStore, LeaseCommand, LeaseOutcome, LeasePage, LeaseRecord, LeaseStore, LeaseWrite, ListingStore, Page,
+    RecordPage, ResourceKey, StoreError, UploadPage, UploadRecord, UploadStore, apply_lease, listing_start,
 };
 
 #[derive(Default)]
@@ -184,36 +184,47 @@ impl UploadStore for MemoryStore {
 impl ListingStore for MemoryStore {
     async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {
         self.check()?;
-        let limit = limit.max(1);
-        let fences = self.fences.lock().expect("memory store lock");
-        let start = listing_start(prefix, after);
-        let mut page: Vec<(ResourceKey, FenceToken)> = fences
-            .iter()
-            .filter(|(r, _)| {
-                let r = r.as_str();
-                r.starts_with(prefix)
-                    && match start {
-                        std::ops::Bound::Excluded(after) => r > after,
-                        _ => true,
-                    }
-            })
-            .map(|(r, t)| (r.clone(), *t))
-            .collect();
-        page.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
-        page.truncate(limit + 1);
-        Ok(FencePage::of(page, limit))
+        Ok(page_of(&self.fences.lock().expect("memory store lock"), prefix, after, limit))
     }
 
-    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+    async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
         self.check()?;
-        let leases = self.leases.lock().expect("memory store lock");
-        let mut out: Vec<(ResourceKey, LeaseRecord)> = leases
-            .iter()
-            .filter(|(r, _)| r.as_str().starts_with(prefix))
-            .map(|(r, l)| (r.clone(), l.clone()))
-            .collect();
-        out.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
-        out.truncate(limit.max(1));
-        Ok(out)
+        Ok(page_of(&self.leases.lock().expect("memory store lock"), prefix, after, limit))
     }
+
+    async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
+        self.check()?;
+        let limit = limit.max(1);
+        let records = self.idempotency.lock().expect("memory store lock");
+        let mut named: Vec<(String, &IdempotencyKey, &IdempotencyRecord)> = records
+            .iter()
+            .map(|(k, r)| (k.storage_name(), k, r))
+            .filter(|(name, _, _)| cursor.as_ref().is_none_or(|c| name >= c))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let next = named.get(limit).map(|(name, _, _)| name.clone());
+        let records = named.into_iter().take(limit).map(|(_, k, r)| (k.resource().clone(), r.clone())).collect();
+        Ok(RecordPage { records, next })
+    }
+}
+
+/// The page of a listing of `map` (prefix, after, limit as [`ListingStore::fences`]).
+fn page_of<T: Clone>(map: &HashMap<ResourceKey, T>, prefix: &str, after: Option<&str>, limit: usize) -> Page<T> {
+    let limit = limit.max(1);
+    let start = listing_start(prefix, after);
+    let mut page: Vec<(ResourceKey, T)> = map
+        .iter()
+        .filter(|(r, _)| {
+            let r = r.as_str();
+            r.starts_with(prefix)
+                && match start {
+                    std::ops::Bound::Excluded(after) => r > after,
+                    _ => true,
+                }
+        })
+        .map(|(r, t)| (r.clone(), t.clone()))
+        .collect();
+    page.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    page.truncate(limit + 1);
+    Page::of(page, limit)
 }

@@ -21,6 +21,7 @@ from fencegate_testlib import (  # noqa: E402
     unique,
 )
 from holding_upstream import HELD_PREFIX, HELD_RESOURCE, HeldS3, HoldingUpstream  # noqa: E402
+from recording_api import RecordingApi  # noqa: E402
 
 # Keep the user's own AWS configuration out of every client the tests make.
 os.environ["AWS_CONFIG_FILE"] = os.devnull
@@ -35,6 +36,16 @@ def moto_server(tmp_path_factory):
     server = MotoServer(tmp_path_factory.mktemp("moto"))
     try:
         yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def api():
+    """A stand-in third-party API (`recording_api.RecordingApi`) of the test's own."""
+    server = RecordingApi()
+    try:
+        yield server
     finally:
         server.stop()
 

@@ -265,7 +265,7 @@ def test_operations_reconcile_a_bucket(start, tmp_path):
     code = block("docs/operations.md", "reconcile").code.replace("config/fencegate.toml", str(SHIPPED_CONFIG))
     env = {"FENCEGATE_SERVER__ADMIN_LISTEN": "%s:%d" % fg.admin_addr, "PATH": f"{bin_path().parent}:{os.environ['PATH']}"}
     r = ok(run_sh(code, tmp_path, env))
-    assert "0 found in 0 uploads and 1 objects" in r.stdout, r.stdout
+    assert "0 found in 0 gateway records, 0 uploads and 1 objects" in r.stdout, r.stdout
 
 
 def replicas_file(directory: Path, text: str | None = None) -> Path:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 import requests
@@ -69,7 +70,7 @@ def test_a_bucket_written_through_fencegate_is_clean(fencegate, moto_server, ups
         fg.client(token=token).put_object(Bucket=fg.bucket, Key=key, Body=b"x")
     run = reconcile(fg)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "0 found in 0 uploads and 3 objects" in run.stdout
+    assert "0 found in 0 gateway records, 0 uploads and 3 objects" in run.stdout
     assert "scanned" in run.stderr, "progress goes to stderr"
     assert findings(reconcile(fg, "--json")) == []
 
@@ -252,3 +253,108 @@ def test_the_stamp_cannot_be_named_in_the_query(fencegate, moto_server):
     r = signed_raw_request(fg, "PUT", f"/{fg.bucket}/reports/x.csv?x-amz-meta-fencing-token=5", {"Fencing-Token": "5"},
                            b"five again")
     assert r.status == 200, r.body
+
+
+# ---------------------------------------------------------------------------------------------
+# The API gateway's requests whose outcome is unknown.
+
+
+def gateway_route(api, **route) -> dict:
+    r = {"prefix": "/pay/", "upstream": api.url + "/v1/payments/", "resource": "payment:{1}",
+         "mode": "idempotency-key", "advance": "write", "request_timeout_ms": 1000}
+    r.update(route)
+    return r
+
+
+def reconcile_records(fg, *args: str) -> subprocess.CompletedProcess:
+    """`fencegate reconcile` without a bucket: the gateway's records only."""
+    env = dict(os.environ, FENCEGATE_SERVER__ADMIN_LISTEN="%s:%d" % fg.admin_addr)
+    return subprocess.run([str(bin_path()), "reconcile", "--config", str(fg.config_path), *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def pay(fg, path: str, key: str, token: int = 5) -> requests.Response:
+    return requests.post(fg.s3_url + path, data=b'{"amount": 1}', timeout=30,
+                         headers={"Fencing-Token": str(token), "Idempotency-Key": key, "Authorization": "Bearer alice"})
+
+
+@pytest.mark.parametrize("store", ["embedded", "redis"])
+def test_gateway_requests_of_unknown_outcome_are_found(fencegate, api, store, request):
+    """A route's API that does not answer within `request_timeout_ms`: the request may or may not
+    have executed, and only the API can tell. `fencegate reconcile` (with or without a bucket)
+    lists it with the `Idempotency-Key` the API was sent, its resource, token, route and cause,
+    and exits 1; a request the API answered is not listed. `--apply` leaves it: the retry still
+    gets "outcome unknown", never a second call."""
+    config = {"server": {"admin_token": ADMIN_TOKEN}, "routes": [gateway_route(api)]}
+    if store == "redis":
+        config["store"] = {"kind": "redis", "url": request.getfixturevalue("redis_server").url, "path": None}
+        config["upstream"] = {"probe_bucket": "probe"}
+    fg = fencegate(config=config, local_buckets=("probe",))
+    assert pay(fg, "/pay/1/charges", "answered").status_code == 201
+    hold = api.hold("/v1/payments/2/charges")
+    try:
+        timed_out = pay(fg, "/pay/2/charges", "held")
+        assert timed_out.status_code == 504, timed_out.text
+        sent_key = timed_out.json()["upstream_idempotency_key"]
+    finally:
+        hold.released.set()
+    assert [r["headers"]["idempotency-key"] for r in api.requests("/v1/payments/2/charges")] == [sent_key]
+
+    run = reconcile_records(fg)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert sent_key in run.stdout and "ask the API (timeout)" in run.stdout, run.stdout
+    assert "1 found in 2 gateway records" in run.stdout, run.stdout
+    assert "gateway records" in run.stderr, "progress goes to stderr"
+    found = findings(reconcile_records(fg, "--json", "--apply"))
+    assert [(f["kind"], f["resource"], f["upstream_key"], f["token"], f["route"], f["cause"]) for f in found] == \
+        [("unknown_outcome", "payment:2", sent_key, 5, "/pay/", "timeout")]
+    assert found[0]["fence"] == 5 and 0 < found[0]["expires_in_ms"] <= 24 * 3600 * 1000, found
+    assert found[0]["claimed_at_ms"] > 0
+
+    # A bucket's scan reports them too (the command's one report).
+    bucket = subprocess.run([str(bin_path()), "reconcile", "--config", str(fg.config_path), "--bucket", "probe",
+                             "--json"], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, FENCEGATE_SERVER__ADMIN_LISTEN="%s:%d" % fg.admin_addr))
+    assert bucket.returncode == 1 and [f["upstream_key"] for f in findings(bucket)] == [sent_key], bucket.stdout
+    retry = pay(fg, "/pay/2/charges", "held")
+    assert retry.status_code == 504 and retry.json()["upstream_idempotency_key"] == sent_key, retry.text
+    assert len(api.requests("/v1/payments/2/charges")) == 1, "--apply or the retry sent it again"
+
+
+def test_a_claim_its_fencegate_never_finished_is_found_once_its_window_closed(fencegate, api):
+    """fencegate killed (-9) while a call waits at the API: its record stays in flight. Restarted
+    on the same store, a scan within the claim's window finds nothing (a live fencegate could
+    still be working on it); once the window closed (the gate's deadline, twice the route's
+    timeout and the store's, and a second), the record is listed as `abandoned`."""
+    config = {"server": {"admin_token": ADMIN_TOKEN}, "routes": [gateway_route(api)],
+              "fencing": {"inflight_deadline_ms": 1000}, "store": {"timeout_ms": 500}}
+    fg = fencegate(config=config)
+    hold = api.hold("/v1/payments/7/charges")
+    claimed = time.monotonic()
+    def call():
+        try:
+            pay(fg, "/pay/7/charges", "died")
+        except requests.ConnectionError:
+            pass  # its fencegate was killed: the answer is lost
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    try:
+        assert hold.arrived.wait(15), "the call never reached the API"
+        fg.kill9()
+    finally:
+        hold.released.set()
+    t.join(30)
+    sent_key = api.requests("/v1/payments/7/charges")[0]["headers"]["idempotency-key"]
+    fg.start()
+    window_s = 1 + 2 * 1 + 2 * 0.5 + 1
+    early = reconcile_records(fg, "--json")
+    if time.monotonic() - claimed < window_s - 1:
+        assert early.returncode == 0 and findings(early) == [], early.stdout
+    deadline = time.monotonic() + window_s + 15
+    while True:
+        found = findings(reconcile_records(fg, "--json"))
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [(f["kind"], f["upstream_key"], f["cause"]) for f in found] == [("unknown_outcome", sent_key, "abandoned")]

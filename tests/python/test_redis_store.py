@@ -99,6 +99,24 @@ def test_redis_down_fails_closed(fencegate, redis_server):
     wait_until(lambda: fg.admin("GET", "/readyz").status_code == 200, timeout=30, what="readyz")
 
 
+def test_a_frozen_redis_is_reported_with_the_timeout_it_ran_past(fencegate, redis_server):
+    """Before: a call the Redis client itself timed out was reported as "did not answer within
+    0 ms". Now every timeout names `store.timeout_ms`."""
+    bucket = "frozenbkt"
+    fg = with_redis(fencegate, redis_server, local_buckets=(bucket,),
+                    config={"upstream": {"probe_bucket": bucket}, "store": {"timeout_ms": 700}})
+    redis_server.freeze()
+    try:
+        details = []
+        for _ in range(3):
+            r = fg.admin("GET", "/readyz")
+            assert r.status_code == 503, r.text
+            details.append(r.text)
+    finally:
+        redis_server.thaw()
+    assert all("within 700 ms" in d for d in details), details
+
+
 @pytest.fixture
 def two_replicas(fencegate, redis_server, moto_server):
     bucket = unique("replicas")

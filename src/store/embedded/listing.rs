@@ -6,8 +6,11 @@ use std::ops::Bound;
 use async_trait::async_trait;
 use redb::ReadableDatabase;
 
-use super::{EmbeddedStore, FENCES, LEASES};
-use crate::fence::{FencePage, FenceToken, LeaseRecord, ListingStore, ResourceKey, StoreError, listing_start};
+use super::{EmbeddedStore, FENCES, IDEMPOTENCY, LEASES, decode};
+use crate::fence::{
+    FencePage, FenceToken, IdempotencyKey, LeasePage, ListingStore, Page, RecordPage, ResourceKey, StoreError,
+    listing_start,
+};
 
 #[async_trait]
 impl ListingStore for EmbeddedStore {
@@ -36,29 +39,73 @@ impl ListingStore for EmbeddedStore {
         Ok(FencePage::of(fences, limit))
     }
 
-    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+    async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
         self.check_poisoned()?;
-        let (db, prefix, limit) = (self.db.clone(), prefix.to_owned(), limit.max(1));
-        let read = move || -> Result<Vec<(String, String)>, redb::Error> {
-            let txn = db.begin_read()?;
-            let table = txn.open_table(LEASES)?;
-            let mut out = Vec::new();
-            for entry in table.range::<&str>(prefix.as_str()..)? {
-                let (key, json) = entry?;
-                if !key.value().starts_with(prefix.as_str()) || out.len() == limit {
-                    break;
-                }
-                out.push((key.value().to_owned(), json.value().to_owned()));
-            }
-            Ok(out)
-        };
-        let rows = blocking(read).await?;
-        rows.into_iter()
+        let rows = self.range(LEASES, prefix, after, limit.max(1)).await?;
+        let leases = rows
+            .into_iter()
             .map(|(resource, json)| {
                 let lease = serde_json::from_str(&json).map_err(|e| StoreError::Backend(Box::new(e)))?;
                 Ok((resource_of(&resource)?, lease))
             })
-            .collect()
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(Page::of(leases, limit.max(1)))
+    }
+
+    async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
+        self.check_poisoned()?;
+        let (db, limit) = (self.db.clone(), limit.max(1));
+        let read = move || -> Result<Vec<(String, Vec<u8>)>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(IDEMPOTENCY)?;
+            let from = cursor.unwrap_or_default();
+            let mut out = Vec::with_capacity(limit + 1);
+            for entry in table.range(from.as_str()..)?.take(limit + 1) {
+                let (name, value) = entry?;
+                out.push((name.value().to_owned(), value.value().2.to_vec()));
+            }
+            Ok(out)
+        };
+        let mut rows = blocking(read).await?;
+        let next = (rows.len() > limit).then(|| rows.pop().expect("one past the page").0);
+        let records = rows
+            .into_iter()
+            .map(|(name, json)| {
+                let resource = IdempotencyKey::resource_of_storage_name(&name)
+                    .ok_or_else(|| StoreError::Backend(format!("an idempotency record named {name:?}").into()))?;
+                Ok((resource, decode(&json)?))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(RecordPage { records, next })
+    }
+}
+
+impl EmbeddedStore {
+    /// Up to `limit` + 1 rows of a table keyed by resource, from the start of `prefix` or after
+    /// `after`, as names and values.
+    async fn range(
+        &self,
+        table: redb::TableDefinition<'static, &'static str, &'static str>,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        let (db, prefix, after) = (self.db.clone(), prefix.to_owned(), after.map(str::to_owned));
+        let read = move || -> Result<Vec<(String, String)>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(table)?;
+            let start = listing_start(&prefix, after.as_deref());
+            let mut out = Vec::with_capacity(limit + 1);
+            for entry in table.range::<&str>((start, Bound::Unbounded))? {
+                let (key, value) = entry?;
+                if !key.value().starts_with(prefix.as_str()) || out.len() > limit {
+                    break;
+                }
+                out.push((key.value().to_owned(), value.value().to_owned()));
+            }
+            Ok(out)
+        };
+        blocking(read).await
     }
 }
 

@@ -92,6 +92,8 @@ fn record(claim: &str, expires_at_ms: u64) -> IdempotencyRecord {
         token: FenceToken(1),
         upstream_key: "fg-x".into(),
         expires_at_ms,
+        route: "/api/".into(),
+        claimed_at_ms: 0,
         outcome: IdempotencyOutcome::InFlight { deadline_ms: expires_at_ms },
     }
 }

@@ -6,43 +6,74 @@ use std::ops::Bound;
 use async_trait::async_trait;
 use etcd_client::GetOptions;
 
-use super::{EtcdStore, FENCES, LEASES, corrupt, read_bounded};
-use crate::fence::{FencePage, FenceToken, LeaseRecord, ListingStore, ResourceKey, StoreError, listing_start};
+use super::{EtcdStore, FENCES, LEASES, RECORDS, corrupt, read_bounded};
+use crate::fence::{
+    FencePage, FenceToken, IdempotencyRecord, LeasePage, ListingStore, Page, RecordPage, ResourceKey, StoreError,
+    listing_start,
+};
+
+/// The first key after every idempotency record's.
+const RECORDS_END: &str = "fg/k0";
 
 #[async_trait]
 impl ListingStore for EtcdStore {
     async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {
         let limit = limit.max(1);
-        let from = match listing_start(prefix, after) {
-            Bound::Excluded(after) => format!("{FENCES}{after}\0"),
-            _ => format!("{FENCES}{prefix}"),
-        };
         let mut fences = Vec::new();
-        for (resource, value) in self.range(from, FENCES, prefix, limit + 1).await? {
+        for (resource, value) in self.range(FENCES, prefix, after, limit + 1).await? {
             let token = FenceToken::parse(&value).ok();
             fences.push((resource, token.ok_or_else(|| corrupt("fence"))?));
         }
         Ok(FencePage::of(fences, limit))
     }
 
-    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
-        let rows = self.range(format!("{LEASES}{prefix}"), LEASES, prefix, limit.max(1)).await?;
-        rows.into_iter()
+    async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
+        let limit = limit.max(1);
+        let rows = self.range(LEASES, prefix, after, limit + 1).await?;
+        let leases = rows
+            .into_iter()
             .map(|(resource, value)| Ok((resource, serde_json::from_slice(&value).map_err(|_| corrupt("lease"))?)))
-            .collect()
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(Page::of(leases, limit))
+    }
+
+    async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
+        let limit = limit.max(1);
+        let from = format!("{RECORDS}{}", cursor.unwrap_or_default());
+        let get = || {
+            let (mut kv, from) = (self.client.kv_client(), from.clone());
+            let options =
+                GetOptions::new().with_range(RECORDS_END).with_limit(i64::try_from(limit + 1).unwrap_or(i64::MAX));
+            async move { kv.get(from, Some(options)).await }
+        };
+        let resp = read_bounded(self.timeout, get).await?;
+        let mut rows = Vec::with_capacity(limit + 1);
+        for kv in resp.kvs() {
+            let name = kv.key_str().ok().and_then(|k| k.strip_prefix(RECORDS)).ok_or_else(|| corrupt("key"))?;
+            let resource = name.rsplit_once('\0').and_then(|(r, _)| ResourceKey::new(r).ok());
+            let record: IdempotencyRecord =
+                serde_json::from_slice(kv.value()).map_err(|_| corrupt("idempotency record"))?;
+            rows.push((name.to_owned(), resource.ok_or_else(|| corrupt("idempotency record key"))?, record));
+        }
+        let next = (rows.len() > limit).then(|| rows.pop().expect("one past the page").0);
+        Ok(RecordPage { records: rows.into_iter().map(|(_, resource, record)| (resource, record)).collect(), next })
     }
 }
 
 impl EtcdStore {
-    /// At most `limit` keys from `from` up to the end of `space` + `prefix`, as resources and
-    /// values.
+    /// At most `limit` keys of `space` whose resource starts with `prefix`, from its start or
+    /// after `after`, as resources and values.
     async fn range(
         &self,
-        from: String,
         space: &str,
         prefix: &str,
+        after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<(ResourceKey, Vec<u8>)>, StoreError> {
+        let from = match listing_start(prefix, after) {
+            Bound::Excluded(after) => format!("{space}{after}\0"),
+            _ => format!("{space}{prefix}"),
+        };
         let end = prefix_end(format!("{space}{prefix}").into_bytes());
         let get = || {
             let (mut kv, from, end) = (self.client.kv_client(), from.clone(), end.clone());

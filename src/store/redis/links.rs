@@ -20,6 +20,8 @@ pub(super) enum Link {
 pub(super) struct Connection {
     pub(super) shared: Link,
     pub(super) threads: Option<Arc<ThreadLinks>>,
+    /// The client's response timeout (`store.timeout_ms`), named when a call runs past it.
+    pub(super) timeout_ms: u64,
 }
 
 impl Connection {
@@ -65,7 +67,7 @@ impl Connection {
     pub(super) async fn invoke<T: redis::FromRedisValue>(
         &self,
         inv: &redis::ScriptInvocation<'_>,
-    ) -> redis::RedisResult<T> {
+    ) -> Result<T, StoreError> {
         self.call(false, |link| async move {
             match link {
                 Link::Single(mut c) => inv.invoke_async(&mut c).await,
@@ -73,10 +75,11 @@ impl Connection {
             }
         })
         .await
+        .map_err(|e| self.failed(e))
     }
 
     /// A command that may run twice: a read, a `ZREM`, a `PING`.
-    pub(super) async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+    pub(super) async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
         self.call(true, |link| async move {
             match link {
                 Link::Single(mut c) => cmd.query_async(&mut c).await,
@@ -84,10 +87,11 @@ impl Connection {
             }
         })
         .await
+        .map_err(|e| self.failed(e))
     }
 
     /// Reads sent together; in a cluster their keys must share a slot.
-    pub(super) async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> redis::RedisResult<T> {
+    pub(super) async fn pipeline<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> Result<T, StoreError> {
         self.call(true, |link| async move {
             match link {
                 Link::Single(mut c) => pipe.query_async(&mut c).await,
@@ -95,6 +99,15 @@ impl Connection {
             }
         })
         .await
+        .map_err(|e| self.failed(e))
+    }
+
+    /// A failed call as the store reports it: a timeout names the client's.
+    fn failed(&self, e: redis::RedisError) -> StoreError {
+        if e.is_timeout() {
+            return StoreError::Timeout { after_ms: self.timeout_ms };
+        }
+        StoreError::Backend(Box::new(e))
     }
 }
 

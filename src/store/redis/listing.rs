@@ -7,8 +7,9 @@ use std::collections::BTreeSet;
 
 use async_trait::async_trait;
 
-use super::{RedisStore, backend, key, parse_token};
-use crate::fence::{FencePage, LeaseRecord, LeaseStore, ListingStore, ResourceKey, StoreError};
+use super::decode_record;
+use super::{RedisStore, key, parse_token};
+use crate::fence::{FencePage, LeasePage, LeaseStore, ListingStore, Page, RecordPage, ResourceKey, StoreError};
 
 /// Keys asked for per `SCAN` step.
 const SCAN_COUNT: usize = 1000;
@@ -25,7 +26,7 @@ impl ListingStore for RedisStore {
         for resource in &resources {
             mget.arg(key(resource, "fence"));
         }
-        let tokens: Vec<Option<String>> = self.connection.query(&mget).await.map_err(backend)?;
+        let tokens: Vec<Option<String>> = self.connection.query(&mget).await?;
         let mut fences = Vec::with_capacity(resources.len());
         for (resource, token) in resources.into_iter().zip(tokens) {
             // A fence is never removed; one gone since the scan went with a store that lost
@@ -37,14 +38,43 @@ impl ListingStore for RedisStore {
         Ok(FencePage::of(fences, limit))
     }
 
-    async fn leases(&self, prefix: &str, limit: usize) -> Result<Vec<(ResourceKey, LeaseRecord)>, StoreError> {
+    async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
+        let limit = limit.max(1);
         let mut leases = Vec::new();
-        for resource in self.scan(prefix, "lease", None, limit.max(1)).await? {
+        for resource in self.scan(prefix, "lease", after, limit + 1).await? {
             if let Some(lease) = self.lease_record(&resource).await? {
                 leases.push((resource, lease));
             }
         }
-        Ok(leases)
+        Ok(Page::of(leases, limit))
+    }
+
+    /// A `SCAN` step over the keys: the cursor is Redis's, and a page holds the records among
+    /// the `limit` (at least [`SCAN_COUNT`]) keys Redis walked, often none, sometimes more.
+    async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
+        refuse_on_cluster(self)?;
+        let cursor = cursor.unwrap_or_else(|| "0".into());
+        let count = limit.max(SCAN_COUNT);
+        let cmd = redis::cmd("SCAN").arg(&cursor).arg("MATCH").arg("fg:{*}:idem:*").arg("COUNT").arg(count).to_owned();
+        let (next, keys): (String, Vec<String>) = self.connection.query(&cmd).await?;
+        let mut pipe = redis::pipe();
+        for key in &keys {
+            pipe.cmd("HGET").arg(key).arg("record");
+        }
+        let jsons: Vec<Option<String>> =
+            if keys.is_empty() { Vec::new() } else { self.connection.pipeline(&pipe).await? };
+        let mut records = Vec::with_capacity(keys.len());
+        for (key, json) in keys.iter().zip(jsons) {
+            // Gone since the scan: its retention ended.
+            let Some(json) = json else { continue };
+            let resource = key
+                .rfind(":idem:")
+                .and_then(|at| resource_of_key(key, &key[at + 1..]))
+                .and_then(|r| ResourceKey::new(&r).ok())
+                .ok_or_else(|| StoreError::Backend(format!("an idempotency record under key {key:?}").into()))?;
+            records.push((resource, decode_record(&json)?));
+        }
+        Ok(RecordPage { records, next: (next != "0").then_some(next) })
     }
 }
 
@@ -58,18 +88,14 @@ impl RedisStore {
         after: Option<&str>,
         keep: usize,
     ) -> Result<Vec<ResourceKey>, StoreError> {
-        if self.connection.is_cluster() {
-            return Err(StoreError::Backend(
-                "listing is not supported on a Redis Cluster store: each node would have to be scanned".into(),
-            ));
-        }
+        refuse_on_cluster(self)?;
         let pattern = format!("fg:{{{}*}}:{suffix}", glob_escaped(&tag_escaped(prefix)));
         let mut page: BTreeSet<String> = BTreeSet::new();
         let mut cursor = "0".to_owned();
         loop {
             let cmd =
                 redis::cmd("SCAN").arg(&cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(SCAN_COUNT).to_owned();
-            let (next, keys): (String, Vec<String>) = self.connection.query(&cmd).await.map_err(backend)?;
+            let (next, keys): (String, Vec<String>) = self.connection.query(&cmd).await?;
             for key in keys {
                 let Some(resource) = resource_of_key(&key, suffix) else { continue };
                 if !resource.starts_with(prefix) || after.is_some_and(|after| resource.as_str() <= after) {
@@ -87,6 +113,16 @@ impl RedisStore {
         }
         page.into_iter().map(|r| ResourceKey::new(&r).map_err(|e| StoreError::Backend(Box::new(e)))).collect()
     }
+}
+
+/// A `SCAN` reaches one node of a cluster only.
+fn refuse_on_cluster(store: &RedisStore) -> Result<(), StoreError> {
+    if store.connection.is_cluster() {
+        return Err(StoreError::Backend(
+            "listing is not supported on a Redis Cluster store: each node would have to be scanned".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A resource name as it sits in a key's hash tag (`key`): `%` and `}` escaped.

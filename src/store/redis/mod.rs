@@ -127,12 +127,13 @@ impl Changes {
         client: &redis::Client,
         config: &ConnectionManagerConfig,
         wait: Option<Wait>,
+        timeout_ms: u64,
     ) -> anyhow::Result<Self> {
         let mut waiting = Vec::new();
         if wait.is_some() {
             for _ in 0..WAITING_CONNECTIONS {
                 let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-                waiting.push(Connection { shared: Link::Single(manager), threads: None });
+                waiting.push(Connection { shared: Link::Single(manager), threads: None, timeout_ms });
             }
         }
         Ok(Self { waiting, next: AtomicUsize::new(0), wait })
@@ -154,12 +155,12 @@ impl Changes {
         claims: impl FnOnce(&T) -> bool,
     ) -> Result<T, StoreError> {
         let Some(wait) = self.wait.filter(|_| !self.waiting.is_empty()) else {
-            return connection.invoke(inv).await.map_err(backend);
+            return connection.invoke(inv).await;
         };
         let waiting = &self.waiting[self.next.fetch_add(1, Ordering::Relaxed) % self.waiting.len()];
         let mut pipe = redis::pipe();
         pipe.load_script(script).invoke_script(inv).cmd("WAIT").arg(wait.replicas).arg(millis(wait.timeout));
-        let (_sha, answer, confirmed): (String, T, u32) = waiting.pipeline(&pipe).await.map_err(backend)?;
+        let (_sha, answer, confirmed): (String, T, u32) = waiting.pipeline(&pipe).await?;
         if claims(&answer) && confirmed < wait.replicas {
             metrics::store_wait_failed();
             let detail = format!(
@@ -220,10 +221,10 @@ impl RedisStore {
             .set_max_delay(Duration::from_millis(500));
         let (connection, changes) = if urls.len() == 1 {
             let client = redis::Client::open(urls[0].as_str())?;
-            let changes = Changes::open(&client, &config, wait).await?;
+            let changes = Changes::open(&client, &config, wait, millis(response_timeout)).await?;
             let shared = Link::Single(ConnectionManager::new_with_config(client.clone(), config.clone()).await?);
             let threads = (serving_threads > 0).then(|| ThreadLinks::new(client, config, serving_threads));
-            (Connection { shared, threads }, changes)
+            (Connection { shared, threads, timeout_ms: millis(response_timeout) }, changes)
         } else {
             anyhow::ensure!(wait.is_none(), "store.wait_replicas is not supported with a Redis Cluster");
             let client = redis::cluster::ClusterClientBuilder::new(urls.to_vec())
@@ -231,7 +232,8 @@ impl RedisStore {
                 .connection_timeout(response_timeout)
                 .build()?;
             let changes = Changes { waiting: Vec::new(), next: AtomicUsize::new(0), wait: None };
-            (Connection { shared: Link::Cluster(client.get_async_connection().await?), threads: None }, changes)
+            let shared = Link::Cluster(client.get_async_connection().await?);
+            (Connection { shared, threads: None, timeout_ms: millis(response_timeout) }, changes)
         };
         let changes = Arc::new(changes);
         let epochs = Arc::new(KnownEpochs::default());
@@ -272,7 +274,7 @@ impl RedisStore {
                 async move { self.connection.query::<Option<String>>(&cmd).await }
             });
             for set in futures_util::future::join_all(calls).await {
-                marked += usize::from(set.map_err(backend)?.is_some());
+                marked += usize::from(set?.is_some());
             }
         }
         Ok(marked)
@@ -302,8 +304,7 @@ impl RegistryCalls for RedisCalls {
             .cmd("ZSCORE")
             .arg(key(resource, "inflight"))
             .arg(member_of(&self.replica_id, member));
-        let (fence, deadline): (Option<String>, Option<String>) =
-            self.connection.pipeline(&pipe).await.map_err(backend)?;
+        let (fence, deadline): (Option<String>, Option<String>) = self.connection.pipeline(&pipe).await?;
         let Some(fence) = parse_token(fence.as_deref().unwrap_or(""))? else { return Ok(None) };
         if floor.is_some_and(|floor| fence < floor) {
             return Ok(None); // the store fell below what this replica has seen: repair
@@ -403,7 +404,7 @@ impl RegistryCalls for RedisCalls {
     async fn withdraw(&self, withdrawal: &Withdrawal) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("ZREM");
         cmd.arg(key(&withdrawal.resource, "inflight")).arg(member_of(&self.replica_id, withdrawal.member));
-        let _removed: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        let _removed: i64 = self.connection.query(&cmd).await?;
         Ok(())
     }
 }
@@ -495,13 +496,6 @@ fn encode_record(record: &IdempotencyRecord) -> String {
     serde_json::to_string(record).expect("an idempotency record serialises")
 }
 
-fn backend(e: redis::RedisError) -> StoreError {
-    if e.is_timeout() {
-        return StoreError::Timeout { after_ms: 0 };
-    }
-    StoreError::Backend(Box::new(e))
-}
-
 fn parse_token(raw: &str) -> Result<Option<FenceToken>, StoreError> {
     if raw.is_empty() {
         return Ok(None);
@@ -521,8 +515,7 @@ fn as_string(v: &Value) -> String {
 #[async_trait]
 impl FenceStore for RedisStore {
     async fn load(&self, resource: &ResourceKey) -> Result<Option<FenceToken>, StoreError> {
-        let value: Option<String> =
-            self.connection.query(redis::cmd("GET").arg(key(resource, "fence"))).await.map_err(backend)?;
+        let value: Option<String> = self.connection.query(redis::cmd("GET").arg(key(resource, "fence"))).await?;
         parse_token(value.as_deref().unwrap_or(""))
     }
 
@@ -557,7 +550,7 @@ impl FenceStore for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let _: String = self.connection.query(&redis::cmd("PING")).await.map_err(backend)?;
+        let _: String = self.connection.query(&redis::cmd("PING")).await?;
         Ok(())
     }
 

@@ -65,7 +65,7 @@ impl LeaseStore for RedisStore {
                             .arg(ANNOUNCE_CHANNEL)
                             .arg(resource.as_str());
                         release.arg("");
-                        let _: redis::RedisResult<Vec<Value>> = self.connection.invoke(&release).await;
+                        let _: Result<Vec<Value>, StoreError> = self.connection.invoke(&release).await;
                     }
                     return Err(e);
                 }
@@ -105,7 +105,7 @@ impl LeaseStore for RedisStore {
     async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(key(resource, "lease")).arg(&["holder", "lease_id", "token", "ttl_ms", "expires_at_ms"]);
-        let fields: Vec<Option<String>> = self.connection.query(&cmd).await.map_err(backend)?;
+        let fields: Vec<Option<String>> = self.connection.query(&cmd).await?;
         let [Some(holder), Some(lease_id), Some(token), Some(ttl_ms), Some(expires_at_ms)] =
             <[Option<String>; 5]>::try_from(fields).map_err(|_| StoreError::Backend("HMGET answered oddly".into()))?
         else {
@@ -134,7 +134,7 @@ impl IdempotencyStore for RedisStore {
         let ttl_ms = claim.expires_at_ms.saturating_sub(now_ms).max(1);
         let mut inv = self.idempotency_begin.key(idempotency_key(key));
         inv.arg(&claim.claim).arg(encode_record(claim)).arg(ttl_ms);
-        let existing: Option<String> = self.connection.invoke(&inv).await.map_err(backend)?;
+        let existing: Option<String> = self.connection.invoke(&inv).await?;
         match existing {
             None => Ok(IdempotencyBegin::Claimed),
             Some(json) => Ok(IdempotencyBegin::Existing(decode_record(&json)?)),
@@ -147,7 +147,7 @@ impl IdempotencyStore for RedisStore {
         _now_ms: u64,
     ) -> Result<Option<IdempotencyRecord>, StoreError> {
         let json: Option<String> =
-            self.connection.query(redis::cmd("HGET").arg(idempotency_key(key)).arg("record")).await.map_err(backend)?;
+            self.connection.query(redis::cmd("HGET").arg(idempotency_key(key)).arg("record")).await?;
         json.map(|j| decode_record(&j)).transpose()
     }
 
@@ -159,7 +159,7 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<(), StoreError> {
         let mut inv = self.idempotency_finish.key(idempotency_key(key));
         inv.arg(claim).arg(record.map(encode_record).unwrap_or_default());
-        let _changed: i64 = self.connection.invoke(&inv).await.map_err(backend)?;
+        let _changed: i64 = self.connection.invoke(&inv).await?;
         Ok(())
     }
 }
@@ -172,19 +172,19 @@ impl UploadStore for RedisStore {
     async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
         let json = serde_json::to_string(record).expect("an upload record serialises");
         let cmd = redis::cmd("HSET").arg(UPLOADS_KEY).arg(record.storage_name()).arg(json).to_owned();
-        let _added: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        let _added: i64 = self.connection.query(&cmd).await?;
         Ok(())
     }
 
     async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
         let cmd = redis::cmd("HGET").arg(UPLOADS_KEY).arg(UploadRecord::name(bucket, upload_id)).to_owned();
-        let json: Option<String> = self.connection.query(&cmd).await.map_err(backend)?;
+        let json: Option<String> = self.connection.query(&cmd).await?;
         json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
     }
 
     async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
         let cmd = redis::cmd("HDEL").arg(UPLOADS_KEY).arg(UploadRecord::name(bucket, upload_id)).to_owned();
-        let _removed: i64 = self.connection.query(&cmd).await.map_err(backend)?;
+        let _removed: i64 = self.connection.query(&cmd).await?;
         Ok(())
     }
 
@@ -192,7 +192,7 @@ impl UploadStore for RedisStore {
     async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
         let cursor = cursor.unwrap_or_else(|| "0".into());
         let cmd = redis::cmd("HSCAN").arg(UPLOADS_KEY).arg(&cursor).arg("COUNT").arg(limit.max(1)).to_owned();
-        let (next, fields): (String, Vec<String>) = self.connection.query(&cmd).await.map_err(backend)?;
+        let (next, fields): (String, Vec<String>) = self.connection.query(&cmd).await?;
         let records = fields
             .chunks_exact(2)
             .map(|pair| serde_json::from_str(&pair[1]).map_err(|e| StoreError::Backend(Box::new(e))))
