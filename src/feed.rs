@@ -5,7 +5,9 @@
 //! The feed costs a write nothing while nobody watches (one atomic load). A watcher that reads
 //! slower than decisions are made loses accepted events, counted and told (`dropped`), never a
 //! refusal: past [`REFUSALS_QUEUED_MAX`] refusals unread, its feed ends with `overflow` rather
-//! than skip one.
+//! than skip one. Refusals are numbered (every one this process made, watched or not), so a
+//! watcher that comes back after its feed ended or broke learns how many it missed
+//! ([`Missed`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -48,17 +50,11 @@ pub struct DecisionEvent<'a> {
     pub who: Option<&'a str>,
 }
 
-impl DecisionEvent<'_> {
-    fn is_refusal(&self) -> bool {
-        self.decision == "refused"
-    }
-}
-
 /// What a watcher reads next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FeedItem {
-    /// A decision, as JSON.
-    Decision(Arc<str>),
+    /// A decision, as JSON; a refusal with its number ([`Feed::refusal_id`]).
+    Decision(Arc<str>, Option<u64>),
     /// Accepted events dropped since the last item, because the watcher read too slowly.
     Dropped(u64),
     /// The watcher fell [`REFUSALS_QUEUED_MAX`] refusals behind: its feed ends here.
@@ -68,10 +64,30 @@ pub enum FeedItem {
 /// The decisions of this replica, to whoever watches.
 pub struct Feed {
     replica: Arc<str>,
-    watchers: Mutex<Vec<Arc<Watcher>>>,
+    /// Names this process's count of refusals: a watcher's last refusal id from another
+    /// process (a restart) tells nothing of what it missed.
+    epoch: String,
+    watchers: Mutex<Watchers>,
     /// `watchers.len()`, read without the lock on every decision.
     watched: AtomicUsize,
     closed: AtomicBool,
+}
+
+#[derive(Default)]
+struct Watchers {
+    list: Vec<Arc<Watcher>>,
+    /// Refusals made so far; counted under the lock that orders their delivery, so every
+    /// watcher reads them in the order of their numbers.
+    refusals: u64,
+}
+
+/// What a returning watcher missed, from the last refusal id it read (`Last-Event-ID`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Missed {
+    /// This many refusals were made after it (0: none).
+    Refusals(u64),
+    /// The id is of another process, or is no id of this feed: how many is unknown.
+    Unknown,
 }
 
 #[derive(Default)]
@@ -82,7 +98,8 @@ struct Watcher {
 
 #[derive(Default)]
 struct Queue {
-    items: VecDeque<(bool, Arc<str>)>,
+    /// Each decision, with its number if it is a refusal.
+    items: VecDeque<(Option<u64>, Arc<str>)>,
     accepted: usize,
     refusals: usize,
     dropped: u64,
@@ -104,7 +121,8 @@ impl Feed {
     pub fn new(replica: impl Into<Arc<str>>) -> Arc<Self> {
         Arc::new(Self {
             replica: replica.into(),
-            watchers: Mutex::new(Vec::new()),
+            epoch: uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
+            watchers: Mutex::new(Watchers::default()),
             watched: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
         })
@@ -119,54 +137,81 @@ impl Feed {
         self.watched.load(Ordering::Relaxed) > 0
     }
 
-    /// A new watcher, or `None` when [`WATCHERS_MAX`] already watch or the feed closed.
-    pub fn watch(self: &Arc<Self>) -> Option<Watch> {
+    /// A new watcher, or `None` when [`WATCHERS_MAX`] already watch or the feed closed. With
+    /// `last_seen` (the id of the last refusal a watcher read before, [`Feed::refusal_id`]):
+    /// what it missed since, every refusal up to the new watcher's first.
+    pub fn watch(self: &Arc<Self>, last_seen: Option<&str>) -> Option<(Watch, Option<Missed>)> {
         let mut watchers = self.watchers.lock().expect("feed lock");
-        if watchers.len() >= WATCHERS_MAX || self.closed.load(Ordering::Acquire) {
+        if watchers.list.len() >= WATCHERS_MAX || self.closed.load(Ordering::Acquire) {
             return None;
         }
+        let missed = last_seen.map(|id| {
+            let seen: Option<u64> =
+                id.split_once('.').filter(|(epoch, _)| *epoch == self.epoch).and_then(|(_, n)| n.parse().ok());
+            match seen {
+                Some(n) if n <= watchers.refusals => Missed::Refusals(watchers.refusals - n),
+                _ => Missed::Unknown,
+            }
+        });
         let watcher = Arc::new(Watcher::default());
-        watchers.push(watcher.clone());
-        self.watched.store(watchers.len(), Ordering::Relaxed);
-        Some(Watch { feed: self.clone(), watcher })
+        watchers.list.push(watcher.clone());
+        self.watched.store(watchers.list.len(), Ordering::Relaxed);
+        Some((Watch { feed: self.clone(), watcher }, missed))
+    }
+
+    /// The id of refusal number `n` of this process (`<epoch>.<n>`), as the feed sends it.
+    pub fn refusal_id(&self, n: u64) -> String {
+        format!("{}.{n}", self.epoch)
     }
 
     /// Ends every watcher's feed (at shutdown: an open feed would hold the admin listener's
     /// drain for its whole budget).
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        for watcher in self.watchers.lock().expect("feed lock").drain(..) {
+        for watcher in self.watchers.lock().expect("feed lock").list.drain(..) {
             watcher.end(End::Closed);
         }
         self.watched.store(0, Ordering::Relaxed);
     }
 
-    fn publish(&self, event: &DecisionEvent) {
-        let watchers: Vec<Arc<Watcher>> = self.watchers.lock().expect("feed lock").clone();
+    /// Tells the watchers. A refusal is numbered and queued under the lock, so that numbers
+    /// reach every watcher in order; an accepted event is queued outside it.
+    fn publish(&self, event: Option<&DecisionEvent>, refusal: bool) {
+        if refusal {
+            let mut watchers = self.watchers.lock().expect("feed lock");
+            watchers.refusals += 1;
+            let (Some(event), false) = (event, watchers.list.is_empty()) else { return };
+            let json: Arc<str> = serde_json::to_string(event).expect("an event serialises").into();
+            for watcher in &watchers.list {
+                watcher.push(Some(watchers.refusals), json.clone());
+            }
+            return;
+        }
+        let Some(event) = event else { return };
+        let watchers: Vec<Arc<Watcher>> = self.watchers.lock().expect("feed lock").list.clone();
         if watchers.is_empty() {
             return;
         }
         let json: Arc<str> = serde_json::to_string(event).expect("an event serialises").into();
-        let refusal = event.is_refusal();
         for watcher in watchers {
-            watcher.push(refusal, json.clone());
+            watcher.push(None, json.clone());
         }
     }
 
     fn forget(&self, watcher: &Arc<Watcher>) {
         let mut watchers = self.watchers.lock().expect("feed lock");
-        watchers.retain(|w| !Arc::ptr_eq(w, watcher));
-        self.watched.store(watchers.len(), Ordering::Relaxed);
+        watchers.list.retain(|w| !Arc::ptr_eq(w, watcher));
+        self.watched.store(watchers.list.len(), Ordering::Relaxed);
     }
 }
 
 impl Watcher {
-    fn push(&self, refusal: bool, json: Arc<str>) {
+    fn push(&self, refusal: Option<u64>, json: Arc<str>) {
         let mut queue = self.queue.lock().expect("feed lock");
         if queue.ended.is_some() {
             return;
         }
-        if refusal {
+        if refusal.is_some() {
             if queue.refusals == REFUSALS_QUEUED_MAX {
                 queue.ended = Some(End::Overflow);
                 drop(queue);
@@ -217,12 +262,12 @@ impl Watch {
                     return Some(FeedItem::Dropped(std::mem::take(&mut queue.dropped)));
                 }
                 if let Some((refusal, json)) = queue.items.pop_front() {
-                    if refusal {
+                    if refusal.is_some() {
                         queue.refusals -= 1;
                     } else {
                         queue.accepted -= 1;
                     }
-                    return Some(FeedItem::Decision(json));
+                    return Some(FeedItem::Decision(json, refusal));
                 }
                 if queue.finished {
                     return None;
@@ -378,7 +423,10 @@ impl Decision {
         fence: Option<FenceToken>,
         write: Option<(&ResourceKey, FenceToken)>,
     ) {
+        let refusal = decision == "refused";
         if !self.feed.watched() {
+            // Counted all the same: a watcher that returns learns what it missed.
+            self.feed.publish(None, refusal);
             return;
         }
         let facts = self.facts.lock().expect("decision lock");
@@ -386,7 +434,7 @@ impl Decision {
             Some((resource, token)) => (Some(resource.as_str()), Some(token.0)),
             None => (facts.resource.as_deref(), facts.token),
         };
-        self.feed.publish(&DecisionEvent {
+        let event = DecisionEvent {
             time_ms: SystemClock.now_ms(),
             replica: &self.feed.replica,
             operation: facts.operation,
@@ -397,7 +445,8 @@ impl Decision {
             detail,
             code,
             who: facts.who.as_deref(),
-        });
+        };
+        self.feed.publish(Some(&event), refusal);
     }
 }
 
@@ -422,13 +471,13 @@ mod tests {
     }
 
     fn is_refusal(item: &FeedItem) -> bool {
-        matches!(item, FeedItem::Decision(json) if json.contains("\"decision\":\"refused\""))
+        matches!(item, FeedItem::Decision(json, _) if json.contains("\"decision\":\"refused\""))
     }
 
     #[tokio::test]
     async fn a_slow_watcher_loses_accepted_events_counted_and_never_a_refusal() {
         let feed = Feed::new("r1");
-        let mut watch = feed.watch().unwrap();
+        let mut watch = feed.watch(None).unwrap().0;
         for n in 0..600u64 {
             let d = decision(&feed, "job:a", n);
             if n % 6 == 0 {
@@ -439,7 +488,7 @@ mod tests {
         }
         let items = drain(&mut watch).await;
         let refusals = items.iter().filter(|i| is_refusal(i)).count();
-        let accepted = items.iter().filter(|i| matches!(i, FeedItem::Decision(_)) && !is_refusal(i)).count();
+        let accepted = items.iter().filter(|i| matches!(i, FeedItem::Decision(..)) && !is_refusal(i)).count();
         let dropped: u64 = items.iter().map(|i| if let FeedItem::Dropped(n) = i { *n } else { 0 }).sum();
         assert_eq!(refusals, 100, "every refusal");
         assert_eq!(accepted, ACCEPTED_QUEUED_MAX, "accepted events up to the queue");
@@ -450,14 +499,14 @@ mod tests {
     #[tokio::test]
     async fn a_watcher_too_far_behind_on_refusals_is_ended_not_skipped() {
         let feed = Feed::new("r1");
-        let mut watch = feed.watch().unwrap();
+        let mut watch = feed.watch(None).unwrap().0;
         for n in 0..=REFUSALS_QUEUED_MAX as u64 {
             decision(&feed, "job:a", n).refused("stale", "FencingTokenStale", None, false, &"stale");
         }
         let mut refusals = 0;
         loop {
             match watch.next().await {
-                Some(FeedItem::Decision(_)) => refusals += 1,
+                Some(FeedItem::Decision(..)) => refusals += 1,
                 Some(FeedItem::Overflow) => break,
                 other => panic!("{other:?}"),
             }
@@ -469,7 +518,7 @@ mod tests {
     #[tokio::test]
     async fn each_request_tells_its_decision_once() {
         let feed = Feed::new("r1");
-        let mut watch = feed.watch().unwrap();
+        let mut watch = feed.watch(None).unwrap().0;
         let d = decision(&feed, "job:a", 7);
         d.who("AKIDEXAMPLE");
         d.let_through("accepted");
@@ -478,7 +527,7 @@ mod tests {
         d.refused("stale", "FencingTokenStale", Some(FenceToken(9)), true, &"a newer stamp");
         let items = drain(&mut watch).await;
         assert_eq!(items.len(), 2, "{items:?}");
-        let FeedItem::Decision(first) = &items[0] else { panic!() };
+        let FeedItem::Decision(first, None) = &items[0] else { panic!() };
         let first: serde_json::Value = serde_json::from_str(first).unwrap();
         assert_eq!(first["decision"], "accepted");
         assert_eq!((first["resource"].as_str(), first["token"].as_u64()), (Some("job:a"), Some(7)));
@@ -491,13 +540,43 @@ mod tests {
     async fn watchers_are_bounded_and_end_at_close() {
         let feed = Feed::new("r1");
         assert!(!feed.watched());
-        let mut watches: Vec<Watch> = (0..WATCHERS_MAX).map(|_| feed.watch().unwrap()).collect();
-        assert!(feed.watch().is_none(), "one more is refused");
+        let mut watches: Vec<Watch> = (0..WATCHERS_MAX).map(|_| feed.watch(None).unwrap().0).collect();
+        assert!(feed.watch(None).is_none(), "one more is refused");
         drop(watches.pop());
-        let mut last = feed.watch().expect("a place freed");
+        let mut last = feed.watch(None).expect("a place freed").0;
         decision(&feed, "job:a", 1).let_through("accepted");
         feed.close();
         assert_eq!(last.next().await, None, "the feed ends at shutdown");
-        assert!(feed.watch().is_none() && !feed.watched());
+        assert!(feed.watch(None).is_none() && !feed.watched());
+    }
+
+    /// Refusals are numbered whether watched or not, in the order every watcher reads them; a
+    /// watcher back with the id of the last one it read learns how many it missed, and an id
+    /// of another process (or none of this feed's) says that is unknown.
+    #[tokio::test]
+    async fn a_returning_watcher_learns_how_many_refusals_it_missed() {
+        let feed = Feed::new("r1");
+        let refuse = |n| decision(&feed, "job:a", n).refused("stale", "FencingTokenStale", None, true, &"stale");
+        (0..3).for_each(refuse);
+        let (mut watch, missed) = feed.watch(None).unwrap();
+        assert_eq!(missed, None, "a first watcher asks nothing");
+        refuse(3);
+        decision(&feed, "job:a", 4).let_through("accepted");
+        refuse(5);
+        let ids: Vec<Option<u64>> = drain(&mut watch)
+            .await
+            .iter()
+            .map(|i| if let FeedItem::Decision(_, id) = i { *id } else { None })
+            .collect();
+        assert_eq!(ids, [Some(4), None, Some(5)], "refusals carry their numbers, accepted events none");
+        drop(watch);
+        (6..9).for_each(refuse);
+        decision(&feed, "job:a", 9).let_through("accepted");
+        let back = |id: &str| feed.watch(Some(id)).unwrap().1;
+        assert_eq!(back(&feed.refusal_id(5)), Some(Missed::Refusals(3)));
+        assert_eq!(back(&feed.refusal_id(8)), Some(Missed::Refusals(0)));
+        for other in ["0123456789ab.5", &feed.refusal_id(9), "garbage", ""] {
+            assert_eq!(back(other), Some(Missed::Unknown), "{other:?}");
+        }
     }
 }

@@ -49,6 +49,8 @@ pub struct Admin {
     hosts: ServedHosts,
     /// The console page's `Content-Security-Policy`.
     page_policy: http::HeaderValue,
+    /// How often a quiet feed says it is alive (`events::keep_alive`).
+    keep_alive: std::time::Duration,
 }
 
 /// What a request may do, by what it presents.
@@ -123,10 +125,12 @@ impl Admin {
         metrics: PrometheusHandle,
         admin_token: Option<String>,
         hosts: ServedHosts,
+        idle_timeout: std::time::Duration,
     ) -> Self {
         let session = admin_token.as_deref().map(session_value);
         let page_policy = console::content_security_policy().parse().expect("a policy is a header value");
-        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy }
+        let keep_alive = events::keep_alive(idle_timeout);
+        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy, keep_alive }
     }
 
     pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
@@ -191,7 +195,7 @@ impl Admin {
             (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
             (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
             (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),
-            (&Method::GET, "/v1/events") => events::watch(&self.feed),
+            (&Method::GET, "/v1/events") => events::watch(&self.feed, req.headers(), self.keep_alive),
             (&Method::POST, "/v1/reconcile") => self.reconcile(req).await,
             (method, p) if p.starts_with("/v1/fences/") => {
                 let raw = &p["/v1/fences/".len()..];

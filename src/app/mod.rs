@@ -241,6 +241,7 @@ impl App {
             metrics,
             self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
             hosts,
+            ms(self.config.server.idle_timeout_ms),
         ));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 

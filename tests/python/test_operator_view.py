@@ -181,6 +181,7 @@ class Feed:
 
     def __init__(self, fg, headers):
         self.events: list = []
+        self.ids: list = []  # the `id` of each event that had one, in order
         self.ended = threading.Event()
         self.resp = requests.get(fg.admin_url + "/v1/events", headers=headers, stream=True, timeout=(5, 60))
         assert self.resp.status_code == 200 and self.resp.headers["Content-Type"] == "text/event-stream"
@@ -193,12 +194,21 @@ class Feed:
             for line in self.resp.iter_lines(decode_unicode=True):
                 if line.startswith("event: "):
                     event = line[len("event: "):]
+                elif line.startswith("id: "):
+                    self.ids.append(line[len("id: "):])
                 elif line.startswith("data: "):
                     self.events.append((event, json.loads(line[len("data: "):])))
-        except requests.RequestException:
-            pass
+        except (requests.RequestException, OSError, AttributeError, ValueError):
+            pass  # the stream ended, or `close()` closed it under this thread's read
         finally:
             self.ended.set()
+
+    def close(self):
+        self.resp.close()
+        self.ended.wait(WAIT_S)
+
+    def of_kind(self, kind: str) -> list:
+        return [e for k, e in list(self.events) if k == kind]
 
     def decisions(self, **match) -> list:
         return [e for kind, e in list(self.events) if kind == "decision"
@@ -234,6 +244,55 @@ def test_the_feed_names_the_stale_writer(any_store):
     fg.stop()
     assert time.monotonic() - started < 5.0
     assert feed.ended.wait(WAIT_S), "the feed did not end at shutdown"
+
+
+def test_a_returning_reader_learns_how_many_refusals_it_missed(fencegate):
+    """Before: a reader whose stream broke lost what was made meanwhile, and never knew. Now each
+    refusal has an id; back with the last one read (`Last-Event-ID`, as `EventSource` sends it),
+    a reader is first told how many refusals it missed; an id from before a restart, or none
+    of this feed's, says the count is unknown."""
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN}}, local_buckets=("feed",))
+    first = Feed(fg, bearer())
+    assert put(fg, "feed", "k", 5).status == 200
+    assert put(fg, "feed", "k", 3).status == 409
+    wait_until(lambda: first.decisions(decision="refused"), WAIT_S, what="the refusal on the feed")
+    assert len(first.ids) == 1, "a refusal has an id, an accepted write none"
+    last = first.ids[-1]
+    first.close()
+    for token in (1, 2, 4):
+        assert put(fg, "feed", "k", token).status == 409
+    assert put(fg, "feed", "k", 6).status == 200
+    back = Feed(fg, {**bearer(), "Last-Event-ID": last})
+    wait_until(lambda: back.of_kind("missed"), WAIT_S, what="the count of what was missed")
+    assert back.of_kind("missed") == [{"refusals": 3}]
+    assert put(fg, "feed", "k", 2).status == 409
+    wait_until(lambda: back.ids, WAIT_S, what="the next refusal")
+    back.close()
+    caught_up = Feed(fg, {**bearer(), "Last-Event-ID": back.ids[-1]})
+    wait_until(lambda: caught_up.of_kind("missed"), WAIT_S, what="nothing missed")
+    assert caught_up.of_kind("missed") == [{"refusals": 0}]
+    caught_up.close()
+    bogus = Feed(fg, {**bearer(), "Last-Event-ID": "not-an-id"})
+    wait_until(lambda: bogus.of_kind("missed"), WAIT_S, what="an unknown count")
+    assert bogus.of_kind("missed") == [{"refusals": None}]
+    bogus.close()
+    fg.restart()
+    restarted = Feed(fg, {**bearer(), "Last-Event-ID": back.ids[-1]})
+    wait_until(lambda: restarted.of_kind("missed"), WAIT_S, what="an unknown count after a restart")
+    assert restarted.of_kind("missed") == [{"refusals": None}]
+    restarted.close()
+
+
+def test_a_quiet_feed_outlives_a_short_idle_timeout(fencegate):
+    """Before: a quiet feed said it was alive every 15 s, and a listener with a shorter
+    `server.idle_timeout_ms` closed it. Now it speaks at least three times per idle timeout."""
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN, "idle_timeout_ms": 1500}}, local_buckets=("feed",))
+    feed = Feed(fg, bearer())
+    time.sleep(4.0)
+    assert not feed.ended.is_set(), "the quiet feed was closed"
+    assert put(fg, "feed", "k", 5).status == 200
+    wait_until(lambda: feed.decisions(decision="accepted"), WAIT_S, what="a decision on the same stream")
+    feed.close()
 
 
 def test_a_write_in_flight_shows_with_the_newer_token_waiting_behind_it(held_s3):
