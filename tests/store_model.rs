@@ -598,6 +598,28 @@ async fn listing_contract(store: &dyn Store, name: &str) {
         }
         assert_eq!(seen, kept, "{name}: pages of {limit} visit every record, each with its resource");
     }
+
+    // Replicas: a shared store lists those seen since a time and forgets the long silent; a
+    // store of one process keeps none.
+    let forgotten_after = fencegate::fence::REPLICAS_FORGOTTEN_AFTER_MS;
+    let t0 = now;
+    for (id, at) in
+        [("r-a", t0), ("r-b", t0 + 2_000), ("r-old", t0 - forgotten_after - 1_000), ("r-quiet", t0 - 60_000)]
+    {
+        store.replica_seen(id, at).await.unwrap();
+    }
+    let seen = |since| async move { store.replicas(since).await.unwrap() };
+    if store.shared().is_none() {
+        assert_eq!(seen(0).await, vec![], "{name}: one process, no list");
+        return;
+    }
+    assert_eq!(seen(t0).await, [("r-a".to_owned(), t0), ("r-b".to_owned(), t0 + 2_000)], "{name}: seen since");
+    assert_eq!(seen(t0 + 1).await, [("r-b".to_owned(), t0 + 2_000)], "{name}");
+    let all: Vec<String> = seen(0).await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(all, ["r-a", "r-b", "r-quiet"], "{name}: one silent for an hour before `since` was forgotten");
+    store.replica_gone("r-a").await.unwrap();
+    store.replica_seen("r-b", t0 + 3_000).await.unwrap();
+    assert_eq!(seen(t0).await, [("r-b".to_owned(), t0 + 3_000)], "{name}: gone, and seen again later");
 }
 
 // ---------------------------------------------------------------------------------------------

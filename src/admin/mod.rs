@@ -10,6 +10,7 @@
 
 mod console;
 mod events;
+pub mod replicas;
 mod views;
 
 use std::convert::Infallible;

@@ -69,8 +69,8 @@ pub async fn status(gate: &Gate, feed: &Feed, auth: bool) -> AdminResponse {
             "ready": ready.is_ok(),
             "detail": ready.err().map(|e| e.to_string()),
         },
-        // The replicas this one knows of: itself (the stores keep no list of replicas).
-        "replicas": [feed.replica().as_ref()],
+        // This replica and those the shared store saw lately.
+        "replicas": super::replicas::seen(gate, feed.replica()).await,
         "auth": auth,
     });
     json_response(StatusCode::OK, &body)

@@ -280,13 +280,18 @@ impl App {
             };
             server::run(s3_listener, tls, s3_service, limits, stop, shutdown_timeout, Some(s3_threads)).await;
         });
+        let heartbeat =
+            tokio::spawn(crate::admin::replicas::keep_telling(self.gate.clone(), self.feed.replica().clone()));
         shutdown.await;
+        heartbeat.abort();
         let stop_by = tokio::time::Instant::now() + shutdown_timeout;
         tracing::info!("shutting down: finishing open requests");
         // A watcher's feed is an open request that never finishes by itself.
         self.feed.close();
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
+        let within = stop_by.saturating_duration_since(tokio::time::Instant::now()).min(FORGET_REPLICA_MAX);
+        crate::admin::replicas::forget(&self.gate, self.feed.replica(), within).await;
         self.await_writes_in_flight(stop_by).await;
         // Last: a write whose client left finishes on its serving thread.
         threads.stop().await;
@@ -314,7 +319,6 @@ impl App {
     }
 }
 
-/// `<host name>-<pid>`: unique among replicas on one store unless two hosts share a name.
 /// `fencegate init-store`: marks a new shared store as new, so that its first writes need not
 /// wait out the quiet period of a store that lost its state (docs/design.md, section 6).
 /// Returns what was done, for the operator.
@@ -375,6 +379,10 @@ pub(crate) fn at_fault((key, reason): crate::config::Invalid) -> anyhow::Error {
     anyhow::anyhow!("{key}: {reason}")
 }
 
+/// The longest a stop spends removing its replica from a shared store's list.
+const FORGET_REPLICA_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `<host name>-<pid>`: unique among replicas on one store unless two hosts share a name.
 fn default_replica_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
     let host = if host.is_empty() { "fencegate".to_owned() } else { host };

@@ -25,8 +25,9 @@ pub use lease::{
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, WITHDRAWN_GRANT_TTL_MS, apply_lease,
 };
 pub use store::{
-    AdvanceOutcome, FencePage, FenceStore, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page, RecordPage,
-    SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, UploadStore, listing_start,
+    AdvanceOutcome, FencePage, FenceStore, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page,
+    REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, SharedAdmit, SharedRegistry, Store, StoreError,
+    StoreEvent, UploadStore, listing_start,
 };
 pub use timed::{IdempotencyRecords, LISTING_TIMEOUT, Listings, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

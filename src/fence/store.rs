@@ -216,7 +216,30 @@ pub trait ListingStore: Send + Sync + 'static {
     /// ones whose outcome is unknown). A page holds at most `limit` (at least 1), except on
     /// Redis, whose `SCAN` steps hold what they hold: `limit` bounds the keys walked there.
     async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError>;
+
+    /// Notes that replica `id` is up at its wall-clock `now_ms`, for the others' view
+    /// (`/v1/status`). A store of one process keeps nothing.
+    async fn replica_seen(&self, _id: &str, _now_ms: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// The replicas last seen at or after `since_ms`, with when, by id; those not seen for
+    /// [`REPLICAS_FORGOTTEN_AFTER_MS`] before `since_ms` are forgotten.
+    async fn replicas(&self, _since_ms: u64) -> Result<Vec<(String, u64)>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// Forgets replica `id` (it stops).
+    async fn replica_gone(&self, _id: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
+
+/// A replica not seen for this long (an hour) is forgotten by the store.
+pub const REPLICAS_FORGOTTEN_AFTER_MS: u64 = 3_600_000;
+
+/// Replicas a store lists at most.
+pub const REPLICAS_LISTED_MAX: usize = 1000;
 
 /// A fence store as fencegate opens one: fences, leases, idempotency records and uploads in one
 /// place.

@@ -96,6 +96,18 @@ impl Listings {
     pub async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError> {
         bounded(self.0.idempotency_records(cursor, limit)).await
     }
+
+    pub async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
+        bounded(self.0.replica_seen(id, now_ms)).await
+    }
+
+    pub async fn replicas(&self, since_ms: u64) -> Result<Vec<(String, u64)>, StoreError> {
+        bounded(self.0.replicas(since_ms)).await
+    }
+
+    pub async fn replica_gone(&self, id: &str) -> Result<(), StoreError> {
+        bounded(self.0.replica_gone(id)).await
+    }
 }
 
 async fn bounded<T>(call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {

@@ -126,6 +126,27 @@ def two_replicas(fencegate, redis_server, moto_server):
     return r1, r2, bucket
 
 
+def test_each_replica_lists_the_others_it_shares_the_store_with(two_replicas, fencegate, redis_server,
+                                                                moto_server):
+    """`/v1/status` names every replica the shared store saw lately: both, on either; one that
+    stops is forgotten at once, one killed drops out once it has been silent for 15 s."""
+    r1, r2, _ = two_replicas
+
+    def replicas(fg) -> list:
+        return fg.admin("GET", "/v1/status").json()["replicas"]
+
+    ids = wait_until(lambda: len(replicas(r1)) == 2 and replicas(r1), 15, what="both replicas listed")
+    assert replicas(r2) == ids and ids == sorted(ids) and len(set(ids)) == 2
+    r3 = with_redis(fencegate, redis_server, upstream=moto_server.upstream_config())
+    wait_until(lambda: len(replicas(r1)) == 3, 15, what="a third replica listed")
+    r3.stop()
+    wait_until(lambda: len(replicas(r1)) == 2, 5, what="a stopped replica forgotten at once")
+    r2.kill9()
+    started = time.monotonic()
+    wait_until(lambda: len(replicas(r1)) == 1, 30, interval=0.5, what="a killed replica dropping out")
+    assert time.monotonic() - started > 5, "dropped before it was silent for long"
+
+
 def test_replicas_share_fences(two_replicas):
     r1, r2, bucket = two_replicas
     r1.client(token=12, resource="job:shared").put_object(Bucket=bucket, Key="a", Body=b"12")

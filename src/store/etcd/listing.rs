@@ -4,16 +4,20 @@
 use std::ops::Bound;
 
 use async_trait::async_trait;
-use etcd_client::GetOptions;
+use etcd_client::{GetOptions, TxnOp};
 
 use super::{EtcdStore, FENCES, LEASES, RECORDS, corrupt, read_bounded};
 use crate::fence::{
-    FencePage, FenceToken, IdempotencyRecord, LeasePage, ListingStore, Page, RecordPage, ResourceKey, StoreError,
-    listing_start,
+    FencePage, FenceToken, IdempotencyRecord, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS,
+    REPLICAS_LISTED_MAX, RecordPage, ResourceKey, StoreError, listing_start,
 };
 
 /// The first key after every idempotency record's.
 const RECORDS_END: &str = "fg/k0";
+/// The replicas seen, one key each (`fg/r/<id>`): when it last said it was up (its wall clock,
+/// ms).
+const REPLICAS: &str = "fg/r/";
+const REPLICAS_END: &str = "fg/r0";
 
 #[async_trait]
 impl ListingStore for EtcdStore {
@@ -57,6 +61,37 @@ impl ListingStore for EtcdStore {
         }
         let next = (rows.len() > limit).then(|| rows.pop().expect("one past the page").0);
         Ok(RecordPage { records: rows.into_iter().map(|(_, resource, record)| (resource, record)).collect(), next })
+    }
+
+    async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
+        let put = TxnOp::put(format!("{REPLICAS}{id}"), now_ms.to_string(), None);
+        self.commit(vec![], vec![put]).await.map(|_| ())
+    }
+
+    async fn replicas(&self, since_ms: u64) -> Result<Vec<(String, u64)>, StoreError> {
+        let get = || {
+            let mut kv = self.client.kv_client();
+            let limit = i64::try_from(REPLICAS_LISTED_MAX).unwrap_or(i64::MAX);
+            async move { kv.get(REPLICAS, Some(GetOptions::new().with_range(REPLICAS_END).with_limit(limit))).await }
+        };
+        let resp = read_bounded(self.timeout, get).await?;
+        let (mut seen, mut forgotten) = (Vec::new(), Vec::new());
+        for kv in resp.kvs() {
+            let Some(id) = kv.key_str().ok().and_then(|k| k.strip_prefix(REPLICAS)) else { continue };
+            match kv.value_str().ok().and_then(|v| v.parse::<u64>().ok()) {
+                Some(at) if at >= since_ms => seen.push((id.to_owned(), at)),
+                Some(at) if at >= since_ms.saturating_sub(REPLICAS_FORGOTTEN_AFTER_MS) => {}
+                _ => forgotten.push(TxnOp::delete(kv.key().to_vec(), None)),
+            }
+        }
+        if !forgotten.is_empty() {
+            self.commit(vec![], forgotten).await?;
+        }
+        Ok(seen)
+    }
+
+    async fn replica_gone(&self, id: &str) -> Result<(), StoreError> {
+        self.commit(vec![], vec![TxnOp::delete(format!("{REPLICAS}{id}"), None)]).await.map(|_| ())
     }
 }
 

@@ -9,7 +9,10 @@ use async_trait::async_trait;
 
 use super::decode_record;
 use super::{RedisStore, key, parse_token};
-use crate::fence::{FencePage, LeasePage, LeaseStore, ListingStore, Page, RecordPage, ResourceKey, StoreError};
+use crate::fence::{
+    FencePage, LeasePage, LeaseStore, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
+    ResourceKey, StoreError,
+};
 
 /// Keys asked for per `SCAN` step.
 const SCAN_COUNT: usize = 1000;
@@ -76,7 +79,39 @@ impl ListingStore for RedisStore {
         }
         Ok(RecordPage { records, next: (next != "0").then_some(next) })
     }
+
+    async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
+        let _: i64 = self.connection.query(redis::cmd("HSET").arg(REPLICAS_KEY).arg(id).arg(now_ms)).await?;
+        Ok(())
+    }
+
+    async fn replicas(&self, since_ms: u64) -> Result<Vec<(String, u64)>, StoreError> {
+        let all: Vec<(String, String)> = self.connection.query(redis::cmd("HGETALL").arg(REPLICAS_KEY)).await?;
+        let (mut seen, mut forgotten) = (Vec::new(), Vec::new());
+        for (id, at) in all {
+            match at.parse::<u64>() {
+                Ok(at) if at >= since_ms => seen.push((id, at)),
+                Ok(at) if at >= since_ms.saturating_sub(REPLICAS_FORGOTTEN_AFTER_MS) => {}
+                _ => forgotten.push(id),
+            }
+        }
+        if !forgotten.is_empty() {
+            let _: i64 = self.connection.query(redis::cmd("HDEL").arg(REPLICAS_KEY).arg(&forgotten)).await?;
+        }
+        seen.sort();
+        seen.truncate(REPLICAS_LISTED_MAX);
+        Ok(seen)
+    }
+
+    async fn replica_gone(&self, id: &str) -> Result<(), StoreError> {
+        let _: i64 = self.connection.query(redis::cmd("HDEL").arg(REPLICAS_KEY).arg(id)).await?;
+        Ok(())
+    }
 }
+
+/// The replicas seen, by id: when each last said it was up (its wall clock, ms). One key: a
+/// Redis Cluster keeps it on one node.
+const REPLICAS_KEY: &str = "fg:replicas";
 
 impl RedisStore {
     /// The first `keep` resources (byte order) after `after` that start with `prefix` and have
