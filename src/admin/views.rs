@@ -91,9 +91,9 @@ pub async fn fences(gate: &Gate, query: Option<&str>) -> AdminResponse {
     }
 }
 
-/// The live leases: pages of the store's leases are read until `limit` live ones are found or
-/// [`LEASE_PAGES_MAX`] pages were read (expired leases are kept until a grant replaces them,
-/// so a prefix may hold many); `next` tells where to go on from.
+/// The live leases: pages of [`PAGE_MAX`] of the store's leases are read until `limit` live
+/// ones are found or [`LEASE_PAGES_MAX`] pages were read (expired leases are kept until a grant
+/// replaces them, so a prefix may hold many); `next` tells where to go on from.
 pub async fn leases(gate: &Gate, query: Option<&str>) -> AdminResponse {
     let query = match Query::parse(query, PAGE_MAX) {
         Ok(query) => query,
@@ -102,7 +102,7 @@ pub async fn leases(gate: &Gate, query: Option<&str>) -> AdminResponse {
     let now_ms = SystemClock.now_ms();
     let (mut live, mut after) = (Vec::new(), query.after);
     for _ in 0..LEASE_PAGES_MAX {
-        let page = match gate.listings().leases(&query.prefix, after.as_deref(), query.limit).await {
+        let page = match gate.listings().leases(&query.prefix, after.as_deref(), PAGE_MAX).await {
             Ok(page) => page,
             Err(e) => return unavailable(&e),
         };

@@ -108,27 +108,30 @@ impl Output {
                 if !self.header_shown {
                     writeln!(
                         stdout,
-                        "{:<20} {:<40} {:<30} {:>8} {:>8}  ACTION",
+                        "{:<20} {:<52} {:<30} {:>8} {:>8}  ACTION",
                         "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE"
                     )?;
                     self.header_shown = true;
                 }
                 let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
                 // A gateway record's key is the one the API was sent, to look it up there.
-                let key = event.get("key").or_else(|| event.get("upstream_key"));
+                let key = event.get("key").or_else(|| event.get("upstream_key")).or_else(|| event.get("name"));
                 let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
                 writeln!(
                     stdout,
-                    "{:<20} {:<40} {:<30} {:>8} {:>8}  {}",
+                    "{:<20} {:<52} {:<30} {:>8} {:>8}  {}",
                     event["kind"].as_str().unwrap_or("?"),
                     shown(key.and_then(Value::as_str).unwrap_or("")),
                     shown(event["resource"].as_str().unwrap_or("")),
                     show(token),
                     show(event["fence"].as_u64()),
-                    match event["cause"].as_str() {
-                        Some(cause) => format!("ask the API ({cause})"),
-                        None => action(&event["action"]),
-                    },
+                    shown(&match (event["cause"].as_str(), event["error"].as_str()) {
+                        (Some(cause), _) => {
+                            format!("ask the API ({cause}) behind {}", event["route"].as_str().unwrap_or("?"))
+                        }
+                        (None, Some(error)) => format!("unreadable: {error}"),
+                        (None, None) => action(&event["action"]),
+                    }),
                 )?;
             }
             Some("done") => {
@@ -141,6 +144,12 @@ impl Output {
                         "{findings} found in {} gateway records, {} uploads and {} objects; {} applied; {} objects of unknown resource",
                         event["records"], event["uploads"], event["objects"], event["applied"], event["unattributed"]
                     )?;
+                    if let Some(n) = event["in_flight"].as_u64().filter(|n| *n > 0) {
+                        writeln!(
+                            stdout,
+                            "{n} gateway requests still within their claim's window: run again once it closed to know their outcome"
+                        )?;
+                    }
                 }
                 return Ok(Some(if findings == 0 { Outcome::Clean } else { Outcome::Found }));
             }
@@ -151,10 +160,20 @@ impl Output {
     }
 }
 
-/// A name as the terminal shows it: control characters escaped (a key can hold any), so that
-/// no key moves the cursor or retitles the window.
+/// A name as the terminal shows it: control and format characters escaped (a key can hold
+/// any), so that no key moves the cursor, retitles the window or reorders the line around it
+/// (bidirectional overrides).
 fn shown(name: &str) -> String {
-    name.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+    name.chars()
+        .map(|c| if c.is_control() || is_format(c) { c.escape_unicode().to_string() } else { c.to_string() })
+        .collect()
+}
+
+/// Unicode's invisible format characters that change how a line reads: bidirectional marks,
+/// embeddings, overrides and isolates, zero-width characters, the byte order mark, soft hyphen.
+fn is_format(c: char) -> bool {
+    matches!(c, '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206F}' | '\u{FEFF}' | '\u{FFF9}'..='\u{FFFB}')
 }
 
 fn action(value: &Value) -> String {
@@ -163,5 +182,19 @@ fn action(value: &Value) -> String {
         Value::String(s) => s.clone(),
         Value::Object(o) => o.get("failed").and_then(Value::as_str).map_or("failed".into(), |e| format!("failed: {e}")),
         _ => "-".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Control and bidirectional characters are shown escaped; the rest as they are.
+    #[test]
+    fn names_cannot_rewrite_the_terminal() {
+        assert_eq!(shown("a\u{1b}[31mb"), "a\\u{1b}[31mb");
+        assert_eq!(shown("pay\u{202e}nem"), "pay\\u{202e}nem");
+        assert_eq!(shown("zero\u{200b}width"), "zero\\u{200b}width");
+        assert_eq!(shown("été/報告.csv"), "été/報告.csv");
     }
 }

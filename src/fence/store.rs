@@ -187,7 +187,22 @@ pub type LeasePage = Page<LeaseRecord>;
 #[derive(Debug, Default)]
 pub struct RecordPage {
     pub records: Vec<(ResourceKey, IdempotencyRecord)>,
+    /// Records that could not be read (not JSON of a record, a key of no resource), by the
+    /// name the store keeps them under, and why: one such record does not hide the others.
+    pub unreadable: Vec<(String, String)>,
     pub next: Option<String>,
+}
+
+impl RecordPage {
+    /// Adds a record as a store read it: the name it is kept under, the resource that name
+    /// gave (if it gave one), and its JSON.
+    pub fn read(&mut self, name: &str, resource: Option<ResourceKey>, json: &[u8]) {
+        match (resource, serde_json::from_slice::<IdempotencyRecord>(json)) {
+            (Some(resource), Ok(record)) => self.records.push((resource, record)),
+            (None, _) => self.unreadable.push((name.to_owned(), "its name holds no resource".into())),
+            (_, Err(e)) => self.unreadable.push((name.to_owned(), format!("not an idempotency record: {e}"))),
+        }
+    }
 }
 
 /// Where a listing of `prefix` after `after` starts: `after` (exclusive) when it is past the

@@ -317,15 +317,17 @@ impl Gateway {
             };
         }
 
+        // Kept two claim windows at least, whatever the route's retention: a record gone while
+        // its call may still be in flight would let a retry send it again, and one gone just
+        // past its window would never be found abandoned (`fencegate reconcile`).
+        let window = millis(self.claim_window(route));
         let claim = IdempotencyRecord {
             claim: uuid::Uuid::new_v4().simple().to_string(),
             fingerprint: fingerprint.clone(),
             token,
             upstream_key: key.upstream_key(token),
-            expires_at_ms: now_ms.saturating_add(route.retention_ms),
-            outcome: IdempotencyOutcome::InFlight {
-                deadline_ms: now_ms.saturating_add(millis(self.claim_window(route))),
-            },
+            expires_at_ms: now_ms.saturating_add(route.retention_ms.max(window.saturating_mul(2))),
+            outcome: IdempotencyOutcome::InFlight { deadline_ms: now_ms.saturating_add(window) },
             route: route.prefix.clone(),
             claimed_at_ms: now_ms,
         };

@@ -48,6 +48,8 @@ const HEADS_AT_ONCE: usize = 8;
 const PAGE: usize = 1000;
 /// Fences remembered during a scan (most objects of a rule share one); beyond, forgotten.
 const FENCES_REMEMBERED_MAX: usize = 10_000;
+/// Unknown outcomes remembered during a scan, to tell each once.
+const TOLD_REMEMBERED_MAX: usize = 100_000;
 /// A listing page's body at most.
 const LISTING_BYTES_MAX: usize = 16 * 1024 * 1024;
 
@@ -113,6 +115,9 @@ pub enum Finding {
         claimed_at_ms: u64,
         expires_in_ms: u64,
     },
+    /// A gateway record the store keeps that cannot be read (written by another version, or
+    /// by hand): its outcome is unknown to fencegate too.
+    UnreadableRecord { name: String, error: String },
 }
 
 /// What `apply` did about a finding.
@@ -131,6 +136,9 @@ pub enum Action {
 pub struct Summary {
     /// Live idempotency records read.
     pub records: u64,
+    /// Of those, claims still within their window (a live fencegate may still be sending
+    /// them): not findings yet, but a scan soon after a crash is not clean for their sake.
+    pub in_flight: u64,
     pub objects: u64,
     pub uploads: u64,
     pub findings: u64,
@@ -141,9 +149,17 @@ pub struct Summary {
 
 impl Front {
     /// Runs `job`, telling `events` what it finds; stops early when nobody listens any more.
-    pub async fn reconcile(self: Arc<Self>, job: Job, events: mpsc::Sender<Event>) {
-        let mut scan =
-            Scan { front: &self, job: &job, events: &events, summary: Summary::default(), fences: HashMap::new() };
+    /// `records`: whether to read the gateway's idempotency records.
+    pub async fn reconcile(self: Arc<Self>, job: Job, records: bool, events: mpsc::Sender<Event>) {
+        let mut scan = Scan {
+            front: &self,
+            job: &job,
+            records,
+            told: std::collections::HashSet::new(),
+            events: &events,
+            summary: Summary::default(),
+            fences: HashMap::new(),
+        };
         let result = scan.all().await;
         let last = match result {
             Ok(()) => Event::Done(scan.summary),
@@ -162,13 +178,30 @@ enum ScanError {
 
 impl From<StoreError> for ScanError {
     fn from(e: StoreError) -> Self {
-        Self::Failed(format!("the fence store: {e}"))
+        Self::Failed(format!("the fence store: {}", with_causes(&e)))
     }
+}
+
+/// An error and each of its causes, as one line.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
 }
 
 struct Scan<'a> {
     front: &'a Arc<Front>,
     job: &'a Job,
+    /// Whether a route keeps idempotency records (else none are read).
+    records: bool,
+    /// The upstream keys of the unknown outcomes told, so that one a `SCAN` returns twice is
+    /// told once (up to [`TOLD_REMEMBERED_MAX`]).
+    told: std::collections::HashSet<String>,
     events: &'a mpsc::Sender<Event>,
     summary: Summary,
     fences: HashMap<ResourceKey, Option<FenceToken>>,
@@ -193,7 +226,9 @@ impl Scan<'_> {
     }
 
     async fn all(&mut self) -> Result<(), ScanError> {
-        self.records().await?;
+        if self.records {
+            self.records().await?;
+        }
         let Some(bucket) = self.job.bucket.clone() else { return Ok(()) };
         self.uploads(&bucket).await?;
         self.objects(&bucket).await
@@ -206,6 +241,9 @@ impl Scan<'_> {
         loop {
             let page = listings.idempotency_records(cursor.take(), PAGE).await?;
             let now_ms = self.front.clock.now_ms();
+            for (name, error) in page.unreadable {
+                self.tell(Event::Finding(Finding::UnreadableRecord { name, error })).await?;
+            }
             for (resource, record) in page.records {
                 if record.is_expired(now_ms) {
                     continue;
@@ -214,8 +252,15 @@ impl Scan<'_> {
                 let cause = match record.outcome {
                     IdempotencyOutcome::Ambiguous { cause } => cause,
                     IdempotencyOutcome::InFlight { deadline_ms } if deadline_ms <= now_ms => AmbiguousCause::Abandoned,
-                    _ => continue,
+                    IdempotencyOutcome::InFlight { .. } => {
+                        self.summary.in_flight += 1;
+                        continue;
+                    }
+                    IdempotencyOutcome::Completed(_) => continue,
                 };
+                if self.told.len() < TOLD_REMEMBERED_MAX && !self.told.insert(record.upstream_key.clone()) {
+                    continue;
+                }
                 let fence = self.fence(&resource).await?;
                 let finding = Finding::UnknownOutcome {
                     resource: resource.as_str().to_owned(),
@@ -457,12 +502,14 @@ impl Front {
 #[derive(Clone)]
 pub struct Reconciler {
     front: Arc<Front>,
+    /// Whether a route keeps idempotency records.
+    records: bool,
     one: Arc<tokio::sync::Semaphore>,
 }
 
 impl Reconciler {
-    pub(super) fn new(front: Arc<Front>) -> Self {
-        Self { front, one: Arc::new(tokio::sync::Semaphore::new(1)) }
+    pub(super) fn new(front: Arc<Front>, records: bool) -> Self {
+        Self { front, records, one: Arc::new(tokio::sync::Semaphore::new(1)) }
     }
 
     /// The events of `job`, run on a task of its own; `None` while another runs. Dropping the
@@ -470,10 +517,10 @@ impl Reconciler {
     pub fn start(&self, job: Job) -> Option<mpsc::Receiver<Event>> {
         let permit = self.one.clone().try_acquire_owned().ok()?;
         let (events, received) = mpsc::channel(64);
-        let front = self.front.clone();
+        let (front, records) = (self.front.clone(), self.records);
         tokio::spawn(async move {
             let _one = permit;
-            front.reconcile(job, events).await;
+            front.reconcile(job, records, events).await;
         });
         Some(received)
     }

@@ -62,7 +62,10 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    let reconciler = Reconciler::new(route_front.clone());
+    // The gateway's records are read only where a route keeps them (on a Redis Cluster they
+    // cannot be listed, which would fail every bucket's reconciliation).
+    let keeps_records = config.routes.iter().any(|r| r.mode == crate::config::RouteMode::IdempotencyKey);
+    let reconciler = Reconciler::new(route_front.clone(), keeps_records);
     let service =
         auth::Service { inner: builder.build(), lean, front: route_front, region: config.upstream.region.clone() };
     Ok((service, reconciler))

@@ -204,7 +204,7 @@ impl ListingStore for MemoryStore {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let next = named.get(limit).map(|(name, _, _)| name.clone());
         let records = named.into_iter().take(limit).map(|(_, k, r)| (k.resource().clone(), r.clone())).collect();
-        Ok(RecordPage { records, next })
+        Ok(RecordPage { records, next, ..RecordPage::default() })
     }
 }
 

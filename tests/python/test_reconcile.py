@@ -18,7 +18,7 @@ import time
 import pytest
 import requests
 
-from fencegate_testlib import bin_path, quote_resource, signed_raw_request, unique
+from fencegate_testlib import RedisServer, bin_path, free_port, quote_resource, signed_raw_request, unique
 from holding_upstream import HELD_PREFIX, HELD_RESOURCE
 
 RESOURCE = "job:reports"
@@ -348,9 +348,10 @@ def test_a_claim_its_fencegate_never_finished_is_found_once_its_window_closed(fe
     sent_key = api.requests("/v1/payments/7/charges")[0]["headers"]["idempotency-key"]
     fg.start()
     window_s = 1 + 2 * 1 + 2 * 0.5 + 1
-    early = reconcile_records(fg, "--json")
+    early = reconcile_records(fg)
     if time.monotonic() - claimed < window_s - 1:
-        assert early.returncode == 0 and findings(early) == [], early.stdout
+        assert early.returncode == 0 and "0 found" in early.stdout, early.stdout
+        assert "1 gateway requests still within their claim's window" in early.stdout, early.stdout
     deadline = time.monotonic() + window_s + 15
     while True:
         found = findings(reconcile_records(fg, "--json"))
@@ -358,3 +359,91 @@ def test_a_claim_its_fencegate_never_finished_is_found_once_its_window_closed(fe
             break
         time.sleep(0.5)
     assert [(f["kind"], f["upstream_key"], f["cause"]) for f in found] == [("unknown_outcome", sent_key, "abandoned")]
+
+
+def test_records_outlive_their_claim_window_whatever_the_retention(fencegate, api):
+    """Before: a route whose `idempotency_retention_ms` was shorter than its claim's window let
+    a record of a call still waiting at the API expire: the retry sent it a second time, and
+    a claim abandoned by a crash was never found. Now a record is kept two windows at least."""
+    config = {"server": {"admin_token": ADMIN_TOKEN},
+              "routes": [gateway_route(api, idempotency_retention_ms=1000, request_timeout_ms=500)]}
+    fg = fencegate(config=config)
+    hold = api.hold("/v1/payments/3/charges")
+    try:
+        assert pay(fg, "/pay/3/charges", "short").status_code == 504
+    finally:
+        hold.released.set()
+    time.sleep(1.5)
+    retry = pay(fg, "/pay/3/charges", "short")
+    assert retry.status_code == 504, retry.text
+    assert len(api.requests("/v1/payments/3/charges")) == 1, "the retry reached the API again"
+    found = findings(reconcile_records(fg, "--json"))
+    assert [(f["kind"], f["cause"]) for f in found] == [("unknown_outcome", "timeout")]
+
+
+def test_unreadable_records_are_findings_and_hide_no_other(fencegate, api, redis_server):
+    """Before: one record the store could not read (JSON of another version, a key written by
+    hand, of another type) failed the whole scan with "fence store backend failed". Now each
+    is a finding of its own, named and explained, and the others are still found."""
+    config = {"server": {"admin_token": ADMIN_TOKEN}, "routes": [gateway_route(api, request_timeout_ms=500)],
+              "store": {"kind": "redis", "url": redis_server.url, "path": None},
+              "upstream": {"probe_bucket": "probe"}}
+    fg = fencegate(config=config, local_buckets=("probe",))
+    hold = api.hold("/v1/payments/2/charges")
+    try:
+        sent_key = pay(fg, "/pay/2/charges", "held").json()["upstream_idempotency_key"]
+    finally:
+        hold.released.set()
+    for command in (["HSET", "fg:{payment:9}:idem:" + "a" * 64, "record", "{not json"],
+                    ["SET", "fg:{payment:8}:idem:" + "b" * 64, "a string, not a hash"]):
+        subprocess.run(["redis-cli", "-p", str(redis_server.port), *command], check=True, capture_output=True,
+                       timeout=20)
+    run = reconcile_records(fg, "--json")
+    assert run.returncode == 1, run.stdout + run.stderr
+    found = findings(run)
+    unknown = [f["upstream_key"] for f in found if f["kind"] == "unknown_outcome"]
+    unreadable = {f["name"]: f["error"] for f in found if f["kind"] == "unreadable_record"}
+    assert unknown == [sent_key], found
+    assert set(unreadable) == {"fg:{payment:9}:idem:" + "a" * 64, "fg:{payment:8}:idem:" + "b" * 64}, found
+    assert "not an idempotency record" in unreadable["fg:{payment:9}:idem:" + "a" * 64]
+    assert "WRONGTYPE" in unreadable["fg:{payment:8}:idem:" + "b" * 64]
+
+
+def test_a_bucket_is_reconciled_on_a_redis_cluster_store(fencegate, tmp_path):
+    """Before: every reconciliation read the gateway's records first, which a Redis Cluster
+    cannot list, so `--bucket` failed there (exit 2) with no route keeping records. Now the
+    records are read only where a route keeps them."""
+    nodes, buses = [], []
+    try:
+        for i in range(2):
+            d = tmp_path / f"node{i}"
+            d.mkdir()
+            # The bus port named: Redis's default (port + 10,000) fails for a port above 55,535.
+            buses.append(free_port())
+            nodes.append(RedisServer(d, name=f"node{i}").start(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                "--cluster-port", str(buses[-1])))
+        a, b = nodes
+
+        def cli(node, *args):
+            return subprocess.run(["redis-cli", "-p", str(node.port), *args], capture_output=True, text=True,
+                                  timeout=20).stdout
+
+        cli(a, "CLUSTER", "ADDSLOTSRANGE", "0", "8191")
+        cli(b, "CLUSTER", "ADDSLOTSRANGE", "8192", "16383")
+        cli(a, "CLUSTER", "MEET", "127.0.0.1", str(b.port), str(buses[1]))
+        deadline = time.monotonic() + 20
+        while not all("cluster_state:ok" in cli(n, "CLUSTER", "INFO") for n in nodes):
+            assert time.monotonic() < deadline, "the cluster never formed"
+            time.sleep(0.2)
+        config = {"server": {"admin_token": ADMIN_TOKEN}, "upstream": {"probe_bucket": "probe"},
+                  "store": {"kind": "redis", "cluster_urls": [a.url, b.url], "path": None}}
+        fg = fencegate(config=config, local_buckets=("probe",))
+        fg.client(token=4).put_object(Bucket="probe", Key="a.txt", Body=b"4")
+        fg.bucket = "probe"
+        run = reconcile(fg)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "0 found in 0 gateway records, 0 uploads and 1 objects" in run.stdout, run.stdout
+    finally:
+        for node in nodes:
+            node.kill9()

@@ -6,7 +6,7 @@ use std::ops::Bound;
 use async_trait::async_trait;
 use redb::ReadableDatabase;
 
-use super::{EmbeddedStore, FENCES, IDEMPOTENCY, LEASES, decode};
+use super::{EmbeddedStore, FENCES, IDEMPOTENCY, LEASES};
 use crate::fence::{
     FencePage, FenceToken, IdempotencyKey, LeasePage, ListingStore, Page, RecordPage, ResourceKey, StoreError,
     listing_start,
@@ -68,15 +68,11 @@ impl ListingStore for EmbeddedStore {
         };
         let mut rows = blocking(read).await?;
         let next = (rows.len() > limit).then(|| rows.pop().expect("one past the page").0);
-        let records = rows
-            .into_iter()
-            .map(|(name, json)| {
-                let resource = IdempotencyKey::resource_of_storage_name(&name)
-                    .ok_or_else(|| StoreError::Backend(format!("an idempotency record named {name:?}").into()))?;
-                Ok((resource, decode(&json)?))
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        Ok(RecordPage { records, next })
+        let mut page = RecordPage { next, ..RecordPage::default() };
+        for (name, json) in rows {
+            page.read(&name, IdempotencyKey::resource_of_storage_name(&name), &json);
+        }
+        Ok(page)
     }
 }
 

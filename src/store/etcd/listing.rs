@@ -8,8 +8,8 @@ use etcd_client::{GetOptions, TxnOp};
 
 use super::{EtcdStore, FENCES, LEASES, RECORDS, corrupt, read_bounded};
 use crate::fence::{
-    FencePage, FenceToken, IdempotencyRecord, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS,
-    REPLICAS_LISTED_MAX, RecordPage, ResourceKey, StoreError, listing_start,
+    FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
+    ResourceKey, StoreError, listing_start,
 };
 
 /// The first key after every idempotency record's.
@@ -51,16 +51,18 @@ impl ListingStore for EtcdStore {
             async move { kv.get(from, Some(options)).await }
         };
         let resp = read_bounded(self.timeout, get).await?;
-        let mut rows = Vec::with_capacity(limit + 1);
-        for kv in resp.kvs() {
-            let name = kv.key_str().ok().and_then(|k| k.strip_prefix(RECORDS)).ok_or_else(|| corrupt("key"))?;
-            let resource = name.rsplit_once('\0').and_then(|(r, _)| ResourceKey::new(r).ok());
-            let record: IdempotencyRecord =
-                serde_json::from_slice(kv.value()).map_err(|_| corrupt("idempotency record"))?;
-            rows.push((name.to_owned(), resource.ok_or_else(|| corrupt("idempotency record key"))?, record));
+        let mut kvs = resp.kvs().iter().collect::<Vec<_>>();
+        let mut page = RecordPage::default();
+        if kvs.len() > limit {
+            let past = kvs.pop().expect("one past the page");
+            page.next = Some(String::from_utf8_lossy(&past.key()[RECORDS.len()..]).into_owned());
         }
-        let next = (rows.len() > limit).then(|| rows.pop().expect("one past the page").0);
-        Ok(RecordPage { records: rows.into_iter().map(|(_, resource, record)| (resource, record)).collect(), next })
+        for kv in kvs {
+            let name = String::from_utf8_lossy(kv.key().strip_prefix(RECORDS.as_bytes()).unwrap_or(kv.key()));
+            let resource = name.rsplit_once('\0').and_then(|(r, _)| ResourceKey::new(r).ok());
+            page.read(&name, resource, kv.value());
+        }
+        Ok(page)
     }
 
     async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {

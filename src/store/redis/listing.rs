@@ -7,10 +7,10 @@ use std::collections::BTreeSet;
 
 use async_trait::async_trait;
 
-use super::decode_record;
+use super::records::{lease_fields, lease_of_fields};
 use super::{RedisStore, key, parse_token};
 use crate::fence::{
-    FencePage, LeasePage, LeaseStore, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
+    FencePage, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
     ResourceKey, StoreError,
 };
 
@@ -31,25 +31,35 @@ impl ListingStore for RedisStore {
         }
         let tokens: Vec<Option<String>> = self.connection.query(&mget).await?;
         let mut fences = Vec::with_capacity(resources.len());
-        for (resource, token) in resources.into_iter().zip(tokens) {
+        for (resource, token) in resources.iter().zip(tokens) {
             // A fence is never removed; one gone since the scan went with a store that lost
             // its data, and is not listed.
             if let Some(token) = token.as_deref().map(parse_token).transpose()?.flatten() {
-                fences.push((resource, token));
+                fences.push((resource.clone(), token));
             }
         }
-        Ok(FencePage::of(fences, limit))
+        Ok(page_of(&resources, fences, limit))
     }
 
     async fn leases(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LeasePage, StoreError> {
         let limit = limit.max(1);
-        let mut leases = Vec::new();
-        for resource in self.scan(prefix, "lease", after, limit + 1).await? {
-            if let Some(lease) = self.lease_record(&resource).await? {
-                leases.push((resource, lease));
+        let resources = self.scan(prefix, "lease", after, limit + 1).await?;
+        if resources.is_empty() {
+            return Ok(LeasePage::default());
+        }
+        let mut pipe = redis::pipe();
+        for resource in &resources {
+            pipe.add_command(lease_fields(resource));
+        }
+        let answers: Vec<Vec<Option<String>>> = self.connection.pipeline(&pipe).await?;
+        let mut leases = Vec::with_capacity(resources.len());
+        for (resource, fields) in resources.iter().zip(answers) {
+            // Released since the scan: not listed.
+            if let Some(lease) = lease_of_fields(fields)? {
+                leases.push((resource.clone(), lease));
             }
         }
-        Ok(Page::of(leases, limit))
+        Ok(page_of(&resources, leases, limit))
     }
 
     /// A `SCAN` step over the keys: the cursor is Redis's, and a page holds the records among
@@ -60,24 +70,32 @@ impl ListingStore for RedisStore {
         let count = limit.max(SCAN_COUNT);
         let cmd = redis::cmd("SCAN").arg(&cursor).arg("MATCH").arg("fg:{*}:idem:*").arg("COUNT").arg(count).to_owned();
         let (next, keys): (String, Vec<String>) = self.connection.query(&cmd).await?;
+        let mut page = RecordPage { next: (next != "0").then_some(next), ..RecordPage::default() };
         let mut pipe = redis::pipe();
         for key in &keys {
             pipe.cmd("HGET").arg(key).arg("record");
         }
-        let jsons: Vec<Option<String>> =
-            if keys.is_empty() { Vec::new() } else { self.connection.pipeline(&pipe).await? };
-        let mut records = Vec::with_capacity(keys.len());
+        let jsons: Vec<Result<Option<String>, String>> = match keys.is_empty() {
+            true => Vec::new(),
+            false => match self.connection.pipeline::<Vec<Option<String>>>(&pipe).await {
+                Ok(jsons) => jsons.into_iter().map(Ok).collect(),
+                // One key of another type fails them all: each alone, then.
+                Err(StoreError::Backend(_)) => self.each_record(&keys).await?,
+                Err(e) => return Err(e),
+            },
+        };
         for (key, json) in keys.iter().zip(jsons) {
-            // Gone since the scan: its retention ended.
-            let Some(json) = json else { continue };
             let resource = key
                 .rfind(":idem:")
                 .and_then(|at| resource_of_key(key, &key[at + 1..]))
-                .and_then(|r| ResourceKey::new(&r).ok())
-                .ok_or_else(|| StoreError::Backend(format!("an idempotency record under key {key:?}").into()))?;
-            records.push((resource, decode_record(&json)?));
+                .and_then(|r| ResourceKey::new(&r).ok());
+            match json {
+                Ok(Some(json)) => page.read(key, resource, json.as_bytes()),
+                Ok(None) => {} // gone since the scan: its retention ended
+                Err(error) => page.unreadable.push((key.clone(), error)),
+            }
         }
-        Ok(RecordPage { records, next: (next != "0").then_some(next) })
+        Ok(page)
     }
 
     async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
@@ -114,6 +132,20 @@ impl ListingStore for RedisStore {
 const REPLICAS_KEY: &str = "fg:replicas";
 
 impl RedisStore {
+    /// The `record` field of each key, read one at a time: a key that is not a record's is
+    /// told apart (why it could not be read) from the others.
+    async fn each_record(&self, keys: &[String]) -> Result<Vec<Result<Option<String>, String>>, StoreError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            out.push(match self.connection.query::<Option<String>>(redis::cmd("HGET").arg(key).arg("record")).await {
+                Ok(json) => Ok(json),
+                Err(StoreError::Backend(e)) => Err(e.to_string()),
+                Err(e) => return Err(e),
+            });
+        }
+        Ok(out)
+    }
+
     /// The first `keep` resources (byte order) after `after` that start with `prefix` and have
     /// a key ending in `suffix`.
     async fn scan(
@@ -148,6 +180,17 @@ impl RedisStore {
         }
         page.into_iter().map(|r| ResourceKey::new(&r).map_err(|e| StoreError::Backend(Box::new(e)))).collect()
     }
+}
+
+/// The page of the `limit` + 1 resources scanned, holding those still there when read: whether
+/// more follow is the scan's to say (a lease released between the scan and the read would
+/// otherwise end the listing with live leases still unlisted).
+fn page_of<T>(scanned: &[ResourceKey], mut items: Vec<(ResourceKey, T)>, limit: usize) -> Page<T> {
+    let next = (scanned.len() > limit).then(|| scanned[limit - 1].as_str().to_owned());
+    if let Some(last) = &next {
+        items.retain(|(resource, _)| resource.as_str() <= last.as_str());
+    }
+    Page { items, next }
 }
 
 /// A `SCAN` reaches one node of a cluster only.

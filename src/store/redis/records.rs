@@ -103,23 +103,33 @@ impl LeaseStore for RedisStore {
     }
 
     async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
-        let mut cmd = redis::cmd("HMGET");
-        cmd.arg(key(resource, "lease")).arg(&["holder", "lease_id", "token", "ttl_ms", "expires_at_ms"]);
-        let fields: Vec<Option<String>> = self.connection.query(&cmd).await?;
-        let [Some(holder), Some(lease_id), Some(token), Some(ttl_ms), Some(expires_at_ms)] =
-            <[Option<String>; 5]>::try_from(fields).map_err(|_| StoreError::Backend("HMGET answered oddly".into()))?
-        else {
-            return Ok(None);
-        };
-        let number = |s: &str| s.parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
-        Ok(Some(LeaseRecord {
-            holder,
-            lease_id,
-            token: parse_token(&token)?.ok_or_else(|| StoreError::Backend("lease without a token".into()))?,
-            ttl_ms: number(&ttl_ms)?,
-            expires_at_ms: number(&expires_at_ms)?,
-        }))
+        let fields: Vec<Option<String>> = self.connection.query(&lease_fields(resource)).await?;
+        lease_of_fields(fields)
     }
+}
+
+/// The `HMGET` of a lease's fields, which [`lease_of_fields`] reads.
+pub(super) fn lease_fields(resource: &ResourceKey) -> redis::Cmd {
+    let mut cmd = redis::cmd("HMGET");
+    cmd.arg(key(resource, "lease")).arg(&["holder", "lease_id", "token", "ttl_ms", "expires_at_ms"]);
+    cmd
+}
+
+/// The lease in the answer to [`lease_fields`]; `None` when there is none (or only part of one).
+pub(super) fn lease_of_fields(fields: Vec<Option<String>>) -> Result<Option<LeaseRecord>, StoreError> {
+    let [Some(holder), Some(lease_id), Some(token), Some(ttl_ms), Some(expires_at_ms)] =
+        <[Option<String>; 5]>::try_from(fields).map_err(|_| StoreError::Backend("HMGET answered oddly".into()))?
+    else {
+        return Ok(None);
+    };
+    let number = |s: &str| s.parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
+    Ok(Some(LeaseRecord {
+        holder,
+        lease_id,
+        token: parse_token(&token)?.ok_or_else(|| StoreError::Backend("lease without a token".into()))?,
+        ttl_ms: number(&ttl_ms)?,
+        expires_at_ms: number(&expires_at_ms)?,
+    }))
 }
 
 #[async_trait]
