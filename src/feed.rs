@@ -174,25 +174,28 @@ impl Feed {
         self.watched.store(0, Ordering::Relaxed);
     }
 
-    /// Tells the watchers. A refusal is numbered and queued under the lock, so that numbers
-    /// reach every watcher in order; an accepted event is queued outside it.
-    fn publish(&self, event: Option<&DecisionEvent>, refusal: bool) {
+    /// Tells the watchers the decision `event` describes. A refusal is numbered, and whether
+    /// anyone watches is decided, under the lock that queues it: a watcher that arrives is
+    /// either counted in by its `missed` or sent the refusal, never neither. Numbers reach every
+    /// watcher in order. An accepted decision is queued outside the lock.
+    fn publish(&self, refusal: bool, event: impl FnOnce() -> Arc<str>) {
         if refusal {
             let mut watchers = self.watchers.lock().expect("feed lock");
             watchers.refusals += 1;
-            let (Some(event), false) = (event, watchers.list.is_empty()) else { return };
-            let json: Arc<str> = serde_json::to_string(event).expect("an event serialises").into();
+            if watchers.list.is_empty() {
+                return;
+            }
+            let json = event();
             for watcher in &watchers.list {
                 watcher.push(Some(watchers.refusals), json.clone());
             }
             return;
         }
-        let Some(event) = event else { return };
         let watchers: Vec<Arc<Watcher>> = self.watchers.lock().expect("feed lock").list.clone();
         if watchers.is_empty() {
             return;
         }
-        let json: Arc<str> = serde_json::to_string(event).expect("an event serialises").into();
+        let json = event();
         for watcher in watchers {
             watcher.push(None, json.clone());
         }
@@ -297,7 +300,7 @@ pub struct Decision {
     facts: Mutex<Facts>,
 }
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Facts {
     operation: &'static str,
     resource: Option<String>,
@@ -424,29 +427,32 @@ impl Decision {
         write: Option<(&ResourceKey, FenceToken)>,
     ) {
         let refusal = decision == "refused";
-        if !self.feed.watched() {
-            // Counted all the same: a watcher that returns learns what it missed.
-            self.feed.publish(None, refusal);
+        let watched = self.feed.watched();
+        if !watched && !refusal {
             return;
         }
-        let facts = self.facts.lock().expect("decision lock");
+        // What the request told of itself while watched (a watcher that arrived since gets
+        // the refusal with what is known: it is counted all the same).
+        let facts = if watched { self.facts.lock().expect("decision lock").clone() } else { Facts::default() };
         let (resource, token) = match write {
             Some((resource, token)) => (Some(resource.as_str()), Some(token.0)),
             None => (facts.resource.as_deref(), facts.token),
         };
-        let event = DecisionEvent {
-            time_ms: SystemClock.now_ms(),
-            replica: &self.feed.replica,
-            operation: facts.operation,
-            resource,
-            token,
-            fence: fence.map(|f| f.0),
-            decision,
-            detail,
-            code,
-            who: facts.who.as_deref(),
-        };
-        self.feed.publish(Some(&event), refusal);
+        self.feed.publish(refusal, || {
+            let event = DecisionEvent {
+                time_ms: SystemClock.now_ms(),
+                replica: &self.feed.replica,
+                operation: facts.operation,
+                resource,
+                token,
+                fence: fence.map(|f| f.0),
+                decision,
+                detail,
+                code,
+                who: facts.who.as_deref(),
+            };
+            serde_json::to_string(&event).expect("an event serialises").into()
+        });
     }
 }
 
@@ -578,5 +584,50 @@ mod tests {
         for other in ["0123456789ab.5", &feed.refusal_id(9), "garbage", ""] {
             assert_eq!(back(other), Some(Missed::Unknown), "{other:?}");
         }
+    }
+
+    /// Refusals made on other threads while watchers come and go: every watcher's first
+    /// refusal is the one right after those its `missed` counted, so none is neither delivered
+    /// nor counted (a refusal once checked "watched?" outside the lock that numbers it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_refusal_falls_between_a_watcher_and_its_missed_count() {
+        let feed = Feed::new("r1");
+        let stop = Arc::new(AtomicBool::new(false));
+        let refusing = {
+            let (feed, stop) = (feed.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for n in 0..2_000_000u64 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    decision(&feed, "job:a", n).refused("stale", "FencingTokenStale", None, true, &"stale");
+                }
+            })
+        };
+        let (mut last, mut delivered) = (0u64, 0);
+        for _ in 0..200 {
+            let (mut watch, missed) = feed.watch(Some(&feed.refusal_id(last))).unwrap();
+            let Some(Missed::Refusals(missed)) = missed else { panic!("{missed:?}") };
+            let expected_first = last + missed + 1;
+            last = expected_first - 1;
+            let mut first = true;
+            for _ in 0..50 {
+                let Ok(Some(item)) = tokio::time::timeout(std::time::Duration::from_millis(1), watch.next()).await
+                else {
+                    break;
+                };
+                if let FeedItem::Decision(_, Some(n)) = item {
+                    if first {
+                        assert_eq!(n, expected_first, "a refusal neither delivered nor counted");
+                        first = false;
+                    }
+                    assert!(n > last, "in order");
+                    (last, delivered) = (n, delivered + 1);
+                }
+            }
+        }
+        assert!(delivered > 0, "the test saw refusals delivered");
+        stop.store(true, Ordering::Relaxed);
+        refusing.join().unwrap();
     }
 }

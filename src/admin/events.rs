@@ -4,8 +4,9 @@
 //!
 //! Each refusal carries an `id` (`<epoch>.<n>`, the process's n-th refusal). A client that
 //! comes back with the last one it read (`Last-Event-ID`, which `EventSource` sends by itself
-//! when it reconnects) is first told how many refusals it missed (`event: missed`), so that a
-//! feed cut by the network, by fencegate or by an overflow never loses a refusal silently.
+//! when it reconnects; or `?last_event_id=`, which a page opening a new stream can send) is
+//! first told how many refusals it missed (`event: missed`), so that a feed cut by the
+//! network, by fencegate or by an overflow never loses a refusal silently.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -31,8 +32,17 @@ pub fn keep_alive(idle_timeout: Duration) -> Duration {
     (idle_timeout / KEEP_ALIVES_PER_IDLE_TIMEOUT).clamp(Duration::from_millis(100), KEEP_ALIVE_MAX)
 }
 
-pub fn watch(feed: &std::sync::Arc<Feed>, headers: &HeaderMap, keep_alive: Duration) -> AdminResponse {
-    let last_seen = headers.get("last-event-id").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+pub fn watch(
+    feed: &std::sync::Arc<Feed>,
+    headers: &HeaderMap,
+    query: Option<&str>,
+    keep_alive: Duration,
+) -> AdminResponse {
+    let from_query = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+        .find(|(name, _)| name == "last_event_id")
+        .map(|(_, value)| value.into_owned());
+    let last_seen =
+        headers.get("last-event-id").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()).or(from_query);
     let Some((watch, missed)) = feed.watch(last_seen.as_deref()) else {
         return problem(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -196,7 +196,7 @@ impl Admin {
             (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
             (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
             (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),
-            (&Method::GET, "/v1/events") => events::watch(&self.feed, req.headers(), self.keep_alive),
+            (&Method::GET, "/v1/events") => events::watch(&self.feed, req.headers(), query, self.keep_alive),
             (&Method::POST, "/v1/reconcile") => self.reconcile(req).await,
             (method, p) if p.starts_with("/v1/fences/") => {
                 let raw = &p["/v1/fences/".len()..];

@@ -58,5 +58,6 @@ pub async fn seen(gate: &Gate, own: &str) -> Vec<String> {
         ids.push(own.to_owned());
     }
     ids.sort();
+    ids.truncate(crate::fence::REPLICAS_LISTED_MAX);
     ids
 }

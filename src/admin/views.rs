@@ -14,8 +14,10 @@ use crate::lease::{Clock, SystemClock};
 pub const FENCES_PAGE_DEFAULT: usize = 100;
 /// ... and at most this many (`limit`), as do the leases listed.
 pub const PAGE_MAX: usize = 1000;
-/// Pages of leases read at most for one answer of `/v1/leases`.
+/// Pages of leases read at most for one answer of `/v1/leases`, and the time spent starting
+/// new ones.
 pub const LEASE_PAGES_MAX: usize = 10;
+pub const LEASE_WALK_MAX: std::time::Duration = std::time::Duration::from_secs(10);
 /// Resources with writes in flight shown at most.
 pub const INFLIGHT_RESOURCES_MAX: usize = 1000;
 
@@ -61,6 +63,11 @@ impl Query {
 
 pub async fn status(gate: &Gate, feed: &Feed, auth: bool) -> AdminResponse {
     let ready = gate.ping().await;
+    // A store that does not answer lists nobody: this replica alone, without a second wait.
+    let replicas = match ready {
+        Ok(()) => super::replicas::seen(gate, feed.replica()).await,
+        Err(_) => vec![feed.replica().to_string()],
+    };
     let body = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "replica": feed.replica().as_ref(),
@@ -70,7 +77,7 @@ pub async fn status(gate: &Gate, feed: &Feed, auth: bool) -> AdminResponse {
             "detail": ready.err().map(|e| e.to_string()),
         },
         // This replica and those the shared store saw lately.
-        "replicas": super::replicas::seen(gate, feed.replica()).await,
+        "replicas": replicas,
         "auth": auth,
     });
     json_response(StatusCode::OK, &body)
@@ -101,7 +108,11 @@ pub async fn leases(gate: &Gate, query: Option<&str>) -> AdminResponse {
     };
     let now_ms = SystemClock.now_ms();
     let (mut live, mut after) = (Vec::new(), query.after);
+    let started = std::time::Instant::now();
     for _ in 0..LEASE_PAGES_MAX {
+        if started.elapsed() >= LEASE_WALK_MAX {
+            break; // a Redis page walks the keyspace: answer with what was read
+        }
         let page = match gate.listings().leases(&query.prefix, after.as_deref(), PAGE_MAX).await {
             Ok(page) => page,
             Err(e) => return unavailable(&e),

@@ -285,13 +285,14 @@ impl App {
         shutdown.await;
         heartbeat.abort();
         let stop_by = tokio::time::Instant::now() + shutdown_timeout;
+        // First: a stopping replica is not one to count on (and the drain may use the budget).
+        crate::admin::replicas::forget(&self.gate, self.feed.replica(), FORGET_REPLICA_MAX.min(shutdown_timeout / 4))
+            .await;
         tracing::info!("shutting down: finishing open requests");
         // A watcher's feed is an open request that never finishes by itself.
         self.feed.close();
         let _ = stop_tx.send(true);
         let _ = tokio::join!(s3_task, admin_task);
-        let within = stop_by.saturating_duration_since(tokio::time::Instant::now()).min(FORGET_REPLICA_MAX);
-        crate::admin::replicas::forget(&self.gate, self.feed.replica(), within).await;
         self.await_writes_in_flight(stop_by).await;
         // Last: a write whose client left finishes on its serving thread.
         threads.stop().await;

@@ -26,8 +26,8 @@ pub use lease::{
 };
 pub use store::{
     AdvanceOutcome, FencePage, FenceStore, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page,
-    REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, SharedAdmit, SharedRegistry, Store, StoreError,
-    StoreEvent, UploadStore, listing_start,
+    REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, SharedAdmit, SharedRegistry, Store,
+    StoreError, StoreEvent, UploadStore, listing_start, replica_age,
 };
 pub use timed::{IdempotencyRecords, LISTING_TIMEOUT, Listings, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

@@ -253,6 +253,31 @@ pub trait ListingStore: Send + Sync + 'static {
 /// A replica not seen for this long (an hour) is forgotten by the store.
 pub const REPLICAS_FORGOTTEN_AFTER_MS: u64 = 3_600_000;
 
+/// What a store does with a replica last seen at `at` when asked for those seen since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaAge {
+    /// Listed.
+    Seen(u64),
+    /// Kept, not listed.
+    Silent,
+    /// Silent for [`REPLICAS_FORGOTTEN_AFTER_MS`] before `since`, or seen that far after it
+    /// (a clock, or a hand, that wrote nonsense): removed.
+    Forgotten,
+}
+
+/// See [`ReplicaAge`].
+pub fn replica_age(at: u64, since_ms: u64) -> ReplicaAge {
+    if at > since_ms.saturating_add(REPLICAS_FORGOTTEN_AFTER_MS)
+        || at < since_ms.saturating_sub(REPLICAS_FORGOTTEN_AFTER_MS)
+    {
+        ReplicaAge::Forgotten
+    } else if at >= since_ms {
+        ReplicaAge::Seen(at)
+    } else {
+        ReplicaAge::Silent
+    }
+}
+
 /// Replicas a store lists at most.
 pub const REPLICAS_LISTED_MAX: usize = 1000;
 
@@ -320,4 +345,24 @@ pub enum StoreEvent {
     /// time: its writes with `token` or older that have not sent their whole body must stop
     /// now, before another replica can admit a newer token.
     Revoked { resource: ResourceKey, token: FenceToken },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Listed from `since` on; kept an hour before it; forgotten before that, or an hour past
+    /// it (a date no clock should write).
+    #[test]
+    fn replicas_age_from_seen_to_forgotten() {
+        let (since, hour) = (10 * REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_FORGOTTEN_AFTER_MS);
+        assert_eq!(replica_age(since, since), ReplicaAge::Seen(since));
+        assert_eq!(replica_age(since + hour, since), ReplicaAge::Seen(since + hour));
+        assert_eq!(replica_age(since - 1, since), ReplicaAge::Silent);
+        assert_eq!(replica_age(since - hour, since), ReplicaAge::Silent);
+        assert_eq!(replica_age(since - hour - 1, since), ReplicaAge::Forgotten);
+        assert_eq!(replica_age(since + hour + 1, since), ReplicaAge::Forgotten);
+        assert_eq!(replica_age(u64::MAX, since), ReplicaAge::Forgotten);
+        assert_eq!(replica_age(0, 0), ReplicaAge::Seen(0));
+    }
 }

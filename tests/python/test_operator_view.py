@@ -179,11 +179,11 @@ def test_expired_leases_hide_no_live_one(any_store):
 class Feed:
     """A reader of `/v1/events` on a thread of its own, collecting every event."""
 
-    def __init__(self, fg, headers):
+    def __init__(self, fg, headers, query: str = ""):
         self.events: list = []
         self.ids: list = []  # the `id` of each event that had one, in order
         self.ended = threading.Event()
-        self.resp = requests.get(fg.admin_url + "/v1/events", headers=headers, stream=True, timeout=(5, 60))
+        self.resp = requests.get(fg.admin_url + "/v1/events" + query, headers=headers, stream=True, timeout=(5, 60))
         assert self.resp.status_code == 200 and self.resp.headers["Content-Type"] == "text/event-stream"
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -268,6 +268,11 @@ def test_a_returning_reader_learns_how_many_refusals_it_missed(fencegate):
     assert put(fg, "feed", "k", 2).status == 409
     wait_until(lambda: back.ids, WAIT_S, what="the next refusal")
     back.close()
+    # A page that opens a new stream names it in the query (an `EventSource` cannot set headers).
+    by_query = Feed(fg, bearer(), query="?last_event_id=" + requests.utils.quote(last, safe=""))
+    wait_until(lambda: by_query.of_kind("missed"), WAIT_S, what="the count, asked in the query")
+    assert by_query.of_kind("missed") == [{"refusals": 4}]
+    by_query.close()
     caught_up = Feed(fg, {**bearer(), "Last-Event-ID": back.ids[-1]})
     wait_until(lambda: caught_up.of_kind("missed"), WAIT_S, what="nothing missed")
     assert caught_up.of_kind("missed") == [{"refusals": 0}]

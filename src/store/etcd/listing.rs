@@ -8,8 +8,8 @@ use etcd_client::{GetOptions, TxnOp};
 
 use super::{EtcdStore, FENCES, LEASES, RECORDS, corrupt, read_bounded};
 use crate::fence::{
-    FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
-    ResourceKey, StoreError, listing_start,
+    FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ResourceKey,
+    StoreError, listing_start, replica_age,
 };
 
 /// The first key after every idempotency record's.
@@ -18,6 +18,8 @@ const RECORDS_END: &str = "fg/k0";
 /// ms).
 const REPLICAS: &str = "fg/r/";
 const REPLICAS_END: &str = "fg/r0";
+/// Replicas forgotten in one transaction at most.
+const REPLICAS_FORGOTTEN_PER_TXN: usize = 64;
 
 #[async_trait]
 impl ListingStore for EtcdStore {
@@ -79,15 +81,21 @@ impl ListingStore for EtcdStore {
         let resp = read_bounded(self.timeout, get).await?;
         let (mut seen, mut forgotten) = (Vec::new(), Vec::new());
         for kv in resp.kvs() {
-            let Some(id) = kv.key_str().ok().and_then(|k| k.strip_prefix(REPLICAS)) else { continue };
-            match kv.value_str().ok().and_then(|v| v.parse::<u64>().ok()) {
-                Some(at) if at >= since_ms => seen.push((id.to_owned(), at)),
-                Some(at) if at >= since_ms.saturating_sub(REPLICAS_FORGOTTEN_AFTER_MS) => {}
+            let id = kv.key_str().ok().and_then(|k| k.strip_prefix(REPLICAS));
+            let at = kv.value_str().ok().and_then(|v| v.parse::<u64>().ok());
+            match (id, at.map(|at| replica_age(at, since_ms))) {
+                (Some(id), Some(ReplicaAge::Seen(at))) => seen.push((id.to_owned(), at)),
+                (Some(_), Some(ReplicaAge::Silent)) => {}
                 _ => forgotten.push(TxnOp::delete(kv.key().to_vec(), None)),
             }
         }
-        if !forgotten.is_empty() {
-            self.commit(vec![], forgotten).await?;
+        // A few at a time (etcd takes 128 changes a transaction by default); one that fails
+        // is tried again on the next listing, and lists nobody less.
+        for chunk in forgotten.chunks(REPLICAS_FORGOTTEN_PER_TXN) {
+            if let Err(error) = self.commit(vec![], chunk.to_vec()).await {
+                tracing::debug!(%error, "cannot forget long silent replicas");
+                break;
+            }
         }
         Ok(seen)
     }

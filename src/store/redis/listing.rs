@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use super::records::{lease_fields, lease_of_fields};
 use super::{RedisStore, key, parse_token};
 use crate::fence::{
-    FencePage, LeasePage, ListingStore, Page, REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage,
-    ResourceKey, StoreError,
+    FencePage, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ResourceKey, StoreError,
+    replica_age,
 };
 
 /// Keys asked for per `SCAN` step.
@@ -104,17 +104,21 @@ impl ListingStore for RedisStore {
     }
 
     async fn replicas(&self, since_ms: u64) -> Result<Vec<(String, u64)>, StoreError> {
-        let all: Vec<(String, String)> = self.connection.query(redis::cmd("HGETALL").arg(REPLICAS_KEY)).await?;
+        // Bytes: one field that is not text (written by hand) must not hide the others.
+        let all: Vec<(Vec<u8>, Vec<u8>)> = self.connection.query(redis::cmd("HGETALL").arg(REPLICAS_KEY)).await?;
         let (mut seen, mut forgotten) = (Vec::new(), Vec::new());
         for (id, at) in all {
-            match at.parse::<u64>() {
-                Ok(at) if at >= since_ms => seen.push((id, at)),
-                Ok(at) if at >= since_ms.saturating_sub(REPLICAS_FORGOTTEN_AFTER_MS) => {}
+            let at = std::str::from_utf8(&at).ok().and_then(|at| at.parse::<u64>().ok());
+            match (String::from_utf8(id.clone()), at.map(|at| replica_age(at, since_ms))) {
+                (Ok(id), Some(ReplicaAge::Seen(at))) => seen.push((id, at)),
+                (Ok(_), Some(ReplicaAge::Silent)) => {}
                 _ => forgotten.push(id),
             }
         }
-        if !forgotten.is_empty() {
-            let _: i64 = self.connection.query(redis::cmd("HDEL").arg(REPLICAS_KEY).arg(&forgotten)).await?;
+        if !forgotten.is_empty()
+            && let Err(error) = self.connection.query::<i64>(redis::cmd("HDEL").arg(REPLICAS_KEY).arg(&forgotten)).await
+        {
+            tracing::debug!(%error, "cannot forget long silent replicas");
         }
         seen.sort();
         seen.truncate(REPLICAS_LISTED_MAX);
