@@ -123,13 +123,24 @@ impl Plan {
     }
 }
 
-#[derive(Default)]
 pub struct Registrations {
     /// Lock order: `by_resource`, then `urgent`.
     by_resource: Mutex<HashMap<ResourceKey, Vec<Registration>>>,
     /// Registrations to withdraw at the next flush, whatever their linger.
     urgent: Mutex<Vec<Withdrawal>>,
+    /// The next registration's id, counted from a random start: two processes given the same
+    /// `store.replica_id` (one config file for all, with the key set) must not name a
+    /// registration alike, or one's withdrawal removes the other's while its write is in
+    /// flight, and a newer token does not wait for that write.
     next_id: AtomicU64,
+}
+
+impl Default for Registrations {
+    fn default() -> Self {
+        // Below 2^63: as many ids again before the counter could wrap.
+        let start = uuid::Uuid::new_v4().as_u64_pair().0 >> 1;
+        Self { by_resource: Mutex::default(), urgent: Mutex::default(), next_id: AtomicU64::new(start) }
+    }
 }
 
 impl Registrations {
@@ -419,6 +430,16 @@ mod tests {
 
     fn withdrawn(due: Vec<Withdrawal>) -> Vec<(ResourceKey, Member)> {
         due.into_iter().map(|w| (w.resource, w.member)).collect()
+    }
+
+    /// Two processes (given the same replica id) name their first registrations apart.
+    #[test]
+    fn each_process_numbers_its_registrations_from_its_own_start() {
+        let (res, t0) = (r("a"), Instant::now());
+        let one = register(&Registrations::default(), &res, 5, t0);
+        let other = register(&Registrations::default(), &res, 5, t0);
+        assert_ne!(one.id, other.id);
+        assert!(one.id < 1 << 63 && other.id < 1 << 63);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from fencegate_testlib import (
     unique,
     wait_until,
 )
+from holding_upstream import HELD_PREFIX, HELD_RESOURCE
 from test_race import assert_holds_new, run_race
 
 # `redis_server` (conftest.py): a redis-server of the test's own, fsync-always, restartable.
@@ -145,6 +147,47 @@ def test_each_replica_lists_the_others_it_shares_the_store_with(two_replicas, fe
     started = time.monotonic()
     wait_until(lambda: len(replicas(r1)) == 1, 30, interval=0.5, what="a killed replica dropping out")
     assert time.monotonic() - started > 5, "dropped before it was silent for long"
+
+
+def test_two_replicas_given_one_replica_id_keep_their_registrations_apart(held_s3, fencegate, redis_server,
+                                                                           moto_server):
+    """Before: a registration was named `<replica_id>:<n>:<token>`, n counted from 0 in every
+    process, so two replicas given the same `store.replica_id` (one config file for all, with
+    the key set) named their first token-5 registrations alike. B's withdrawal of its own, when
+    B admitted token 6, removed A's while A's token-5 PUT was still in flight, and B's token 6
+    committed without waiting for it. Now n starts at random in each process."""
+    store = {"kind": "redis", "url": redis_server.url, "path": None, "replica_id": "one-id-for-all"}
+    a = held_s3(config={"store": store})
+    rule = {"bucket": a.bucket, "prefix": HELD_PREFIX, "resource": HELD_RESOURCE}
+    b = fencegate(upstream=dict(moto_server.upstream_config(), probe_bucket=a.bucket),
+                  config={"store": store, "fencing": {"rules": [rule]}})
+    hold = a.up.hold_next("PUT", a.path(HELD_PREFIX + "a"))
+    results = {}
+
+    def put(name, fg, token, key):
+        try:
+            fg.client(token=token).put_object(Bucket=a.bucket, Key=key, Body=name.encode())
+            results[name] = (200, time.monotonic())
+        except ClientError as e:
+            results[name] = (status_of(e), time.monotonic())
+
+    held = threading.Thread(target=put, args=("a5", a.fg, 5, HELD_PREFIX + "a"))
+    held.start()
+    try:
+        assert hold.wait_arrived(15), "A's token-5 PUT never reached the upstream"
+        put("b5", b, 5, HELD_PREFIX + "b")
+        assert results["b5"][0] == 200
+        newer = threading.Thread(target=put, args=("b6", b, 6, HELD_PREFIX + "c"))
+        newer.start()
+        newer.join(2.0)
+        assert "b6" not in results, "token 6 did not wait for A's token-5 write in flight"
+    finally:
+        released_at = time.monotonic()
+        hold.release()
+    held.join(30)
+    newer.join(30)
+    assert results["a5"][0] == 200 and results["b6"][0] == 200, results
+    assert results["b6"][1] >= released_at, "token 6 was admitted while token 5 was in flight"
 
 
 def test_replicas_share_fences(two_replicas):
