@@ -122,18 +122,23 @@ fn done((): ()) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// `fencegate probe`: the probe's findings in one line, exit 0; a probe that failed or could
+/// not run says why, exit 1.
 async fn probe(config: Config) -> anyhow::Result<()> {
-    let mut app = App::build(config).await?;
-    let probed = app.probe().await;
+    let app = App::build(config).await?;
+    let probed = app.run_probe().await;
     app.close_unused();
-    probed?;
-    match app.enforcement().map(|e| e.ignored()) {
-        None => println!("upstream probe did not run (see the log)"),
-        Some(ignored) if ignored.is_empty() => {
-            println!("upstream enforces preconditions on PutObject, CopyObject, CompleteMultipartUpload, DeleteObject")
-        }
-        Some(ignored) => {
-            println!("upstream enforces preconditions on PutObject; ignores them on: {}", ignored.join(", "))
+    let probed = probed.map_err(|error| anyhow::anyhow!(fencegate::probe_failure(&error)))?;
+    let form = match probed.etag_form {
+        fencegate::upstream::EtagForm::Quoted => "",
+        fencegate::upstream::EtagForm::Bare => " (If-Match sent with the bare ETag, the form this upstream compares)",
+    };
+    match probed.enforcement.ignored() {
+        ignored if ignored.is_empty() => println!(
+            "upstream enforces preconditions on PutObject, CopyObject, CompleteMultipartUpload, DeleteObject{form}"
+        ),
+        ignored => {
+            println!("upstream enforces preconditions on PutObject; ignores them on: {}{form}", ignored.join(", "))
         }
     }
     Ok(())

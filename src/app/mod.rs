@@ -17,7 +17,7 @@ use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::net::server::{self, ConnectionLimits};
 use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
-use crate::upstream::{self, Enforcement, ProbeError, Probed, Upstream, probe_preconditions};
+use crate::upstream::{self, Enforcement, EtagForm, ProbeError, Probed, Upstream, probe_preconditions};
 
 pub mod reconcile;
 mod router;
@@ -42,6 +42,15 @@ pub struct App {
     clock: Arc<dyn Clock>,
     /// Every write decision, to whoever watches (`/v1/events`).
     feed: Arc<Feed>,
+}
+
+/// A failed probe in one line: whether it could not run or ran and found the upstream wanting.
+pub fn probe_failure(error: &ProbeError) -> String {
+    if error.could_not_run() {
+        format!("upstream probe could not run: {error}")
+    } else {
+        format!("upstream precondition probe failed: {error}")
+    }
 }
 
 /// The listeners' bound addresses.
@@ -122,52 +131,31 @@ impl App {
             }
             return Ok(());
         }
-        let bucket = self.config.upstream.probe_bucket.as_deref();
-        let timeout = ms(self.config.upstream.request_timeout_ms);
-        let probed = match tokio::time::timeout(timeout, probe_preconditions(self.upstream.as_ref(), bucket)).await {
-            Ok(probed) => probed,
-            Err(_) => Err(ProbeError::Upstream(crate::upstream::UpstreamError::Timeout {
-                after_ms: self.config.upstream.request_timeout_ms,
-            })),
-        };
-        match probed {
-            Ok(Probed { bucket, enforcement }) => {
-                self.enforcement = Some(enforcement);
-                let ignored = enforcement.ignored();
-                if ignored.is_empty() {
-                    tracing::info!(bucket, upstream = self.upstream.kind(), "upstream enforces preconditions");
-                } else {
-                    tracing::warn!(
-                        bucket,
-                        upstream = self.upstream.kind(),
-                        ignored = ignored.join(", "),
-                        "upstream enforces preconditions on PutObject but ignores them on the operations named; \
-                         fencegate still orders them through the gate, but across replicas a stalled replica's \
-                         late one is not refused per object"
-                    );
-                }
-                if !enforcement.upload_ids_tied_to_keys {
-                    tracing::info!(
-                        bucket,
-                        upstream = self.upstream.kind(),
-                        "upstream accepts a multipart upload's id under any key; fencegate checks each multipart \
-                         step's key against the upstream's list of uploads (one more call per step)"
-                    );
-                }
+        match self.run_probe().await {
+            Ok(probed) => {
+                self.log_probed(&probed);
+                self.enforcement = Some(probed.enforcement);
                 Ok(())
             }
-            Err(ProbeError::NoBucket) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
-                "upstream precondition probe: no bucket to probe; set upstream.probe_bucket (required with a shared store)"
-            )),
+            Err(error) if mode == ProbeMode::Require => {
+                let why = if shared && self.config.upstream.probe != ProbeMode::Require {
+                    "several replicas need an upstream that enforces preconditions (set \
+                     upstream.accept_no_preconditions = true to accept the risk)"
+                } else {
+                    "upstream.probe = \"require\""
+                };
+                Err(anyhow::anyhow!("{}; refusing to start ({why})", probe_failure(&error)))
+            }
             Err(ProbeError::NoBucket) => {
                 tracing::warn!(
                     "upstream probe skipped: no bucket yet (set upstream.probe_bucket to probe at start-up)"
                 );
                 Ok(())
             }
-            Err(error) if mode == ProbeMode::Require => Err(anyhow::anyhow!(
-                "upstream precondition probe failed: {error}; refusing to start (upstream.probe = \"require\")"
-            )),
+            Err(error) if error.could_not_run() => {
+                tracing::warn!(%error, "UPSTREAM PROBE COULD NOT RUN: nothing is known of the upstream's preconditions");
+                Ok(())
+            }
             Err(error) => {
                 tracing::warn!(
                     %error,
@@ -179,6 +167,47 @@ impl App {
         }
     }
 
+    /// Runs the probe once, bounded by `upstream.request_timeout_ms`, and leaves the upstream
+    /// sending ETags in the form it found (`fencegate probe` reports the result as it is).
+    pub async fn run_probe(&self) -> Result<Probed, ProbeError> {
+        let bucket = self.config.upstream.probe_bucket.as_deref();
+        let timeout = ms(self.config.upstream.request_timeout_ms);
+        match tokio::time::timeout(timeout, probe_preconditions(self.upstream.as_ref(), bucket)).await {
+            Ok(probed) => probed,
+            Err(_) => Err(ProbeError::Unreachable(crate::upstream::UpstreamError::Timeout {
+                after_ms: self.config.upstream.request_timeout_ms,
+            })),
+        }
+    }
+
+    fn log_probed(&self, Probed { bucket, enforcement, etag_form }: &Probed) {
+        let upstream = self.upstream.kind();
+        if *etag_form == EtagForm::Bare {
+            tracing::info!(bucket, upstream, "upstream compares a write's If-Match with the bare ETag: sent so");
+        }
+        let ignored = enforcement.ignored();
+        if ignored.is_empty() {
+            tracing::info!(bucket, upstream, "upstream enforces preconditions");
+        } else {
+            tracing::warn!(
+                bucket,
+                upstream,
+                ignored = ignored.join(", "),
+                "upstream enforces preconditions on PutObject but ignores them on the operations named; \
+                 fencegate still orders them through the gate, but across replicas a stalled replica's \
+                 late one is not refused per object"
+            );
+        }
+        if !enforcement.upload_ids_tied_to_keys {
+            tracing::info!(
+                bucket,
+                upstream,
+                "upstream accepts a multipart upload's id under any key; fencegate checks each multipart \
+                 step's key against the upstream's list of uploads (one more call per step)"
+            );
+        }
+    }
+
     /// Ends a run that served nothing (`fencegate probe`): a store that opened clean is left
     /// clean, so that the next `serve` does not hold writes as after a crash.
     pub fn close_unused(&self) {
@@ -187,11 +216,6 @@ impl App {
         {
             tracing::warn!(%error, "could not record a clean shutdown");
         }
-    }
-
-    /// What the probe found the upstream enforces; `None` if it did not run.
-    pub fn enforcement(&self) -> Option<Enforcement> {
-        self.enforcement
     }
 
     /// Binds both listeners (port 0 picks a free port).

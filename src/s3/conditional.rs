@@ -118,8 +118,11 @@ impl Front {
     /// missing source or upload) and the upstream's answer is the client's, except a 412 that
     /// only fencegate's precondition can have caused (the object changed and changed back:
     /// `send` goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]);
-    /// otherwise `send` goes once more on the fresh state. A retry that loses again is judged the same way, and is a 503 `SlowDown` when
-    /// the object changed once more under a same-or-older token.
+    /// otherwise `send` goes once more on the fresh state. A retry that loses again is judged
+    /// the same way, and is a 503 `SlowDown` when the object changed once more under a
+    /// same-or-older token; a second 412 on an object that still did not change is the
+    /// upstream refusing the ETag it answered itself (a form it does not compare), a 502 that
+    /// says so and is never taken for a concurrent write.
     ///
     /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
     /// be `Send`, which the compiler cannot yet prove through a generic async closure. Callers
@@ -132,6 +135,7 @@ impl Front {
         mut state: ObjectState,
         mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
     ) -> Result<S3Response<Body>, FrontError> {
+        let mut refused_unchanged = false;
         for attempt in 0..ATTEMPTS {
             let (resp, judged_more) = match send(state.clone()).await? {
                 Attempt::Committed(resp) => {
@@ -155,7 +159,11 @@ impl Front {
                     // A 412 that judged only fencegate's precondition (the client's `If-Match`
                     // and `If-None-Match` are folded into it), which names the object as it is
                     // again: it changed and changed back in between (an ETag names bytes, not a
-                    // write). Never the client's 412: the write goes again.
+                    // write). Never the client's 412: the write goes again, once.
+                    if refused_unchanged {
+                        return Err(FrontError::PreconditionNotHonoured { precondition: state.precondition().1 });
+                    }
+                    refused_unchanged = true;
                     continue;
                 }
                 // fencegate's precondition named the object as it still is: the refusal was

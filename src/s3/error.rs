@@ -89,6 +89,11 @@ pub enum FrontError {
     IncompleteBody,
     #[error("the object changed under a concurrent write with the same token; retry")]
     PreconditionRace,
+    #[error(
+        "the upstream refused fencegate's precondition ({precondition:?}) twice on an object that did not change: it \
+         does not compare ETags in the form it answers them; nothing was committed (run `fencegate probe`)"
+    )]
+    PreconditionNotHonoured { precondition: http::HeaderValue },
     #[error("upstream request failed")]
     Upstream(#[source] UpstreamError),
     #[error(
@@ -174,6 +179,7 @@ impl FrontError {
             Self::MethodNotAllowed(_) => (S::METHOD_NOT_ALLOWED, "MethodNotAllowed"),
             Self::CopySourceCondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::Upstream(_) | Self::UpstreamStatus { .. } => (S::BAD_GATEWAY, "UpstreamUnavailable"),
+            Self::PreconditionNotHonoured { .. } => (S::BAD_GATEWAY, "UpstreamPreconditionRefused"),
         }
     }
 

@@ -7,6 +7,8 @@
 mod local;
 mod probe;
 mod s3;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
@@ -46,6 +48,38 @@ impl crate::fence::outcome::Delivery for UpstreamError {
     }
 }
 
+/// How an upstream reads an ETag in the `If-Match` of a write. S3 takes it quoted, as it
+/// answers it (`"abc"`); Ceph RGW 16 compares a write's `If-Match` with the ETag bare
+/// (`abc`) and refuses the quoted form. fencegate keeps ETags as the upstream answers them and
+/// the adapter renders them in this form when it sends a write (the probe finds it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EtagForm {
+    #[default]
+    Quoted,
+    Bare,
+}
+
+impl EtagForm {
+    /// Every entity tag of an `If-Match` list in this form: `"a", "b"` bare is `a, b`. `*`
+    /// and weak tags (`W/"a"`, which a write's strong comparison never matches) are kept.
+    pub fn render(self, list: &str) -> String {
+        match self {
+            Self::Quoted => list.to_owned(),
+            Self::Bare => list
+                .split(',')
+                .map(|item| {
+                    let item = item.trim();
+                    match item.strip_prefix('"').and_then(|rest| rest.strip_suffix('"')) {
+                        Some(bare) if !bare.is_empty() => bare,
+                        _ => item,
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+}
+
 /// An upstream: where writes land. Adapters do not time calls out: the caller bounds each one
 /// (a read by `upstream.request_timeout_ms`, a write by its own deadline, see
 /// `fence::outcome`), since abandoning a write whose request was sent would end it early.
@@ -61,6 +95,10 @@ pub trait Upstream: Send + Sync + 'static {
     fn ties_upload_ids_to_keys(&self) -> bool {
         false
     }
+
+    /// Sends every later write's `If-Match` in `form` (the start-up probe's finding). An
+    /// upstream that reads every form alike ignores it.
+    fn use_etag_form(&self, _form: EtagForm) {}
 }
 
 /// Builds the upstream named by the config.

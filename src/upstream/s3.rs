@@ -2,12 +2,13 @@
 //! each request re-signed with SigV4 for the upstream's credentials. The body is streamed
 //! (`UNSIGNED-PAYLOAD`), never buffered.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
 use s3s::Body;
 
-use super::{Upstream, UpstreamError};
+use super::{EtagForm, Upstream, UpstreamError};
 use crate::aws::sigv4::Signer;
 use crate::config::{S3Endpoint, UpstreamConfig, ms};
 use crate::net::outbound::{Http1Pools, Outbound, SendError};
@@ -16,6 +17,8 @@ pub struct S3Upstream {
     client: Http1Pools,
     host: http::HeaderValue,
     signer: Signer,
+    /// Whether a write's `If-Match` goes with bare ETags ([`EtagForm::Bare`]).
+    bare_etags: AtomicBool,
 }
 
 impl S3Upstream {
@@ -35,7 +38,7 @@ impl S3Upstream {
             Signer::new(access_key_id.to_owned(), secret_access_key.expose().to_owned(), config.region.clone());
 
         let host = http::HeaderValue::from_str(authority.as_str())?;
-        Ok(Self { client, host, signer })
+        Ok(Self { client, host, signer, bare_etags: AtomicBool::new(false) })
     }
 }
 
@@ -48,6 +51,9 @@ impl Upstream for S3Upstream {
             *req.uri_mut() = http::Uri::from(path);
         }
         req.headers_mut().insert(http::header::HOST, self.host.clone());
+        if self.bare_etags.load(Ordering::Relaxed) && is_write(req.method()) {
+            render_if_match(req.headers_mut(), EtagForm::Bare);
+        }
         self.signer.sign(&mut req, SystemTime::now()).map_err(|e| UpstreamError::Sign(Box::new(e)))?;
         let response = self.client.send(req).await.map_err(|e| match e {
             SendError::Connect(e) => UpstreamError::Connect(e),
@@ -59,4 +65,24 @@ impl Upstream for S3Upstream {
     fn kind(&self) -> &'static str {
         "s3"
     }
+
+    fn use_etag_form(&self, form: EtagForm) {
+        self.bare_etags.store(form == EtagForm::Bare, Ordering::Relaxed);
+    }
+}
+
+/// Reads judge `If-Match` in either form at every upstream known; only writes are rendered.
+fn is_write(method: &http::Method) -> bool {
+    matches!(*method, http::Method::PUT | http::Method::POST | http::Method::DELETE)
+}
+
+fn render_if_match(headers: &mut http::HeaderMap, form: EtagForm) {
+    let Some(rendered) = headers
+        .get(http::header::IF_MATCH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|list| http::HeaderValue::from_str(&form.render(list)).ok())
+    else {
+        return;
+    };
+    headers.insert(http::header::IF_MATCH, rendered);
 }

@@ -1,5 +1,5 @@
-"""Fixtures that start fencegate, moto_server and redis-server as real processes and always
-stop them."""
+"""Fixtures that start fencegate, moto_server, redis-server and Ceph RGW as real processes and
+always stop them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ceph_rgw import CephRgw, missing_ceph_programs  # noqa: E402
 from fencegate_testlib import (  # noqa: E402
     FenceGate,
     MotoServer,
@@ -34,6 +35,20 @@ for _var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFA
 def moto_server(tmp_path_factory):
     """One moto_server for the session (tests use buckets of their own)."""
     server = MotoServer(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw(tmp_path_factory):
+    """One Ceph RGW for the session (`ceph_rgw.CephRgw`: a real S3 server; tests use buckets of
+    their own). Without Ceph installed its tests fail (scripts/test installs it), unless
+    FENCEGATE_SKIP_RGW=1 skips them."""
+    if missing_ceph_programs() and os.environ.get("FENCEGATE_SKIP_RGW") == "1":
+        pytest.skip(f"FENCEGATE_SKIP_RGW=1 and not installed: {', '.join(missing_ceph_programs())}")
+    server = CephRgw(tmp_path_factory.mktemp("rgw"))
     try:
         yield server.start()
     finally:
