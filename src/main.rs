@@ -174,6 +174,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     let mut app = App::build(config).await?;
     app.probe().await?;
+    app.check_upstream().await;
     let (s3, admin) = app.bind().await?;
     let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };
     // One parseable line on stdout: scripts and tests wait for it.

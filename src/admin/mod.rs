@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 use crate::feed::Feed;
 use crate::fence::{AdmitError, FenceToken, Gate, Registered, ResourceKey};
 use crate::s3::reconcile::{Job, Reconciler};
+use crate::upstream::health::UpstreamHealth;
 
 /// The cookie the console keeps its session in.
 const SESSION_COOKIE: &str = "fencegate_admin";
@@ -52,6 +53,8 @@ pub struct Admin {
     page_policy: http::HeaderValue,
     /// How often a quiet feed says it is alive (`events::keep_alive`).
     keep_alive: std::time::Duration,
+    /// Whether the upstream answers fencegate's credentials, as last checked.
+    upstream: Arc<UpstreamHealth>,
 }
 
 /// What a request may do, by what it presents.
@@ -131,7 +134,14 @@ impl Admin {
         let session = admin_token.as_deref().map(session_value);
         let page_policy = console::content_security_policy().parse().expect("a policy is a header value");
         let keep_alive = events::keep_alive(idle_timeout);
-        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy, keep_alive }
+        let upstream = Arc::new(UpstreamHealth::in_process());
+        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy, keep_alive, upstream }
+    }
+
+    /// `/readyz` and `/v1/status` also say whether `upstream` answers fencegate's credentials
+    /// (an upstream in this process always does).
+    pub fn watching_upstream(self, upstream: Arc<UpstreamHealth>) -> Self {
+        Self { upstream, ..self }
     }
 
     pub async fn handle(self: Arc<Self>, req: http::Request<Incoming>) -> Result<AdminResponse, Infallible> {
@@ -173,16 +183,26 @@ impl Admin {
         Ok(self.route(req, &path, access).await)
     }
 
+    /// 200 only when a request could succeed now: the fence store answers and the upstream
+    /// answered fencegate's credentials at its last check. Each cause of "not ready" is named.
+    async fn readiness(&self) -> AdminResponse {
+        match (self.gate.ping().await, self.upstream.reach().cause()) {
+            (Ok(()), None) => text(StatusCode::OK, "ready\n"),
+            (Err(store), upstream) => {
+                let detail = upstream.map_or_else(|| store.to_string(), |upstream| format!("{store}; {upstream}"));
+                problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &detail)
+            }
+            (Ok(()), Some(upstream)) => problem(StatusCode::SERVICE_UNAVAILABLE, "UpstreamUnavailable", &upstream),
+        }
+    }
+
     async fn route(&self, req: http::Request<Incoming>, path: &str, access: Access) -> AdminResponse {
         let query = req.uri().query().map(str::to_owned);
         let query = query.as_deref();
         match (req.method(), path) {
             (&Method::GET, "/") => self.page(),
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-            (&Method::GET, "/readyz") => match self.gate.ping().await {
-                Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string()),
-            },
+            (&Method::GET, "/readyz") => self.readiness().await,
             (&Method::GET, "/metrics") => {
                 let mut resp = text(StatusCode::OK, &self.metrics.render());
                 resp.headers_mut()
@@ -192,7 +212,9 @@ impl Admin {
             (&Method::POST, "/v1/session") => self.open_session(req).await,
             (&Method::DELETE, "/v1/session") => self.close_session(),
             (_, "/v1/session") => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use POST or DELETE"),
-            (&Method::GET, "/v1/status") => views::status(&self.gate, &self.feed, self.bearer.is_some()).await,
+            (&Method::GET, "/v1/status") => {
+                views::status(&self.gate, &self.feed, &self.upstream.reach(), self.bearer.is_some()).await
+            }
             (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
             (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
             (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),

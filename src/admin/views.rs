@@ -9,6 +9,7 @@ use super::{AdminResponse, json_response, problem};
 use crate::feed::Feed;
 use crate::fence::{Gate, RESOURCE_BYTES_MAX, StoreError};
 use crate::lease::{Clock, SystemClock};
+use crate::upstream::health::Reach;
 
 /// A page of fences holds this many unless asked otherwise.
 pub const FENCES_PAGE_DEFAULT: usize = 100;
@@ -61,7 +62,7 @@ impl Query {
     }
 }
 
-pub async fn status(gate: &Gate, feed: &Feed, auth: bool) -> AdminResponse {
+pub async fn status(gate: &Gate, feed: &Feed, upstream: &Reach, auth: bool) -> AdminResponse {
     let ready = gate.ping().await;
     // A store that does not answer lists nobody: this replica alone, without a second wait.
     let replicas = match ready {
@@ -75,6 +76,10 @@ pub async fn status(gate: &Gate, feed: &Feed, auth: bool) -> AdminResponse {
             "kind": gate.store_kind(),
             "ready": ready.is_ok(),
             "detail": ready.err().map(|e| e.to_string()),
+        },
+        "upstream": {
+            "ready": upstream.cause().is_none(),
+            "detail": upstream.cause(),
         },
         // This replica and those the shared store saw lately.
         "replicas": replicas,

@@ -9,6 +9,7 @@ use hyper::service::service_fn;
 use tokio::net::TcpListener;
 
 use crate::admin::{Admin, ServedHosts};
+use crate::config::UpstreamBackend;
 use crate::config::{Config, ProbeMode, StoreBackend, StoreKind, ms};
 use crate::feed::Feed;
 use crate::fence::{Gate, GateLimits, InflightBounds, Store};
@@ -17,6 +18,7 @@ use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::net::server::{self, ConnectionLimits};
 use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedStore, RedisStore, Wait};
+use crate::upstream::health::UpstreamHealth;
 use crate::upstream::{self, Enforcement, EtagForm, ProbeError, Probed, Upstream, probe_preconditions};
 
 pub mod reconcile;
@@ -38,6 +40,8 @@ pub struct App {
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// What the start-up probe found the upstream enforces, once it ran.
     enforcement: Option<Enforcement>,
+    /// Whether the upstream answers fencegate's credentials now (`/readyz`).
+    upstream_health: Arc<UpstreamHealth>,
     /// Wall-clock time of leases and idempotency records.
     clock: Arc<dyn Clock>,
     /// Every write decision, to whoever watches (`/v1/events`).
@@ -100,13 +104,19 @@ impl App {
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
+        let upstream_health = Arc::new(match config.upstream.backend().map_err(at_fault)? {
+            UpstreamBackend::Local { .. } => UpstreamHealth::in_process(),
+            UpstreamBackend::S3(_) => {
+                UpstreamHealth::new(config.upstream.probe_bucket.clone(), ms(config.upstream.health_interval_ms))
+            }
+        });
         let feed = Feed::new(config.store.replica_id.clone().unwrap_or_else(default_replica_id));
         let gateway = Arc::new(Gateway::new(&config, gate.clone(), clock.clone(), feed.clone())?);
         let tls = match (&config.server.tls_cert_path, &config.server.tls_key_path) {
             (Some(cert), Some(key)) => Some(server::tls_acceptor(cert, key)?),
             _ => None,
         };
-        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None, clock, feed })
+        Ok(Self { config, gate, store, upstream, gateway, tls, enforcement: None, upstream_health, clock, feed })
     }
 
     /// The start-up probe (G6). With the embedded store fencegate is the only writer and the
@@ -218,6 +228,16 @@ impl App {
         }
     }
 
+    /// Asks the upstream once whether it answers fencegate's credentials, so that `/readyz`
+    /// tells the truth from the first request on (serving then checks every
+    /// `upstream.health_interval_ms`).
+    pub async fn check_upstream(&self) {
+        self.upstream_health.check(self.upstream.as_ref()).await;
+        if let Some(cause) = self.upstream_health.reach().cause() {
+            tracing::warn!(cause, "not ready until the upstream answers: /readyz is 503");
+        }
+    }
+
     /// Binds both listeners (port 0 picks a free port).
     pub async fn bind(&self) -> anyhow::Result<(TcpListener, TcpListener)> {
         let s3 = TcpListener::bind(self.config.server.listen)
@@ -258,15 +278,18 @@ impl App {
         let router = Arc::new(Router::new(self.gateway.clone(), s3_service));
         let s3_service = service_fn(move |req| router.clone().handle(req));
         let hosts = ServedHosts::new(admin_listener.local_addr()?, self.config.server.admin_host_names.clone());
-        let admin = Arc::new(Admin::new(
-            self.gate.clone(),
-            self.feed.clone(),
-            reconciler,
-            metrics,
-            self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
-            hosts,
-            ms(self.config.server.idle_timeout_ms),
-        ));
+        let admin = Arc::new(
+            Admin::new(
+                self.gate.clone(),
+                self.feed.clone(),
+                reconciler,
+                metrics,
+                self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
+                hosts,
+                ms(self.config.server.idle_timeout_ms),
+            )
+            .watching_upstream(self.upstream_health.clone()),
+        );
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 
         let server = &self.config.server;
@@ -306,8 +329,13 @@ impl App {
         });
         let heartbeat =
             tokio::spawn(crate::admin::replicas::keep_telling(self.gate.clone(), self.feed.replica().clone()));
+        let upstream_watch = self.upstream_health.is_remote().then(|| {
+            let interval = ms(self.config.upstream.health_interval_ms);
+            tokio::spawn(self.upstream_health.clone().watch(self.upstream.clone(), interval))
+        });
         shutdown.await;
         heartbeat.abort();
+        upstream_watch.inspect(tokio::task::JoinHandle::abort);
         let stop_by = tokio::time::Instant::now() + shutdown_timeout;
         // First: a stopping replica is not one to count on (and the drain may use the budget).
         crate::admin::replicas::forget(&self.gate, self.feed.replica(), FORGET_REPLICA_MAX.min(shutdown_timeout / 4))

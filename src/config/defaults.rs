@@ -53,6 +53,9 @@ pub fn upstream_connect_timeout_ms() -> u64 {
 pub fn upstream_request_timeout_ms() -> u64 {
     300_000
 }
+pub fn upstream_health_interval_ms() -> u64 {
+    5_000
+}
 pub fn upstream_idle_connections_max() -> usize {
     256
 }

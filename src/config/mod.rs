@@ -228,6 +228,10 @@ pub struct UpstreamConfig {
     /// Time from sending a request to the upstream until its response head arrives.
     #[serde(default = "defaults::upstream_request_timeout_ms")]
     pub request_timeout_ms: u64,
+    /// How often fencegate asks the upstream whether it answers fencegate's credentials
+    /// (`/readyz`); each check is bounded by the same time.
+    #[serde(default = "defaults::upstream_health_interval_ms")]
+    pub health_interval_ms: u64,
     /// Idle pooled connections kept per upstream host.
     #[serde(default = "defaults::upstream_idle_connections_max")]
     pub idle_connections_max: usize,

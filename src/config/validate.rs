@@ -166,6 +166,7 @@ impl Config {
         positive(&[
             ("upstream.request_timeout_ms", upstream.request_timeout_ms),
             ("upstream.connect_timeout_ms", upstream.connect_timeout_ms),
+            ("upstream.health_interval_ms", upstream.health_interval_ms),
         ])
     }
 

@@ -4,6 +4,7 @@
 //! A request given to [`Upstream::send`] is path-style (`/bucket/key?query`), carries only the
 //! headers meant for the upstream, and no authentication: the adapter adds host and signature.
 
+pub mod health;
 mod local;
 mod probe;
 mod s3;

@@ -9,6 +9,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fencegate_testlib import (
+    MotoServer,
     base_config,
     bin_path,
     code_of,
@@ -25,6 +26,34 @@ from fencegate_testlib import (
 def test_health_and_ready(fg):
     assert fg.admin("GET", "/healthz").status_code == 200
     assert fg.admin("GET", "/readyz").status_code == 200
+
+
+def test_ready_only_while_the_upstream_answers(fencegate, tmp_path):
+    """/readyz is 503 naming the cause while the upstream cannot be reached, 200 once it answers again."""
+    moto = MotoServer(tmp_path).start()
+    try:
+        moto.client().create_bucket(Bucket="ready-probe")
+        upstream = dict(moto.upstream_config(), probe_bucket="ready-probe", health_interval_ms=200)
+        fg = fencegate(upstream=upstream)
+        assert fg.admin("GET", "/readyz").status_code == 200
+        assert fg.admin("GET", "/v1/status").json()["upstream"] == {"ready": True, "detail": None}
+    finally:
+        moto.stop()
+    wait_until(lambda: fg.admin("GET", "/readyz").status_code == 503, 10, what="readyz 503 with moto stopped")
+    problem = fg.admin("GET", "/readyz").json()
+    assert problem["type"].endswith("UpstreamUnavailable"), problem
+    assert "the upstream cannot be reached" in problem["detail"], problem
+    status = fg.admin("GET", "/v1/status").json()
+    assert status["upstream"]["ready"] is False and "cannot be reached" in status["upstream"]["detail"]
+    assert status["store"]["ready"] is True
+
+
+def test_a_missing_probe_bucket_is_not_ready(fencegate, moto_server):
+    """A bucket fencegate was told to use that does not exist: not ready, and the detail names it."""
+    upstream = dict(moto_server.upstream_config(), probe_bucket="no-such-ready-bucket")
+    fg = fencegate(upstream=upstream)
+    problem = fg.admin("GET", "/readyz").json()
+    assert problem["status"] == 503 and 'the bucket "no-such-ready-bucket" does not exist' in problem["detail"]
 
 
 def test_unknown_fence_is_404(fg):
