@@ -48,6 +48,33 @@ pub struct App {
     feed: Arc<Feed>,
 }
 
+/// How long (ms from `now_ms`) no fence may advance because an earlier process may still have
+/// writes in flight at the upstream. An unclean start holds for `deadline_ms` (D) from now, and
+/// records the hold's end durably before anything is admitted, so that no later start, clean
+/// stop or crash loop shortens it; a clean start honours what is left of a recorded hold. The
+/// record is a wall-clock time: a hold found longer than D (the clock went back) is cut to D.
+fn hold_after_earlier_processes(store: &dyn Store, now_ms: u64, deadline_ms: u64) -> anyhow::Result<u64> {
+    let longest = now_ms.saturating_add(deadline_ms);
+    let recorded = store.held_until_ms().filter(|until| *until > now_ms).map(|until| until.min(longest));
+    if store.opened_clean() {
+        if let Some(until) = recorded {
+            tracing::warn!(
+                hold_ms = until - now_ms,
+                "an earlier fencegate process did not shut down cleanly and its hold has not passed: no fence \
+                 advances until it has"
+            );
+        }
+        return Ok(recorded.map_or(0, |until| until - now_ms));
+    }
+    store.hold_until(longest).context("fence store: recording the hold after an unclean start")?;
+    tracing::warn!(
+        hold_ms = deadline_ms,
+        "the last fencegate process did not shut down cleanly: writes it sent may still commit at the \
+         upstream, so no fence advances for fencing.inflight_deadline_ms"
+    );
+    Ok(deadline_ms)
+}
+
 /// A failed probe in one line: whether it could not run or ran and found the upstream wanting.
 pub fn probe_failure(error: &ProbeError) -> String {
     if error.could_not_run() {
@@ -92,15 +119,11 @@ impl App {
             inflight_per_caller_max: config.fencing.inflight_per_caller(),
             cached_resources_max: config.fencing.cached_resources_max,
         };
-        let opened_clean = store.opened_clean();
         let gate = Arc::new(Gate::new(store.clone(), limits));
-        if !opened_clean {
-            tracing::warn!(
-                hold_ms = config.fencing.inflight_deadline_ms,
-                "the last fencegate process did not shut down cleanly: writes it sent may still commit at the \
-                 upstream, so no fence advances for fencing.inflight_deadline_ms"
-            );
-            gate.hold_writes_after_unclean_start();
+        let hold_ms =
+            hold_after_earlier_processes(store.as_ref(), clock.now_ms(), config.fencing.inflight_deadline_ms)?;
+        if hold_ms > 0 {
+            gate.hold_writes_for(ms(hold_ms));
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;

@@ -85,6 +85,20 @@ pub trait FenceStore: Send + Sync + 'static {
     fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// The wall-clock time (ms since the epoch) before which no fence may advance, as recorded
+    /// by [`Self::hold_until`]: an earlier process's writes may still commit at the upstream
+    /// until then. Read at open; `None` when nothing was recorded.
+    fn held_until_ms(&self) -> Option<u64> {
+        None
+    }
+
+    /// Records durably that no fence advances before `until_ms` (wall clock), so that every
+    /// later start honours the hold whatever happens in between: a clean stop inside it does
+    /// not end it. A shared store keeps a dead replica's registrations instead.
+    fn hold_until(&self, _until_ms: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// Leases, kept with the fences they raise (`src/fence/lease.rs` is their state machine).

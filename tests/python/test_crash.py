@@ -105,6 +105,40 @@ def test_a_grant_after_an_unclean_stop_is_refused_at_once_with_retry_after(fence
     assert r.status == 201, (r.status, r.body)
 
 
+def test_a_clean_stop_inside_the_hold_does_not_end_it(fencegate):
+    """Crash, start (the hold of D begins), a clean stop 0.5 s later, start: the hold goes on to
+    D after the first start (a grant is refused with the rest of it in `Retry-After`), however
+    many starts and stops come between. Before: the clean stop erased it, and the third process
+    granted at once while the crashed one's writes could still commit."""
+    import json
+    import time
+
+    from fencegate_testlib import quote_resource, signed_raw_request
+
+    d_ms = 6000
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": d_ms}})
+    before_hold = time.monotonic()
+    fg.restart(kill=True)  # the hold starts at this start, after `before_hold`
+    time.sleep(0.5)
+    fg.restart()  # a clean stop inside the hold
+    fg.restart()  # and another
+    path = "/_fencegate/v1/leases/" + quote_resource("job:crash-loop")
+    body = json.dumps({"holder": "worker", "ttl_ms": 10000}).encode()
+    r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
+    left_s = before_hold + d_ms / 1000 - time.monotonic()
+    assert left_s > 1, f"the test was too slow to show the hold ({left_s:.2f}s left)"
+    assert r.status == 503 and json.loads(r.body)["title"] == "FenceStoreUnavailable", (r.status, r.body)
+    assert 1 <= int(r.headers["retry-after"]) <= d_ms // 1000, r.headers
+    time.sleep(int(r.headers["retry-after"]))
+    r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
+    assert r.status == 201, (r.status, r.body)
+    # Once passed, the hold is not served again by a later clean start.
+    fg.restart()
+    r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:after-hold"),
+                           {"Content-Type": "application/json"}, body)
+    assert r.status == 201, (r.status, r.body)
+
+
 def test_a_stop_with_an_upload_in_flight_fits_its_timeout_and_the_next_start_holds(fencegate):
     """Before: a graceful stop with an upload in flight waited 10 s for open requests and then
     up to `fencing.inflight_deadline_ms` for writes in flight (17.7 s seen), past the 10 s

@@ -246,12 +246,13 @@ impl Gate {
         }
     }
 
-    /// After an unclean start, admits no write, registration or lease grant for the in-flight
-    /// deadline: writes the previous process had sent may still commit at the upstream until
-    /// then (`docs/design.md`, section 8). Current tokens wait too: the dead process may have
-    /// made a newer token durable while older writes of it were still in flight.
-    pub fn hold_writes_after_unclean_start(&self) {
-        let until = Instant::now() + self.limits.inflight_deadline;
+    /// After an unclean start, admits no write, registration or lease grant for `hold` (what
+    /// is left of the in-flight deadline): writes an earlier process had sent may still commit
+    /// at the upstream until then (`docs/design.md`, section 8). Current tokens wait too: the
+    /// dead process may have made a newer token durable while older writes of it were still in
+    /// flight.
+    pub fn hold_writes_for(&self, hold: std::time::Duration) {
+        let until = Instant::now() + hold;
         *self.writes_from.lock().expect("gate lock poisoned") = Some(until);
     }
 

@@ -145,7 +145,7 @@ async fn no_admission_for_the_deadline_after_an_unclean_start() {
     let before = Gate::new(store.clone(), GateLimits::default());
     drop(before.admit(&key("job:q"), FenceToken(5)).await.unwrap());
     let gate = Gate::new(store, GateLimits { inflight_deadline: deadline, ..GateLimits::default() });
-    gate.hold_writes_after_unclean_start();
+    gate.hold_writes_for(deadline);
     let started = Instant::now();
     drop(gate.admit(&key("job:q"), FenceToken(5)).await.unwrap());
     assert!(started.elapsed() >= deadline, "the current token waits too: {:?}", started.elapsed());

@@ -47,6 +47,9 @@ pub const FILE_NAME: &str = "fences.redb";
 /// died with writes in flight at the upstream.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const CLEAN_SHUTDOWN: &str = "clean_shutdown";
+/// The wall-clock end (ms since the epoch) of the hold after the last unclean start: kept
+/// until it has passed, through every later start and stop (`FenceStore::hold_until`).
+const HOLD_UNTIL_MS: &str = "hold_until_ms";
 
 /// Changes waiting for the writer thread; a full queue makes callers wait (backpressure).
 const WRITE_QUEUE_MAX: usize = 4096;
@@ -145,6 +148,8 @@ pub struct EmbeddedStore {
     poisoned: Arc<AtomicBool>,
     /// Whether the last process that used the file shut down with no write in flight.
     opened_clean: bool,
+    /// The hold an earlier start recorded (`HOLD_UNTIL_MS`), as read at open.
+    held_until_ms: Option<u64>,
     records_max: Arc<AtomicUsize>,
     records_bytes_max: Arc<AtomicU64>,
 }
@@ -180,19 +185,24 @@ impl EmbeddedStore {
         if !created && !has_fences_table(&db) {
             return Err(OpenError::NotOurs { path, why: "it has no fences table" });
         }
-        let init = || -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+        let init = || -> Result<(bool, Option<u64>), Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
             txn.open_table(LEASES)?;
             txn.open_table(IDEMPOTENCY)?;
             txn.open_table(IDEMPOTENCY_EXPIRY)?;
             txn.open_table(UPLOADS)?;
-            let opened_clean = txn.open_table(META)?.remove(CLEAN_SHUTDOWN)?.is_some();
+            let (opened_clean, held_until_ms) = {
+                let mut meta = txn.open_table(META)?;
+                let held_until_ms = meta.get(HOLD_UNTIL_MS)?.map(|v| v.value());
+                (meta.remove(CLEAN_SHUTDOWN)?.is_some(), held_until_ms)
+            };
             txn.commit()?;
-            Ok(opened_clean)
+            Ok((opened_clean, held_until_ms))
         };
+        let (opened_clean, held_until_ms) = init().map_err(|source| OpenError::Init { path: path.clone(), source })?;
         // A new file had no process before this one.
-        let opened_clean = init().map_err(|source| OpenError::Init { path: path.clone(), source })? || created;
+        let opened_clean = opened_clean || created;
 
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -211,7 +221,7 @@ impl EmbeddedStore {
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, writes, poisoned, opened_clean, records_max, records_bytes_max })
+        Ok(Self { db, writes, poisoned, opened_clean, held_until_ms, records_max, records_bytes_max })
     }
 
     /// Bounds the idempotency records kept (`store.idempotency_records_max`, and their bytes
@@ -231,6 +241,18 @@ impl EmbeddedStore {
         self.writes.send(request).await.map_err(|_| StoreError::Closed)?;
         // A dropped reply means the writer thread died: the outcome is unknown.
         answer.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// One fact about the file, committed durably before it returns.
+    fn set_meta(&self, name: &str, value: u64) -> Result<(), StoreError> {
+        self.check_poisoned()?;
+        let set = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            let txn = self.db.begin_write()?;
+            txn.open_table(META)?.insert(name, value)?;
+            txn.commit()?;
+            Ok(())
+        };
+        set().map_err(StoreError::Backend)
     }
 
     fn check_poisoned(&self) -> Result<(), StoreError> {
@@ -276,14 +298,15 @@ impl FenceStore for EmbeddedStore {
     }
 
     fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
-        self.check_poisoned()?;
-        let mark = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-            let txn = self.db.begin_write()?;
-            txn.open_table(META)?.insert(CLEAN_SHUTDOWN, 1)?;
-            txn.commit()?;
-            Ok(())
-        };
-        mark().map_err(StoreError::Backend)
+        self.set_meta(CLEAN_SHUTDOWN, 1)
+    }
+
+    fn held_until_ms(&self) -> Option<u64> {
+        self.held_until_ms
+    }
+
+    fn hold_until(&self, until_ms: u64) -> Result<(), StoreError> {
+        self.set_meta(HOLD_UNTIL_MS, until_ms)
     }
 }
 

@@ -179,3 +179,32 @@ fn an_unclean_stop_is_seen_at_the_next_start() {
     drop(store);
     assert!(!reopen().opened_clean(), "the mark is used up");
 }
+
+/// A recorded hold is read by every later open, a clean stop in between included, until
+/// another is recorded.
+#[test]
+fn a_recorded_hold_outlives_a_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let reopen = || {
+        for _ in 0..200 {
+            if let Ok(store) = EmbeddedStore::open(dir.path()) {
+                return store;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the store file stayed locked");
+    };
+    let store = reopen();
+    assert_eq!(store.held_until_ms(), None, "a new file holds nothing");
+    store.hold_until(1_000_000).unwrap();
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let store = reopen();
+    assert!(store.opened_clean());
+    assert_eq!(store.held_until_ms(), Some(1_000_000));
+    store.hold_until(2_000_000).unwrap();
+    drop(store); // killed
+    let store = reopen();
+    assert!(!store.opened_clean());
+    assert_eq!(store.held_until_ms(), Some(2_000_000));
+}
