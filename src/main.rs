@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use fencegate::config::{Config, LogFormat};
 use fencegate::{App, reconcile};
@@ -172,30 +173,49 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     for risk in config.risks() {
         tracing::warn!("{risk}");
     }
+    let mut shutdown = Box::pin(shutdown_signal()?);
     let mut app = App::build(config).await?;
-    app.probe().await?;
-    app.check_upstream().await;
+    let prepared = tokio::select! {
+        prepared = async {
+            app.probe().await?;
+            app.check_upstream().await;
+            anyhow::Ok(())
+        } => prepared,
+        () = &mut shutdown => {
+            // Stopped before serving: nothing was sent, and a clean store stays clean.
+            app.close_unused();
+            return Ok(());
+        }
+    };
+    prepared?;
     let (s3, admin) = app.bind().await?;
     let bound = fencegate::Bound { s3: s3.local_addr()?, admin: admin.local_addr()? };
     // One parseable line on stdout: scripts and tests wait for it.
     println!("fencegate ready: s3={} admin={}", bound.s3, bound.admin);
     tracing::info!(s3 = %bound.s3, admin = %bound.admin, "listening");
-    app.serve(s3, admin, shutdown_signal()).await
+    app.serve(s3, admin, shutdown).await
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves at the first SIGTERM or SIGINT. The handlers are installed when this is called, not
+/// when it is first polled: a SIGTERM right after "fencegate ready" is then a clean stop, not
+/// the default action's kill (which left the store unclean and made the next start hold).
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = interrupt.recv() => {}
+            }
+        })
     }
     #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
 
 fn init_tracing(config: &Config) {

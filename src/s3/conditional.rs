@@ -97,6 +97,13 @@ pub(super) enum Attempt {
 }
 
 impl Front {
+    /// `cached` for an operation whose precondition the upstream judges (`judged`), else none:
+    /// the upstream refuses a write that started from a stale cached state only when it judges
+    /// the precondition; otherwise the fresh read is the only check of a newer stamp (G4).
+    pub(super) fn cached_unless_ignored(&self, judged: bool, cached: Cached) -> Cached {
+        if judged { cached } else { Cached::Never }
+    }
+
     /// The state a conditional write starts from (`cached` says which cached state will do),
     /// with its stamp and the client's condition checked on it.
     pub(super) async fn starting_state(

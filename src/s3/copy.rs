@@ -26,7 +26,8 @@ impl Front {
         }
         let write = ObjectWrite::of(&request, &admitted)?;
         // The destination first: a stale or refused copy costs no read of its source.
-        let state = self.starting_state(&write, Cached::Any).await?;
+        let state =
+            self.starting_state(&write, self.cached_unless_ignored(self.judged.copy_object, Cached::Any)).await?;
         let keeps_metadata = !replaces_metadata(&request.headers);
         let mut headers = request.headers.clone();
         stamp(&mut headers, admitted.token);

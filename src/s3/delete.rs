@@ -38,7 +38,9 @@ impl Front {
         let empty = || WriteBody::InMemory(Body::empty());
         let (object, target, admitted) = (&write.object, write.target, write.admitted);
         // A cached `Absent` is not trusted: another writer may have created the object since.
-        let state = self.starting_state(write, Cached::PresentOnly).await?;
+        let state = self
+            .starting_state(write, self.cached_unless_ignored(self.judged.delete_object, Cached::PresentOnly))
+            .await?;
         self.conditional_write(write, state, move |state| {
             Box::pin(async move {
                 let mut headers = headers.clone();

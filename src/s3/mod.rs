@@ -62,7 +62,7 @@ use crate::fence::{CallerId, FenceToken, FencedWrite, Gate, ResourceKey};
 use crate::lease::credentials::Claims;
 use crate::metrics;
 use crate::refusal::Refusal;
-use crate::upstream::Upstream;
+use crate::upstream::{Enforcement, Upstream};
 
 /// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
 const S3_METHODS: &[Method] = &[Method::GET, Method::HEAD, Method::PUT, Method::POST, Method::DELETE, Method::OPTIONS];
@@ -90,9 +90,11 @@ pub struct Front {
     writes_advance: bool,
     /// `fencing.show_stamp`.
     show_stamp: bool,
-    /// Whether the upstream refuses a multipart upload id under another key (the probe); if
-    /// not, fencegate checks the pair before each multipart step.
-    upload_ids_tied_to_keys: bool,
+    /// What the upstream judges (the probe): a write whose precondition it ignores starts from
+    /// a fresh read of the object, never from the ETag cache, since that read is then the only
+    /// check of the object's stamp (G4); an upload id it does not tie to its key is checked
+    /// against the key before each multipart step.
+    judged: Enforcement,
     /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
     scopes: std::collections::HashMap<String, Scopes>,
     /// Access keys with `role = "lessee"`: their writes never raise a fence, whatever
@@ -162,7 +164,7 @@ impl Front {
             etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
             copy_by_read_and_put: false,
-            upload_ids_tied_to_keys: false,
+            judged: Enforcement::NONE,
             show_stamp: config.fencing.show_stamp,
             writes_advance: config.fencing.advance.writes_advance(),
             lessees: config
@@ -370,7 +372,7 @@ impl Front {
         // A fenced multipart step: its upload must be the key's (an unchecked one, without a
         // token, is fenced on nothing and passes as it is).
         if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload | Op::AbortMultipartUpload)
-            && !self.upload_ids_tied_to_keys
+            && !self.judged.upload_ids_tied_to_keys
         {
             self.check_upload_key(&request.target, Some(request.query.trim_start_matches('?'))).await?;
         }
@@ -465,7 +467,8 @@ impl Front {
                 // stamp like any other write (G4).
                 let object =
                     request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-                self.object_state(&request.target, &object, Cached::Any, &admitted).await?;
+                // The upstream judges no precondition on them: only a fresh read sees the stamp.
+                self.object_state(&request.target, &object, Cached::Never, &admitted).await?;
                 self.forward_admitted(request, admitted).await
             }
             _ => self.forward_admitted(request, admitted).await,

@@ -34,7 +34,8 @@ impl Front {
         let headers = upstream_headers(&request.headers, &self.wire);
         let write = ObjectWrite::of(&request, &admitted)?;
         let (headers, path, parts, object, admitted) = (&headers, &path, &parts, &write.object, &admitted);
-        let state = self.starting_state(&write, Cached::Any).await?;
+        let cached = self.cached_unless_ignored(self.judged.complete_multipart_upload, Cached::Any);
+        let state = self.starting_state(&write, cached).await?;
         self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
                 let mut headers = headers.clone();

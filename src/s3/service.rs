@@ -39,9 +39,8 @@ pub fn service(
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
     front.copy_by_read_and_put = front.gate.is_shared() && enforcement.is_some_and(|e| !e.copy_object);
-    // Unprobed, a remote upstream is not trusted to tie upload ids to keys.
-    front.upload_ids_tied_to_keys =
-        enforcement.map_or(front.upstream.ties_upload_ids_to_keys(), |e| e.upload_ids_tied_to_keys);
+    // Unprobed, a remote upstream is trusted to judge nothing.
+    front.judged = enforcement.unwrap_or_else(|| front.upstream.enforcement_without_probe());
     let route_front = Arc::new(front);
     let after = Some(config.fencing.abort_stale_uploads_after_ms).filter(|ms| *ms > 0).map(crate::config::ms);
     tokio::spawn(route_front.clone().sweep_uploads(after));

@@ -91,10 +91,10 @@ pub trait Upstream: Send + Sync + 'static {
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
 
-    /// Whether the upstream is known, without a probe, to refuse a multipart upload's id under
-    /// another key (as S3 does). Unknown for a remote store until the start-up probe says.
-    fn ties_upload_ids_to_keys(&self) -> bool {
-        false
+    /// What the upstream is known to judge without a probe. A remote store is trusted with
+    /// nothing until the start-up probe says.
+    fn enforcement_without_probe(&self) -> Enforcement {
+        Enforcement::NONE
     }
 
     /// Sends every later write's `If-Match` in `form` (the start-up probe's finding). An

@@ -68,6 +68,14 @@ pub struct Enforcement {
 }
 
 impl Enforcement {
+    /// Nothing known to be judged.
+    pub const NONE: Self = Self {
+        copy_object: false,
+        complete_multipart_upload: false,
+        delete_object: false,
+        upload_ids_tied_to_keys: false,
+    };
+
     /// The operations whose preconditions the upstream ignores, by S3 name.
     pub fn ignored(&self) -> Vec<&'static str> {
         [

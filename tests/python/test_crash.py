@@ -121,7 +121,6 @@ def test_a_clean_stop_inside_the_hold_does_not_end_it(fencegate):
     fg.restart(kill=True)  # the hold starts at this start, after `before_hold`
     time.sleep(0.5)
     fg.restart()  # a clean stop inside the hold
-    fg.restart()  # and another
     path = "/_fencegate/v1/leases/" + quote_resource("job:crash-loop")
     body = json.dumps({"holder": "worker", "ttl_ms": 10000}).encode()
     r = signed_raw_request(fg, "POST", path, {"Content-Type": "application/json"}, body)
@@ -137,6 +136,23 @@ def test_a_clean_stop_inside_the_hold_does_not_end_it(fencegate):
     r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:after-hold"),
                            {"Content-Type": "application/json"}, body)
     assert r.status == 201, (r.status, r.body)
+
+
+def test_a_sigterm_right_after_ready_is_a_clean_stop(fencegate):
+    """Two restarts in a row (SIGTERM as soon as "fencegate ready" is printed): each stop is
+    clean, so nothing is held after them. Before: the handler was installed after the ready line,
+    a SIGTERM in between killed the process, and the next start held every advance for D."""
+    import json
+
+    from fencegate_testlib import quote_resource, signed_raw_request
+
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": 30000}})
+    for _ in range(3):
+        fg.restart()
+    r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:restarted"),
+                           {"Content-Type": "application/json"},
+                           json.dumps({"holder": "worker", "ttl_ms": 10000}).encode())
+    assert r.status == 201, (r.status, r.headers, r.body)
 
 
 def test_a_stop_with_an_upload_in_flight_fits_its_timeout_and_the_next_start_holds(fencegate):

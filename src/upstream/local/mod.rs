@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use s3s::Body;
 use s3s::service::{S3Service, S3ServiceBuilder};
 
-use super::{Upstream, UpstreamError};
+use super::{Enforcement, Upstream, UpstreamError};
 
 pub struct LocalUpstream {
     service: S3Service,
@@ -41,8 +41,14 @@ impl Upstream for LocalUpstream {
         "local"
     }
 
-    /// An upload id is only good with the key it was started on (records/).
-    fn ties_upload_ids_to_keys(&self) -> bool {
-        true
+    /// Every condition is judged in the transaction that commits its write, and an upload id
+    /// is only good with the key it was started on (records/).
+    fn enforcement_without_probe(&self) -> Enforcement {
+        Enforcement {
+            copy_object: true,
+            complete_multipart_upload: true,
+            delete_object: true,
+            upload_ids_tied_to_keys: true,
+        }
     }
 }
