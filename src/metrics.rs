@@ -105,7 +105,7 @@ fn describe_and_register() {
         (
             "fencegate_ambiguous_outcomes_total",
             "op",
-            &["deadline", "abandoned", "server_error", "failed_after_send", "response_body", "api"],
+            &["deadline", "abandoned", "server_error", "accepted", "failed_after_send", "response_body", "api"],
         ),
         ("fencegate_precondition_conflicts_total", "result", &["retried", "stale", "gave_up", "api_refused"]),
         ("fencegate_body_aborted_total", "reason", &["cancelled", "checksum", "client", "too_large"]),

@@ -40,6 +40,9 @@ enum Script {
     ExecuteThenDrop,
     /// Answers this status without executing (an API refusing the caller).
     Refuse(StatusCode),
+    /// Answers 202 Accepted at once and executes this long after, whatever happens meanwhile
+    /// (an API that queues the call and performs it later).
+    AcceptThenExecute(Duration),
 }
 
 /// A write the API received complete (and so executed or refused).
@@ -190,6 +193,13 @@ async fn handle(
         Some(Script::ExecuteThenDrop) => {
             execute(&state, received);
             Err(std::io::Error::other("connection dropped on purpose"))
+        }
+        Some(Script::AcceptThenExecute(wait)) => {
+            tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                execute(&state, received);
+            });
+            Ok(response(StatusCode::ACCEPTED, &[], Bytes::from_static(b"{\"queued\":true}")))
         }
         Some(Script::Refuse(status)) => {
             state.lock().unwrap().ledger.push(received);
@@ -593,6 +603,33 @@ async fn a_stalled_older_write_is_awaited_before_a_newer_one_is_forwarded() {
     // scheduler (a clean-clone run saw the older one read a moment later).
     let order: Vec<Bytes> = api.received(path).into_iter().map(|r| r.body).collect();
     assert_eq!(order, vec![Bytes::from("old"), Bytes::from("new")], "the older write committed first");
+}
+
+/// G3 at the bound of an API that answers before it acts: a 202 says the call is accepted, not
+/// performed, so the older write stays in flight for `fencing.inflight_deadline_ms` (D) after
+/// it. The API performs it at D minus 300 ms; the newer token's write waits and reaches the API
+/// after that. Before: the 202 ended the older write's flight, the newer write went at once and
+/// was performed first, then overwritten by the older one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_but_unperformed_write_is_held_for_the_deadline() {
+    const D_MS: u64 = 1500;
+    let api = FakeApi::start(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!("{}[fencing]\ninflight_deadline_ms = {D_MS}\n", routes(&api));
+    let fg = Fencegate::start_local(dir.path(), &config).await;
+    let c = Caller::new(&fg);
+    let path = "/v1/hooks/7";
+    api.script(path, Script::AcceptThenExecute(Duration::from_millis(D_MS - 300)));
+    let accepted = c.write("POST", "/hook/7", 1, None, "old").await;
+    assert_eq!(accepted.status, 202);
+    let started = Instant::now();
+    let new = c.write("POST", "/hook/7", 2, None, "new").await;
+    assert_eq!(new.status, 201);
+    assert!(started.elapsed() >= Duration::from_millis(D_MS - 300), "the newer write did not wait for the older");
+    api.wait_for(path, 2).await;
+    let order: Vec<Bytes> = api.received(path).into_iter().map(|r| r.body).collect();
+    assert_eq!(order, vec![Bytes::from("old"), Bytes::from("new")], "the older write was performed last");
+    assert_eq!(api.current_body(path), Some(Bytes::from("new")));
 }
 
 /// G3 when the older write's body is still streaming: the newer token cuts it off, the API

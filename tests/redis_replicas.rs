@@ -265,7 +265,10 @@ async fn a_redis_cluster_of_three_masters_is_a_fence_store() {
 
     let dir = tempfile::tempdir().unwrap();
     let urls: Vec<String> = nodes.iter().map(|n| format!("\"{}\"", n.url())).collect();
-    let store = format!("[store]\nkind = \"redis\"\ncluster_urls = [{}]\ntimeout_ms = 2000\n", urls.join(", "));
+    let store = format!(
+        "[store]\nkind = \"redis\"\ncluster_urls = [{}]\ntimeout_ms = 2000\naccept_unsynced_changes = true\n",
+        urls.join(", ")
+    );
     let local = format!(
         "[upstream]\nkind = \"local\"\npath = \"{}\"\naccept_no_preconditions = true\n",
         dir.path().join("objects").display()

@@ -434,6 +434,7 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             let redis = RedisStore::connect(urls, ms(store.timeout_ms), replica_id(), wait, threads, quiet)
                 .await
                 .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+            refuse_unsynced_redis(urls, store).await?;
             Arc::new(redis)
         }
         #[cfg(feature = "etcd")]
@@ -448,6 +449,26 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             anyhow::bail!("store.kind = \"etcd\": this fencegate was built without etcd support")
         }
     })
+}
+
+/// Refuses a Redis whose settings can lose an acknowledged change, naming each setting, unless
+/// `store.accept_unsynced_changes` accepts the risk (then each is a warning).
+async fn refuse_unsynced_redis(urls: &[String], store: &crate::config::StoreConfig) -> anyhow::Result<()> {
+    let timeout = ms(store.timeout_ms.max(1000));
+    let lapses = crate::store::redis_durability_lapses(urls, store.wait_replicas, timeout).await;
+    if lapses.is_empty() {
+        return Ok(());
+    }
+    if store.accept_unsynced_changes {
+        for lapse in &lapses {
+            tracing::warn!("risk: {lapse} (accepted: store.accept_unsynced_changes = true)");
+        }
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{}; refusing to start (set store.accept_unsynced_changes = true to accept the risk)",
+        lapses.join("; ")
+    )
 }
 
 /// A config key at fault, as an error (a config that passed validation has none).

@@ -175,6 +175,11 @@ pub struct StoreConfig {
     /// Redis: how long a change waits for `wait_replicas`.
     #[serde(default = "defaults::store_wait_timeout_ms")]
     pub wait_timeout_ms: u64,
+    /// Redis: start although its settings can lose an acknowledged advance, grant or
+    /// registration (no `appendonly yes` with `appendfsync always`, replicas with
+    /// `wait_replicas = 0`, or settings it will not tell); without it fencegate refuses to.
+    #[serde(default)]
+    pub accept_unsynced_changes: bool,
     /// etcd: client URLs of the cluster's members (`http://host:2379`).
     #[serde(default)]
     pub endpoints: Vec<String>,

@@ -30,6 +30,14 @@ impl Config {
                 ));
             }
         }
+        if self.store.kind == StoreKind::Redis && self.store.accept_unsynced_changes {
+            risks.push(
+                "store.accept_unsynced_changes = true: fencegate starts on a Redis whose settings can lose an \
+                 acknowledged advance, grant or registration (a restart from a snapshot, a power loss, a failover), \
+                 after which an older write can commit after a newer one"
+                    .to_owned(),
+            );
+        }
         for r in &self.routes {
             if r.advance == AdvancePolicy::Write {
                 risks.push(format!(

@@ -36,17 +36,23 @@ pub trait Delivery {
 
 /// Whether an upstream's answer settles a write's outcome.
 pub trait Answer {
-    /// `false` when the write may still commit although the upstream answered: a server error
-    /// other than 501 (S3's own documentation says a 500 or 503 write may have succeeded; a
-    /// proxy's 502 or 504 says nothing of what its backend did). A success committed; a 4xx
-    /// or 501 is given before acting, and a failed precondition commits nothing.
-    fn outcome_known(&self) -> bool;
+    /// Why the write may still commit although the upstream answered, `None` when the answer
+    /// settles it: a server error other than 501 (S3's own documentation says a 500 or 503
+    /// write may have succeeded; a proxy's 502 or 504 says nothing of what its backend did), or
+    /// a 202, which says the call was accepted to be performed later (RFC 9110, 15.3.3). A
+    /// success that performed the call committed; a 4xx or 501 is given before acting, and a
+    /// failed precondition commits nothing.
+    fn unsettled(&self) -> Option<&'static str>;
 }
 
 impl<B> Answer for http::Response<B> {
-    fn outcome_known(&self) -> bool {
-        let status = self.status();
-        !status.is_server_error() || status == http::StatusCode::NOT_IMPLEMENTED
+    fn unsettled(&self) -> Option<&'static str> {
+        match self.status() {
+            http::StatusCode::ACCEPTED => Some("accepted"),
+            http::StatusCode::NOT_IMPLEMENTED => None,
+            status if status.is_server_error() => Some("server_error"),
+            _ => None,
+        }
     }
 }
 
@@ -220,15 +226,16 @@ fn hold_unless_settled<T: Answer, E: Delivery + std::fmt::Display>(
     }
     let hold_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX);
     match result {
-        Ok(answer) if answer.outcome_known() => return,
         Err(error) if !error.maybe_delivered() => return,
-        Ok(_) => {
-            metrics::ambiguous_outcome("server_error");
+        Ok(answer) => {
+            let Some(cause) = answer.unsettled() else { return };
+            metrics::ambiguous_outcome(cause);
             tracing::warn!(
                 token = permit.token().0,
                 hold_ms,
-                "the upstream answered a write with a server error, which may still commit: outcome unknown, the \
-                 write stays in flight"
+                cause,
+                "the upstream's answer to a write does not say it was performed (a server error, or 202 Accepted): \
+                 outcome unknown, the write stays in flight"
             );
         }
         Err(error) => {
@@ -277,8 +284,8 @@ mod tests {
 
     /// A call that answers nothing but its success.
     impl Answer for () {
-        fn outcome_known(&self) -> bool {
-            true
+        fn unsettled(&self) -> Option<&'static str> {
+            None
         }
     }
 

@@ -618,8 +618,12 @@ impl Drop for EtcdCluster {
 }
 
 /// `[store]` for Redis, to use with `Setup::store`.
+/// The Rust tests' Redis keeps nothing on disk unless told to: its risk is accepted here (the
+/// refusal itself is tested in tests/python/test_redis_store.py).
 pub fn redis_store_toml(url: &str, replica: &str) -> String {
-    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\n")
+    format!(
+        "[store]\nkind = \"redis\"\nurl = \"{url}\"\nreplica_id = \"{replica}\"\ntimeout_ms = 500\naccept_unsynced_changes = true\n"
+    )
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,6 +47,44 @@ def local_with_redis(fencegate, redis_server, bucket):
     )
 
 
+@pytest.mark.parametrize("setting", [("--appendonly", "no"), ("--appendfsync", "everysec")])
+def test_a_redis_that_can_lose_an_answered_change_is_refused_unless_accepted(tmp_path, fencegate, setting):
+    """Redis at its package's defaults (`appendonly no`), or with `appendfsync everysec`: fencegate
+    refuses to start, naming the setting; `store.accept_unsynced_changes = true` starts it with a
+    `risk:` line in the log and in check-config. Before: it started silently, and a Redis restarted
+    from its snapshot let a newer token commit before an older write still in flight."""
+    import subprocess
+
+    from fencegate_testlib import RedisServer, base_config, bin_path, seed_local_buckets, to_toml
+
+    d = tmp_path / "redis-defaults"
+    d.mkdir()
+    redis = RedisServer(d).start(*setting)
+    try:
+        config = merge(base_config(tmp_path), {"store": {"kind": "redis", "url": redis.url, "path": None},
+                                               "upstream": {"probe_bucket": "probe"}})
+        seed_local_buckets(tmp_path / "objects", ["probe"])  # nothing else to refuse
+        path = tmp_path / "refused.toml"
+        path.write_text(to_toml(config))
+        out = subprocess.run([str(bin_path()), "serve", "--config", str(path)], capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode != 0 and "fencegate ready" not in out.stdout
+        named = f"{setting[0][2:]} \"{setting[1]}\""
+        assert named in out.stderr and "refusing to start" in out.stderr, out.stderr
+        assert "store.accept_unsynced_changes = true" in out.stderr, out.stderr
+
+        accepted = merge(config, {"store": {"accept_unsynced_changes": True}})
+        path.write_text(to_toml(accepted))
+        checked = subprocess.run([str(bin_path()), "check-config", "--config", str(path)], capture_output=True,
+                                 text=True, timeout=60)
+        assert "risk: store.accept_unsynced_changes = true" in checked.stdout, checked.stdout
+        fg = fencegate(config={"store": accepted["store"], "upstream": {"probe_bucket": "probe"}},
+                       local_buckets=("probe",))
+        assert "risk: " in fg.log_tail(200) and named in fg.log_tail(200)
+    finally:
+        redis.kill9()
+
+
 def test_redis_classic_and_kill9(fencegate, redis_server):
     bucket = "redisbkt"
     fg = local_with_redis(fencegate, redis_server, bucket)

@@ -44,6 +44,7 @@ use crate::fence::{
 };
 use crate::metrics;
 
+pub(super) mod durability;
 mod links;
 use links::*;
 

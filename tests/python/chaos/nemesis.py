@@ -2,6 +2,9 @@
 
 Faults (each chosen at random among those the topology allows):
 - `kill9`: kill -9 a fencegate replica, restart it on the same data after a moment;
+- `crash_restart_stop`: the operator's crash loop: kill -9 a replica, start it, stop it cleanly
+  0.2-1 s later (inside the hold after the crash) and start it again; the hold must outlast
+  the clean stop;
 - `stop_short` / `stop_long`: SIGSTOP a replica, SIGCONT it after 0.3-1.5 s, or after longer
   than a shared store keeps its registrations (11/8 of the in-flight deadline: a GC pause or VM
   suspend the others outlive);
@@ -111,7 +114,7 @@ class Nemesis(threading.Thread):
         """Whether `kind` may run now: store losses and replica restarts kept apart (module doc)."""
         if kind in STORE_LOSSES:
             return all(now - t >= SETTLE_S for t in [self.t_begin] + [r["t_to"] for r in self.restarts])
-        if kind == "kill9":
+        if kind in ("kill9", "crash_restart_stop"):
             return all(now - to >= self.long_stop + SETTLE_S for _, to in self.losses())
         return True
 
@@ -128,6 +131,21 @@ class Nemesis(threading.Thread):
         try:
             r.fg.kill9()
             time.sleep(self.rng.uniform(0.1, 1.0))
+            r.fg.start()
+            r.state = "up"
+        finally:
+            self.restarts.append({"replica": r.name, "t_from": t_from, "t_to": time.monotonic()})
+
+    def crash_restart_stop(self, entry):
+        r = self.rng.choice(self.replicas)
+        entry["target"] = r.name
+        r.state = "down"
+        t_from = time.monotonic()
+        try:
+            r.fg.kill9()
+            r.fg.start()
+            time.sleep(self.rng.uniform(0.2, 1.0))
+            r.fg.stop()
             r.fg.start()
             r.state = "up"
         finally:
