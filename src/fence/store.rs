@@ -29,6 +29,11 @@ pub enum StoreError {
     #[error("fence store is shut down")]
     Closed,
     #[error(
+        "the fence store file is no longer the one this process opened (removed, moved or replaced): no change is \
+         made until it is restored and fencegate restarted"
+    )]
+    FileLost,
+    #[error(
         "the fence store lost its state (flushed, restarted empty, or failed over): nothing is admitted for {retry_after_ms} ms more, until writes that were in flight before can no longer commit"
     )]
     Recovering { retry_after_ms: u64 },

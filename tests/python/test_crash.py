@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from botocore.exceptions import ClientError
 
@@ -189,3 +191,36 @@ def test_a_stop_with_an_upload_in_flight_fits_its_timeout_and_the_next_start_hol
     r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("stopbkt/held"),
                            {"Content-Type": "application/json"}, json.dumps({"holder": "h", "ttl_ms": 1000}).encode())
     assert r.status == 503 and "retry-after" in r.headers, (r.status, r.headers, r.body)
+
+
+def test_the_store_directory_removed_under_a_running_fencegate(fencegate, tmp_path):
+    """`data/fences` removed while serving: the running process makes no change any more (an
+    advance would be fsynced into a file no later start reads), /readyz says why, and a second
+    process on the same path refuses to start while the first runs. Before: the first went on
+    "fsyncing" into a nameless file and the second started as a fresh store (two gates, two
+    fences, an older token committed after a newer one)."""
+    import shutil
+    import subprocess
+
+    from fencegate_testlib import bin_path, merge, to_toml
+
+    fg = fencegate(local_buckets=("gone",))
+    s3 = fg.client(token=5)
+    s3.put_object(Bucket="gone", Key="k", Body=b"five")
+    store_dir = Path(fg.config["store"]["path"])
+    shutil.rmtree(store_dir)
+
+    ready = fg.admin("GET", "/readyz")
+    assert ready.status_code == 503 and "no longer the one this process opened" in ready.json()["detail"], ready.text
+    with pytest.raises(ClientError) as refused:
+        fg.client(token=6).put_object(Bucket="gone", Key="k", Body=b"six")
+    assert (status_of(refused.value), code_of(refused.value)) == (503, "FenceStoreUnavailable")
+
+    second = merge(fg.config, {"server": {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"}})
+    path = tmp_path / "second.toml"
+    path.write_text(to_toml(second))
+    out = subprocess.run([str(bin_path()), "serve", "--config", str(path)], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode != 0 and "fencegate ready" not in out.stdout, out.stdout
+    assert "another fencegate process uses the fence store" in out.stderr, out.stderr
+

@@ -3,6 +3,7 @@
 //! section 5. The API gateway's idempotency records live in the same file and go through the
 //! same writer; expired ones are swept in bounded batches by the commits that add records.
 
+use self::place::{Place, PlaceError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -73,6 +74,8 @@ pub enum OpenError {
          Restore the file, or move it away to start with an empty store on purpose"
     )]
     NotOurs { path: PathBuf, why: &'static str },
+    #[error(transparent)]
+    Place(#[from] PlaceError),
 }
 
 /// A change for the writer thread, with the channel its outcome goes back on.
@@ -142,6 +145,9 @@ impl WriteRequest {
 
 pub struct EmbeddedStore {
     db: Arc<Database>,
+    /// The file's path, claimed, and the file it names (a change is refused once it names
+    /// another, or none).
+    place: Arc<Place>,
     writes: mpsc::Sender<WriteRequest>,
     /// Set after any failed commit: from then on every call fails until a restart reopens
     /// (and so recovers) the file. A commit that failed half-way is never trusted.
@@ -170,6 +176,7 @@ impl EmbeddedStore {
     /// Like [`Self::open`], with redb's page cache bounded to `cache_bytes`.
     pub fn open_with_cache(dir: &Path, cache_bytes: usize) -> Result<Self, OpenError> {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::CreateDir { path: dir.into(), source })?;
+        let claimed = Place::claim(dir)?;
         let path = dir.join(FILE_NAME);
         let created = !path.exists();
         // redb would initialise an empty file as a new database: a crash during creation, a
@@ -203,6 +210,7 @@ impl EmbeddedStore {
         let (opened_clean, held_until_ms) = init().map_err(|source| OpenError::Init { path: path.clone(), source })?;
         // A new file had no process before this one.
         let opened_clean = opened_clean || created;
+        let place = Arc::new(claimed.opened(&path)?);
 
         let db = Arc::new(db);
         let poisoned = Arc::new(AtomicBool::new(false));
@@ -212,6 +220,7 @@ impl EmbeddedStore {
         let records_bytes = records_bytes(&db).map_err(|source| OpenError::Init { path, source })?;
         let writer = Writer {
             db: db.clone(),
+            place: place.clone(),
             poisoned: poisoned.clone(),
             records_max: records_max.clone(),
             records_bytes_max: records_bytes_max.clone(),
@@ -221,7 +230,7 @@ impl EmbeddedStore {
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        Ok(Self { db, writes, poisoned, opened_clean, held_until_ms, records_max, records_bytes_max })
+        Ok(Self { db, place, writes, poisoned, opened_clean, held_until_ms, records_max, records_bytes_max })
     }
 
     /// Bounds the idempotency records kept (`store.idempotency_records_max`, and their bytes
@@ -290,6 +299,12 @@ impl FenceStore for EmbeddedStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        if let Err(lost) = self.place.check() {
+            if !self.poisoned.swap(true, Ordering::AcqRel) {
+                tracing::error!(error = %lost, "fence store file lost");
+            }
+            return Err(StoreError::FileLost);
+        }
         self.check_poisoned()
     }
 
@@ -453,6 +468,7 @@ impl UploadStore for EmbeddedStore {
 /// commits (fsync) once, then answers each caller.
 struct Writer {
     db: Arc<Database>,
+    place: Arc<Place>,
     poisoned: Arc<AtomicBool>,
     /// `store.idempotency_records_max`.
     records_max: Arc<AtomicUsize>,
@@ -472,6 +488,12 @@ impl Writer {
                 match queue.try_recv() {
                     Ok(next) => batch.push(next),
                     Err(_) => break,
+                }
+            }
+            if let Err(lost) = self.place.check() {
+                // An advance made now would be fsynced into a file no later start reads.
+                if !self.poisoned.swap(true, Ordering::AcqRel) {
+                    tracing::error!(error = %lost, "fence store file lost");
                 }
             }
             if self.poisoned.load(Ordering::Acquire) {
@@ -738,6 +760,7 @@ fn decode(json: &[u8]) -> Result<IdempotencyRecord, StoreError> {
 }
 
 mod listing;
+mod place;
 
 #[cfg(test)]
 mod tests;

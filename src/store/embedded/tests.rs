@@ -208,3 +208,20 @@ fn a_recorded_hold_outlives_a_clean_stop() {
     assert!(!store.opened_clean());
     assert_eq!(store.held_until_ms(), Some(2_000_000));
 }
+
+/// The store directory removed under a running process: no change is made any more (it would
+/// be fsynced into a file no later start reads), readiness says why, and no second store opens
+/// on the path while the first is open (two gates, two fences).
+#[tokio::test]
+async fn a_store_whose_file_is_gone_refuses_changes_and_its_path_stays_claimed() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let store = EmbeddedStore::open(&dir).unwrap();
+    let r = ResourceKey::new("job:a").unwrap();
+    store.advance(&r, FenceToken(5)).await.unwrap();
+    assert!(matches!(EmbeddedStore::open(&dir), Err(OpenError::Place(_))), "a second store on the same path");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(matches!(store.ping().await, Err(StoreError::FileLost)));
+    assert!(matches!(store.advance(&r, FenceToken(6)).await, Err(StoreError::Poisoned)));
+    assert!(matches!(EmbeddedStore::open(&dir), Err(OpenError::Place(_))), "still claimed after the removal");
+}
