@@ -91,7 +91,8 @@ pub enum FrontError {
     PreconditionRace,
     #[error(
         "the upstream refused fencegate's precondition ({precondition:?}) twice on an object that did not change: it \
-         does not compare ETags in the form it answers them; nothing was committed (run `fencegate probe`)"
+         does not honour the ETags it answers (a form it does not compare?); nothing was committed (run `fencegate \
+         probe`)"
     )]
     PreconditionNotHonoured { precondition: http::HeaderValue },
     #[error("upstream request failed")]
