@@ -126,9 +126,15 @@ fn done((): ()) -> ExitCode {
 /// `fencegate probe`: the probe's findings in one line, exit 0; a probe that failed or could
 /// not run says why, exit 1.
 async fn probe(config: Config) -> anyhow::Result<()> {
+    let mut interrupted = Box::pin(shutdown_signal()?);
     let app = App::build(config).await?;
-    let probed = app.run_probe().await;
+    let probed = tokio::select! {
+        probed = app.run_probe() => Some(probed),
+        () = &mut interrupted => None,
+    };
+    // Nothing was served: a store that opened clean stays clean, interrupted or not.
     app.close_unused();
+    let probed = probed.ok_or_else(|| anyhow::anyhow!("interrupted: the upstream probe did not finish"))?;
     let probed = probed.map_err(|error| anyhow::anyhow!(fencegate::probe_failure(&error)))?;
     let form = match probed.etag_form {
         fencegate::upstream::EtagForm::Quoted => "",
@@ -174,7 +180,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!("{risk}");
     }
     let mut shutdown = Box::pin(shutdown_signal()?);
-    let mut app = App::build(config).await?;
+    let mut app = tokio::select! {
+        app = App::build(config) => app?,
+        // Stopped while the store opened (a Redis that does not answer): nothing was served.
+        () = &mut shutdown => return Ok(()),
+    };
     let prepared = tokio::select! {
         prepared = async {
             app.probe().await?;

@@ -200,17 +200,11 @@ impl App {
         }
     }
 
-    /// Runs the probe once, bounded by `upstream.request_timeout_ms`, and leaves the upstream
+    /// Runs the probe once, each request bounded by `upstream.request_timeout_ms`, and leaves the upstream
     /// sending ETags in the form it found (`fencegate probe` reports the result as it is).
     pub async fn run_probe(&self) -> Result<Probed, ProbeError> {
         let bucket = self.config.upstream.probe_bucket.as_deref();
-        let timeout = ms(self.config.upstream.request_timeout_ms);
-        match tokio::time::timeout(timeout, probe_preconditions(self.upstream.as_ref(), bucket)).await {
-            Ok(probed) => probed,
-            Err(_) => Err(ProbeError::Unreachable(crate::upstream::UpstreamError::Timeout {
-                after_ms: self.config.upstream.request_timeout_ms,
-            })),
-        }
+        probe_preconditions(self.upstream.as_ref(), bucket, ms(self.config.upstream.request_timeout_ms)).await
     }
 
     fn log_probed(&self, Probed { bucket, enforcement, etag_form }: &Probed) {
@@ -433,7 +427,10 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
             let redis = RedisStore::connect(urls, ms(store.timeout_ms), replica_id(), wait, threads, quiet)
                 .await
-                .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+                .with_context(|| {
+                    let shown: Vec<_> = urls.iter().map(|u| crate::store::redis_url_without_secrets(u)).collect();
+                    format!("store.url: cannot connect to Redis at {}", shown.join(", "))
+                })?;
             refuse_unsynced_redis(urls, store).await?;
             Arc::new(redis)
         }

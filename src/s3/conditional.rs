@@ -17,7 +17,7 @@ use crate::config::millis;
 use crate::fence::FenceToken;
 use crate::metrics;
 use crate::refusal::Refusal;
-use crate::upstream::UpstreamError;
+use crate::upstream::{EtagForm, UpstreamError};
 
 /// Attempts of one conditional write: the first, and one more after a same-or-older token's
 /// writer changed the object under it.
@@ -97,6 +97,25 @@ pub(super) enum Attempt {
 }
 
 impl Front {
+    /// Learns the ETag form from a refusal: an upstream sent quoted ETags that refused one
+    /// naming an unchanged object twice is sent bare ones (`undo`: back to quoted, when the
+    /// bare one was refused too). Whether the form changed.
+    fn try_other_etag_form(&self, undo: bool) -> bool {
+        let (from, to) = if undo { (EtagForm::Bare, EtagForm::Quoted) } else { (EtagForm::Quoted, EtagForm::Bare) };
+        if self.upstream.etag_form() != from {
+            return false;
+        }
+        self.upstream.use_etag_form(to);
+        let changed = self.upstream.etag_form() == to;
+        if changed && !undo {
+            tracing::warn!(
+                "the upstream refused a quoted ETag naming an unchanged object twice: sending bare ETags from now on \
+                 (the start-up probe finds the form; it did not run)"
+            );
+        }
+        changed
+    }
+
     /// `cached` for an operation whose precondition the upstream judges (`judged`), else none:
     /// the upstream refuses a write that started from a stale cached state only when it judges
     /// the precondition; otherwise the fresh read is the only check of a newer stamp (G4).
@@ -142,8 +161,9 @@ impl Front {
         mut state: ObjectState,
         mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
     ) -> Result<S3Response<Body>, FrontError> {
-        let mut refused_unchanged = false;
-        for attempt in 0..ATTEMPTS {
+        let (mut refused_unchanged, mut other_form_tried) = (false, false);
+        let mut attempt = 0;
+        while attempt < ATTEMPTS {
             let (resp, judged_more) = match send(state.clone()).await? {
                 Attempt::Committed(resp) => {
                     if attempt > 0 {
@@ -166,11 +186,21 @@ impl Front {
                     // A 412 that judged only fencegate's precondition (the client's `If-Match`
                     // and `If-None-Match` are folded into it), which names the object as it is
                     // again: it changed and changed back in between (an ETag names bytes, not a
-                    // write). Never the client's 412: the write goes again, once.
+                    // write). Never the client's 412: the write goes again, once. Refused
+                    // again, the upstream does not compare the ETag in the form it is sent (the
+                    // probe did not run): the same attempt goes once in the other form.
                     if refused_unchanged {
+                        if !other_form_tried && self.try_other_etag_form(false) {
+                            other_form_tried = true;
+                            continue;
+                        }
+                        if other_form_tried {
+                            self.try_other_etag_form(true);
+                        }
                         return Err(FrontError::PreconditionNotHonoured { precondition: state.precondition().1 });
                     }
                     refused_unchanged = true;
+                    attempt += 1;
                     continue;
                 }
                 // fencegate's precondition named the object as it still is: the refusal was
@@ -178,6 +208,7 @@ impl Front {
                 return Ok(client_response(resp));
             }
             state = fresh;
+            attempt += 1;
         }
         metrics::precondition_conflict("gave_up");
         Err(FrontError::PreconditionRace)

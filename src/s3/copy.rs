@@ -60,8 +60,9 @@ impl Front {
                             if reads < SOURCE_READS_MAX {
                                 continue;
                             }
-                            // The source never settled: not the client's refusal.
-                            return Ok(Attempt::NotCommitted(resp));
+                            // The source never settled: not the client's refusal, and no fault of
+                            // the upstream's: writers keep changing it.
+                            return Err(FrontError::PreconditionRace);
                         }
                     }
                     return Ok(if judged_more {

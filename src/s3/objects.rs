@@ -66,10 +66,12 @@ pub enum ConditionFailed {
 }
 
 impl ClientCondition {
+    /// The condition the request's headers state. A header sent on several lines is one list
+    /// (RFC 9110, 5.3): none of its lines is dropped.
     pub fn of(headers: &http::HeaderMap) -> Self {
         Self {
-            if_match: headers.get(http::header::IF_MATCH).cloned(),
-            if_none_match: headers.get(http::header::IF_NONE_MATCH).cloned(),
+            if_match: list(headers, http::header::IF_MATCH),
+            if_none_match: list(headers, http::header::IF_NONE_MATCH),
         }
     }
 
@@ -95,6 +97,19 @@ impl ClientCondition {
         }
         None
     }
+}
+
+/// Every line of header `name`, as one comma-separated value.
+fn list(headers: &http::HeaderMap, name: http::header::HeaderName) -> Option<HeaderValue> {
+    let mut lines = headers.get_all(&name).iter();
+    let first = lines.next()?;
+    let rest: Vec<&[u8]> = lines.map(HeaderValue::as_bytes).collect();
+    if rest.is_empty() {
+        return Some(first.clone());
+    }
+    let joined = std::iter::once(first.as_bytes()).chain(rest).collect::<Vec<_>>().join(&b", "[..]);
+    // Joined lines of header values are a header value; the fallback is never taken.
+    Some(HeaderValue::from_bytes(&joined).unwrap_or_else(|_| HeaderValue::from_static("\"\"")))
 }
 
 /// RFC 9110, 8.8.3.2: `If-Match` compares strongly (a weak tag never matches), `If-None-Match`
@@ -204,5 +219,20 @@ mod tests {
             Some(ConditionFailed::Precondition)
         );
         assert!(ClientCondition::of(&http::HeaderMap::new()).is_none());
+    }
+
+    /// A condition sent on two lines is one list: the second line's ETag counts (it was
+    /// dropped, and a write the client's `If-None-Match` forbade went ahead).
+    #[test]
+    fn a_condition_on_several_lines_is_one_list() {
+        let present = ObjectState::Present { etag: HeaderValue::from_static("\"abc\""), stamp: None };
+        let mut h = http::HeaderMap::new();
+        h.append(http::header::IF_NONE_MATCH, HeaderValue::from_static("\"other\""));
+        h.append(http::header::IF_NONE_MATCH, HeaderValue::from_static("\"abc\""));
+        assert_eq!(ClientCondition::of(&h).failure(&present), Some(ConditionFailed::Precondition));
+        let mut h = http::HeaderMap::new();
+        h.append(http::header::IF_MATCH, HeaderValue::from_static("\"other\""));
+        h.append(http::header::IF_MATCH, HeaderValue::from_static("\"abc\""));
+        assert_eq!(ClientCondition::of(&h).failure(&present), None);
     }
 }

@@ -13,5 +13,5 @@ pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, IDEMPOTENCY_RECORDS_MAX, 
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
-pub use redis::durability::lapses as redis_durability_lapses;
+pub use redis::durability::{lapses as redis_durability_lapses, without_secrets as redis_url_without_secrets};
 pub use redis::{ANNOUNCE_CHANNEL, RedisStore, Wait};

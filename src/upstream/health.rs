@@ -20,8 +20,10 @@ pub enum Reach {
     Ready,
     /// No answer: the connection, or the answer's time (`UpstreamError`'s text).
     Unreachable(String),
-    /// 401 or 403 to fencegate's own signed request.
+    /// 401, or a 403 whose code says the credentials themselves were refused.
     CredentialsRefused(StatusCode),
+    /// 403 to a `HEAD` of the bucket: the credentials, or their rights on the bucket.
+    BucketRefused(String),
     /// 404 to a `HEAD` of the bucket fencegate was told to use.
     BucketMissing(String),
     /// Any other answer that is not a success (a 5xx).
@@ -38,6 +40,10 @@ impl Reach {
             Self::CredentialsRefused(status) => format!(
                 "the upstream refuses fencegate's credentials ({status}): check upstream.access_key_id and \
                  upstream.secret_access_key"
+            ),
+            Self::BucketRefused(bucket) => format!(
+                "the upstream refuses fencegate access to the bucket {bucket:?} (403): check upstream.access_key_id, \
+                 upstream.secret_access_key and their rights on upstream.probe_bucket"
             ),
             Self::BucketMissing(bucket) => format!("the bucket {bucket:?} does not exist at the upstream"),
             Self::Failing(status) => format!("the upstream answers {status}"),
@@ -104,16 +110,24 @@ impl UpstreamHealth {
         let Ok(req) = http::Request::builder().method(method).uri(&path).body(Body::empty()) else {
             return Reach::BucketMissing(self.bucket.clone().unwrap_or_default());
         };
-        match upstream.send(req).await {
-            Err(error) => Reach::Unreachable(error_chain(&error)),
-            Ok(resp) => match resp.status() {
-                status if status.is_success() => Reach::Ready,
-                status @ (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) => Reach::CredentialsRefused(status),
-                StatusCode::NOT_FOUND if self.bucket.is_some() => {
-                    Reach::BucketMissing(self.bucket.clone().unwrap_or_default())
-                }
-                status => Reach::Failing(status),
-            },
+        let resp = match upstream.send(req).await {
+            Err(error) => return Reach::Unreachable(error_chain(&error)),
+            Ok(resp) => resp,
+        };
+        let status = resp.status();
+        match (status, &self.bucket) {
+            (status, _) if status.is_success() => Reach::Ready,
+            (StatusCode::UNAUTHORIZED, _) => Reach::CredentialsRefused(status),
+            (StatusCode::FORBIDDEN, Some(bucket)) => Reach::BucketRefused(bucket.clone()),
+            (StatusCode::NOT_FOUND, Some(bucket)) => Reach::BucketMissing(bucket.clone()),
+            (StatusCode::FORBIDDEN, None) => {
+                // The listing's code tells refused credentials from valid ones without the
+                // right to list buckets (scoped to theirs), which fencegate does not need.
+                let body = http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes());
+                let code = body.ok().and_then(|b| super::xml_element(&b, "Code")).unwrap_or_default();
+                if credentials_refused(&code) { Reach::CredentialsRefused(status) } else { Reach::Ready }
+            }
+            (status, _) => Reach::Failing(status),
         }
     }
 
@@ -126,6 +140,12 @@ impl UpstreamHealth {
             self.check(upstream.as_ref()).await;
         }
     }
+}
+
+/// Whether an S3 error code says the request's credentials themselves were refused (not their
+/// rights on what it asked for).
+pub(crate) fn credentials_refused(code: &str) -> bool {
+    matches!(code, "InvalidAccessKeyId" | "SignatureDoesNotMatch" | "InvalidToken" | "ExpiredToken" | "InvalidSecurity")
 }
 
 /// An error and its causes in one line (`cannot connect to the upstream: Connection refused`).

@@ -100,6 +100,11 @@ pub trait Upstream: Send + Sync + 'static {
     /// Sends every later write's `If-Match` in `form` (the start-up probe's finding). An
     /// upstream that reads every form alike ignores it.
     fn use_etag_form(&self, _form: EtagForm) {}
+
+    /// The form a write's `If-Match` is sent in.
+    fn etag_form(&self) -> EtagForm {
+        EtagForm::Quoted
+    }
 }
 
 /// Builds the upstream named by the config.

@@ -13,6 +13,9 @@
 //! the probe tries the right ETag quoted, then bare, and the form that passes is the one the
 //! upstream is sent from then on ([`EtagForm`]).
 
+use std::sync::Mutex;
+use std::time::Duration;
+
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use s3s::Body;
@@ -108,25 +111,28 @@ const WRONG_ETAG: &str = "\"00000000000000000000000000000000\"";
 
 /// Writes a probe object in `bucket` (or the first bucket listed) with `If-None-Match: *`,
 /// checks PutObject's preconditions both ways (and finds the ETag form), then CopyObject's,
-/// CompleteMultipartUpload's and DeleteObject's. Every probe object and upload is removed
-/// afterwards. The upstream is left sending ETags in the form found
-/// ([`Upstream::use_etag_form`]).
-pub async fn probe_preconditions(upstream: &dyn Upstream, bucket: Option<&str>) -> Result<Probed, ProbeError> {
+/// CompleteMultipartUpload's and DeleteObject's. Each request is bounded by `timeout`. Every
+/// probe object and upload is removed afterwards, whatever the outcome. The upstream is left
+/// sending ETags in the form found ([`Upstream::use_etag_form`]).
+pub async fn probe_preconditions(
+    upstream: &dyn Upstream,
+    bucket: Option<&str>,
+    timeout: Duration,
+) -> Result<Probed, ProbeError> {
     let bucket = match bucket {
         Some(b) => b.to_owned(),
-        None => first_bucket(upstream).await?.ok_or(ProbeError::NoBucket)?,
+        None => first_bucket(upstream, timeout).await?.ok_or(ProbeError::NoBucket)?,
     };
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let probe = Probe { upstream, path: format!("/{bucket}/.fencegate-probe-{nanos}") };
+    let probe =
+        Probe { upstream, path: format!("/{bucket}/.fencegate-probe-{nanos}"), timeout, uploads: Mutex::default() };
 
     let created = probe.send(Method::PUT, &probe.path, &[("if-none-match", "*")], "probe").await?;
     if !created.status.is_success() {
         return Err(could_not_create(created, &bucket));
     }
     let result = probe.run(created.etag).await;
-    for path in [probe.path.clone(), probe.beside(COPY), probe.beside(UPLOAD)] {
-        let _ = probe.send(Method::DELETE, &path, &[], "").await;
-    }
+    probe.clean_up().await;
     result.map(|(enforcement, etag_form)| Probed { bucket, enforcement, etag_form })
 }
 
@@ -176,9 +182,25 @@ impl Answer {
 struct Probe<'a> {
     upstream: &'a dyn Upstream,
     path: String,
+    /// Bounds each request.
+    timeout: Duration,
+    /// Every upload started (its path and `uploadId=` query), aborted at the end.
+    uploads: Mutex<Vec<String>>,
 }
 
 impl Probe<'_> {
+    /// Removes every object and upload the probe made (aborting a completed upload is a
+    /// harmless 404).
+    async fn clean_up(&self) {
+        let uploads = std::mem::take(&mut *self.uploads.lock().expect("probe uploads lock"));
+        for upload in uploads {
+            let _ = self.send(Method::DELETE, &upload, &[], "").await;
+        }
+        for path in [self.path.clone(), self.beside(COPY), self.beside(UPLOAD)] {
+            let _ = self.send(Method::DELETE, &path, &[], "").await;
+        }
+    }
+
     /// Every check after the probe object was created with ETag `etag`.
     async fn run(&self, etag: Option<String>) -> Result<(Enforcement, EtagForm), ProbeError> {
         let etag = etag.ok_or(ProbeError::Unexpected {
@@ -303,6 +325,7 @@ impl Probe<'_> {
             return Ok(None);
         };
         let query = form_urlencoded::Serializer::new(String::new()).append_pair("uploadId", &id).finish();
+        self.uploads.lock().expect("probe uploads lock").push(format!("{path}?{query}"));
         let part = self.send(Method::PUT, &format!("{path}?partNumber=1&{query}"), &[], "p").await?;
         match part.etag {
             Some(part_etag) if part.status.is_success() => Ok(Some(Upload { query, part_etag })),
@@ -357,7 +380,7 @@ impl Probe<'_> {
             status: StatusCode::BAD_REQUEST,
             code: String::new(),
         })?;
-        answer(self.upstream.send(req).await?).await
+        bounded(self.timeout, answer_of(self.upstream, req)).await
     }
 }
 
@@ -371,6 +394,21 @@ fn copy_onto<'a>(source: &'a str, condition: (&'static str, &'a str)) -> [(&'sta
 struct Upload {
     query: String,
     part_etag: String,
+}
+
+/// `call`, or the upstream's silence past `timeout` as an error.
+async fn bounded<T>(
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, ProbeError>>,
+) -> Result<T, ProbeError> {
+    let after_ms = crate::config::millis(timeout);
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or(Err(ProbeError::Unreachable(UpstreamError::Timeout { after_ms })))
+}
+
+async fn answer_of(upstream: &dyn Upstream, req: http::Request<Body>) -> Result<Answer, ProbeError> {
+    answer(upstream.send(req).await?).await
 }
 
 async fn answer(resp: http::Response<Body>) -> Result<Answer, ProbeError> {
@@ -394,11 +432,14 @@ fn unexpected(step: &'static str, answer: Answer) -> ProbeError {
     ProbeError::Unexpected { step, status: answer.status, code: answer.code }
 }
 
-async fn first_bucket(upstream: &dyn Upstream) -> Result<Option<String>, ProbeError> {
+async fn first_bucket(upstream: &dyn Upstream, timeout: Duration) -> Result<Option<String>, ProbeError> {
     let req = http::Request::builder().method(Method::GET).uri("/").body(Body::empty()).expect("static request");
-    let listed = answer(upstream.send(req).await?).await?;
+    let listed = bounded(timeout, answer_of(upstream, req)).await?;
     match listed.status {
         status if status.is_success() => Ok(xml_element(&listed.body, "Name")),
+        // Valid credentials without the right to list buckets (a credential scoped to its
+        // buckets): there is no bucket to take, and upstream.probe_bucket names one.
+        StatusCode::FORBIDDEN if !super::health::credentials_refused(&listed.code) => Err(ProbeError::NoBucket),
         StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED => {
             Err(ProbeError::CredentialsRefused { status: listed.status, code: listed.code })
         }

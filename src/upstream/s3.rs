@@ -69,6 +69,10 @@ impl Upstream for S3Upstream {
     fn use_etag_form(&self, form: EtagForm) {
         self.bare_etags.store(form == EtagForm::Bare, Ordering::Relaxed);
     }
+
+    fn etag_form(&self) -> EtagForm {
+        if self.bare_etags.load(Ordering::Relaxed) { EtagForm::Bare } else { EtagForm::Quoted }
+    }
 }
 
 /// Reads judge `If-Match` in either form at every upstream known; only writes are rendered.

@@ -157,15 +157,16 @@ def test_a_copy_whose_source_changed_and_changed_back_is_made_not_refused(held_s
 
 def test_a_pinned_copy_refused_every_time_is_the_upstreams_fault(held_s3):
     """Every pinned copy refused while the source reads as pinned and the destination as
-    before: after two attempts (each a read of the source and a copy) the upstream is not
-    honouring fencegate's preconditions, a 502 `UpstreamPreconditionRefused`; never the client's
-    412, never a 503 that blames a concurrent writer."""
+    before: after two attempts (each a read of the source and a copy) and one with the bare
+    ETag, the upstream is not honouring fencegate's preconditions, a 502
+    `UpstreamPreconditionRefused`; never the client's 412, never a 503 that blames a concurrent
+    writer."""
     env, refusal = _pinned_copy_env(held_s3, refusals=1000)
     with pytest.raises(ClientError) as busy:
         env.fg.client(token=1).copy_object(Bucket=env.bucket, Key="dst",
                                            CopySource={"Bucket": env.bucket, "Key": "src"})
     assert (status_of(busy.value), code_of(busy.value)) == (502, "UpstreamPreconditionRefused")
-    assert refusal.refused == 2
+    assert refusal.refused == 3
     assert env.up.writes("dst") == []
 
 

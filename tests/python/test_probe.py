@@ -214,10 +214,26 @@ def test_an_upstream_that_compares_bare_etags_is_sent_bare_etags(
     assert moto_server.client().get_object(Bucket=probe_bucket, Key="bare/k")["Body"].read() == b"three"
 
 
+def test_unprobed_the_form_is_learned_from_the_refusals_of_an_unchanged_object(
+        tmp_path, fencegate, moto_server, probe_bucket, rewriting_upstream):
+    """The probe off, an upstream that compares bare ETags: the overwrite is refused twice on an
+    unchanged object, goes once more with the bare ETag, commits, and later writes are sent so."""
+    upstream = dict(moto_server.upstream_config(), endpoint=rewriting_upstream("bare"), probe_bucket=probe_bucket,
+                    probe="off")
+    fg = fencegate(upstream=upstream)
+    s3 = fg.client(token=3)
+    s3.put_object(Bucket=probe_bucket, Key="unprobed/k", Body=b"one")
+    s3.put_object(Bucket=probe_bucket, Key="unprobed/k", Body=b"two")
+    assert "sending bare ETags from now on" in fg.log_tail(200)
+    s3.put_object(Bucket=probe_bucket, Key="unprobed/k", Body=b"three")
+    assert moto_server.client().get_object(Bucket=probe_bucket, Key="unprobed/k")["Body"].read() == b"three"
+
+
 def test_a_412_that_only_fencegate_caused_is_a_502_that_says_so(
         tmp_path, fencegate, moto_server, probe_bucket, rewriting_upstream):
-    """The probe off, an upstream that refuses the quoted ETag: an overwrite is a 502 naming the cause, not SlowDown."""
-    upstream = dict(moto_server.upstream_config(), endpoint=rewriting_upstream("bare"), probe_bucket=probe_bucket,
+    """The probe off, an upstream that refuses every If-Match, in either form: an overwrite is a
+    502 naming the cause, not a 503 SlowDown that blames a concurrent writer."""
+    upstream = dict(moto_server.upstream_config(), endpoint=rewriting_upstream("refuse"), probe_bucket=probe_bucket,
                     probe="off")
     fg = fencegate(upstream=upstream)
     s3 = fg.client(token=3)

@@ -4,25 +4,24 @@
 //! advances into a file that no later start reads, while a second process starts on the path as
 //! a fresh store: two gates, two fences, and an older token committed after a newer one.
 //!
-//! The claim is an abstract Unix socket named after the store directory's canonical path: the
-//! kernel releases it when the process ends, however it ends, so a crash leaves nothing to clean
-//! up (a lock file in the directory would go with the directory). The identity is the file's
-//! device and inode, compared with what the path names now before every commit.
+//! The claim is an exclusive `flock` on a lock file beside the store directory (in its parent,
+//! `<dir>.lock`, mode 0600): the kernel releases it when the process ends, however it ends, it
+//! holds across network namespaces (two containers sharing a volume), and it outlives the store
+//! directory, so a second process finds it held even after the directory was removed. The
+//! identity is the store file's device and inode, compared with what the path names now before
+//! every commit.
 
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::{SocketAddr, UnixListener};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-
-use sha2::{Digest, Sha256};
 
 /// Where the store file is, claimed for this process.
 pub struct Place {
     file: PathBuf,
     /// The device and inode of the file opened.
     identity: (u64, u64),
-    /// Held while the store is open: a second claim of the same directory fails.
-    _claim: UnixListener,
+    /// Locked while the store is open: a second claim of the same directory fails.
+    _claim: File,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -46,14 +45,25 @@ impl Place {
     /// opened.
     pub fn claim(dir: &Path) -> Result<Claimed, PlaceError> {
         let canonical = dir.canonicalize().map_err(|source| PlaceError::Claim { dir: dir.into(), source })?;
-        let digest = Sha256::digest(canonical.as_os_str().as_encoded_bytes());
-        let name: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
-        let addr = SocketAddr::from_abstract_name(format!("fencegate-store-{name}"))
-            .map_err(|source| PlaceError::Claim { dir: dir.into(), source })?;
-        match UnixListener::bind_addr(&addr) {
-            Ok(listener) => Ok(Claimed { listener }),
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(PlaceError::Claimed { dir: canonical }),
-            Err(source) => Err(PlaceError::Claim { dir: dir.into(), source }),
+        let name = canonical.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let lock_path = canonical.with_file_name(format!("{name}.lock"));
+        let claim_error = |source| PlaceError::Claim { dir: canonical.clone(), source };
+        let lock = OpenOptions::new().create(true).append(true).mode(0o600).open(&lock_path).map_err(claim_error)?;
+        // A lock file another user made could be held by them for good: only the store's owner's.
+        let owner = |path: &Path| std::fs::metadata(path).map(|m| m.uid()).map_err(claim_error);
+        if owner(&lock_path)? != owner(&canonical)? {
+            return Err(PlaceError::Claim {
+                dir: canonical.clone(),
+                source: std::io::Error::other(format!(
+                    "{} belongs to another user than the store directory",
+                    lock_path.display()
+                )),
+            });
+        }
+        match lock.try_lock() {
+            Ok(()) => Ok(Claimed { lock }),
+            Err(std::fs::TryLockError::WouldBlock) => Err(PlaceError::Claimed { dir: canonical }),
+            Err(std::fs::TryLockError::Error(source)) => Err(claim_error(source)),
         }
     }
 
@@ -68,13 +78,13 @@ impl Place {
 
 /// A claimed directory whose file is not open yet.
 pub struct Claimed {
-    listener: UnixListener,
+    lock: File,
 }
 
 impl Claimed {
     /// The place of `file` once it is open: the identity it has now.
     pub fn opened(self, file: &Path) -> Result<Place, PlaceError> {
         let meta = std::fs::metadata(file).map_err(|_| PlaceError::Lost { file: file.into() })?;
-        Ok(Place { file: file.into(), identity: (meta.dev(), meta.ino()), _claim: self.listener })
+        Ok(Place { file: file.into(), identity: (meta.dev(), meta.ino()), _claim: self.lock })
     }
 }

@@ -10,14 +10,16 @@ use std::time::Duration;
 pub async fn lapses(urls: &[String], wait_replicas: u32, timeout: Duration) -> Vec<String> {
     let mut lapses = Vec::new();
     for url in urls {
+        let shown = without_secrets(url);
         match tokio::time::timeout(timeout, settings(url)).await {
-            Ok(Ok(settings)) => lapses.extend(settings.lapses(url, wait_replicas)),
+            Ok(Ok(settings)) => lapses.extend(settings.lapses(&shown, wait_replicas, urls.len() > 1)),
             Ok(Err(error)) => lapses.push(format!(
-                "the Redis at {url} does not say how it persists changes ({error}): whether it keeps an acknowledged \
-                 change cannot be checked"
+                "the Redis at {shown} does not say how it persists changes ({}): whether it keeps an acknowledged \
+                 change cannot be checked",
+                without_secrets(&error.to_string())
             )),
             Err(_) => lapses.push(format!(
-                "the Redis at {url} did not say how it persists changes within {} ms",
+                "the Redis at {shown} did not say how it persists changes within {} ms",
                 timeout.as_millis()
             )),
         }
@@ -37,7 +39,9 @@ pub struct Settings {
 }
 
 impl Settings {
-    pub fn lapses(&self, url: &str, wait_replicas: u32) -> Vec<String> {
+    /// What can be lost at `url` (shown without its secrets); `cluster`: a Redis Cluster, on
+    /// which fencegate cannot wait for replicas.
+    pub fn lapses(&self, url: &str, wait_replicas: u32, cluster: bool) -> Vec<String> {
         let mut lapses = Vec::new();
         if !self.appendonly.eq_ignore_ascii_case("yes") {
             lapses.push(format!(
@@ -52,7 +56,14 @@ impl Settings {
                 self.appendfsync
             ));
         }
-        if self.replicas > 0 && wait_replicas == 0 {
+        if self.replicas > 0 && cluster {
+            lapses.push(format!(
+                "the Redis Cluster node at {url} has {} replica(s): a failover to one of them can lose changes \
+                 already answered, and store.wait_replicas is not supported with a Redis Cluster (use the etcd \
+                 store, or accept the risk)",
+                self.replicas
+            ));
+        } else if self.replicas > 0 && wait_replicas == 0 {
             lapses.push(format!(
                 "the Redis at {url} has {} replica(s) and store.wait_replicas = 0: a failover to one of them can \
                  lose changes already answered (set store.wait_replicas)",
@@ -81,4 +92,14 @@ async fn config_get(connection: &mut redis::aio::MultiplexedConnection, name: &s
 /// not say).
 pub(super) fn connected_replicas(info: &str) -> u32 {
     info.lines().find_map(|line| line.trim().strip_prefix("connected_slaves:")?.parse().ok()).unwrap_or(0)
+}
+
+/// `url` with its user name and password replaced by `***` (they go in no message or log).
+pub fn without_secrets(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}://***{}", &rest[at..]),
+        None => url.to_owned(),
+    }
 }

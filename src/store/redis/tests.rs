@@ -43,7 +43,7 @@ fn keys_escape_as_character_by_character() {
 
 // What a Redis keeps of an answered change (`durability.rs`).
 
-use super::durability::{Settings, connected_replicas};
+use super::durability::{Settings, connected_replicas, without_secrets};
 
 fn durability_settings(appendonly: &str, appendfsync: &str, replicas: u32) -> Settings {
     Settings { appendonly: appendonly.into(), appendfsync: appendfsync.into(), replicas }
@@ -51,14 +51,14 @@ fn durability_settings(appendonly: &str, appendfsync: &str, replicas: u32) -> Se
 
 #[test]
 fn only_an_fsync_always_log_with_waited_replicas_keeps_every_answered_change() {
-    assert!(durability_settings("yes", "always", 0).lapses("u", 0).is_empty());
-    assert!(durability_settings("yes", "always", 2).lapses("u", 1).is_empty());
-    let lapses = durability_settings("no", "everysec", 0).lapses("u", 0);
+    assert!(durability_settings("yes", "always", 0).lapses("u", 0, false).is_empty());
+    assert!(durability_settings("yes", "always", 2).lapses("u", 1, false).is_empty());
+    let lapses = durability_settings("no", "everysec", 0).lapses("u", 0, false);
     assert_eq!(lapses.len(), 1);
     assert!(lapses[0].contains("appendonly \"no\""), "{lapses:?}");
-    assert!(durability_settings("yes", "everysec", 0).lapses("u", 0)[0].contains("appendfsync \"everysec\""));
-    assert!(durability_settings("yes", "always", 1).lapses("u", 0)[0].contains("store.wait_replicas = 0"));
-    assert_eq!(durability_settings("no", "no", 1).lapses("u", 0).len(), 2);
+    assert!(durability_settings("yes", "everysec", 0).lapses("u", 0, false)[0].contains("appendfsync \"everysec\""));
+    assert!(durability_settings("yes", "always", 1).lapses("u", 0, false)[0].contains("store.wait_replicas = 0"));
+    assert_eq!(durability_settings("no", "no", 1).lapses("u", 0, false).len(), 2);
 }
 
 #[test]
@@ -66,4 +66,12 @@ fn the_replica_count_is_read_from_info_replication() {
     let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\nslave0:ip=127.0.0.1\r\n";
     assert_eq!(connected_replicas(info), 2);
     assert_eq!(connected_replicas("# Replication\r\nrole:slave\r\n"), 0);
+}
+
+#[test]
+fn a_redis_url_is_shown_without_its_secrets() {
+    assert_eq!(without_secrets("redis://:s3cret@127.0.0.1:6379/0"), "redis://***@127.0.0.1:6379/0");
+    assert_eq!(without_secrets("rediss://user:pw@host"), "rediss://***@host");
+    assert_eq!(without_secrets("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    assert!(durability_settings("no", "always", 1).lapses("u", 0, true).iter().any(|l| l.contains("Redis Cluster")));
 }
