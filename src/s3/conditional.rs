@@ -174,6 +174,10 @@ impl Front {
                 Attempt::Final(resp) => return Ok(resp),
                 Attempt::NotCommitted(resp) => (resp, false),
                 Attempt::NotCommittedJudgedMore(resp) => (resp, true),
+                // Refused on an unchanged object, and the body is gone: not a concurrent write.
+                Attempt::CannotResend if refused_unchanged => {
+                    return Err(FrontError::PreconditionNotHonoured { precondition: state.precondition().1 });
+                }
                 Attempt::CannotResend => break,
             };
             if !lost_precondition(resp.status(), &state) {

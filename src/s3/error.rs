@@ -91,8 +91,8 @@ pub enum FrontError {
     PreconditionRace,
     #[error(
         "the upstream refused fencegate's precondition ({precondition:?}) twice on an object that did not change: it \
-         does not honour the ETags it answers (a form it does not compare?); nothing was committed (run `fencegate \
-         probe`)"
+         does not honour the ETags it answers (a form it does not compare, or a versioned bucket on Ceph RGW 16); \
+         nothing was committed (run `fencegate probe`)"
     )]
     PreconditionNotHonoured { precondition: http::HeaderValue },
     #[error("upstream request failed")]

@@ -203,6 +203,11 @@ pub(super) fn trailer_check(request: &Request) -> Option<TrailerCheck> {
     TrailerCheck::new(announced, request.trailers.clone()?)
 }
 
+/// Whether a `Content-Encoding` names the aws-chunked framing.
+fn aws_chunked(value: &HeaderValue) -> bool {
+    value.to_str().is_ok_and(|v| v.split(',').any(|e| e.trim().eq_ignore_ascii_case("aws-chunked")))
+}
+
 /// The client's headers minus everything about the hop to fencegate.
 pub(super) fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(headers.len());
@@ -212,8 +217,9 @@ pub(super) fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> Head
         if hop || *name == wire.token_header || *name == wire.resource_header {
             continue;
         }
-        if *name == http::header::CONTENT_ENCODING {
-            // aws-chunked is the framing s3s already removed; keep any real encoding.
+        if *name == http::header::CONTENT_ENCODING && aws_chunked(value) {
+            // aws-chunked is the framing s3s already removed; keep any real encoding, and an
+            // encoding without it as the client sent it.
             let rest: Vec<&str> = value
                 .to_str()
                 .unwrap_or("")
@@ -222,7 +228,7 @@ pub(super) fn upstream_headers(headers: &HeaderMap, wire: &WireContract) -> Head
                 .filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("aws-chunked"))
                 .collect();
             if !rest.is_empty()
-                && let Ok(v) = HeaderValue::from_str(&rest.join(","))
+                && let Ok(v) = HeaderValue::from_str(&rest.join(", "))
             {
                 out.append(name.clone(), v);
             }
@@ -316,6 +322,8 @@ mod tests {
         let out = upstream_headers(&h, &wire);
         assert!(out.get("authorization").is_none() && out.get("fencing-token").is_none());
         assert_eq!(out["content-encoding"], "gzip");
+        h.insert("content-encoding", "deflate,  gzip".parse().unwrap());
+        assert_eq!(upstream_headers(&h, &wire)["content-encoding"], "deflate,  gzip", "no framing: as sent");
         assert_eq!(out["content-length"], "5");
         assert_eq!(out["x-amz-meta-a"], "b");
     }
