@@ -109,6 +109,19 @@ impl<S: Subscriber> Layer<S> for RepeatLimit {
     }
 }
 
+/// An error and each of its causes, as one line (`cannot connect to the upstream: Connection
+/// refused`).
+pub fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,6 +40,7 @@ use super::objects::{self, ObjectState};
 use crate::fence::{
     AmbiguousCause, FenceToken, IdempotencyOutcome, ResourceKey, StoreError, UploadRecord, stale_below,
 };
+use crate::logs::with_causes;
 use crate::net::percent::encode_key;
 
 /// Heads read at once.
@@ -180,18 +181,6 @@ impl From<StoreError> for ScanError {
     fn from(e: StoreError) -> Self {
         Self::Failed(format!("the fence store: {}", with_causes(&e)))
     }
-}
-
-/// An error and each of its causes, as one line.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(e) = cause {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        cause = e.source();
-    }
-    text
 }
 
 struct Scan<'a> {

@@ -111,7 +111,7 @@ impl UpstreamHealth {
             return Reach::BucketMissing(self.bucket.clone().unwrap_or_default());
         };
         let resp = match upstream.send(req).await {
-            Err(error) => return Reach::Unreachable(error_chain(&error)),
+            Err(error) => return Reach::Unreachable(crate::logs::with_causes(&error)),
             Ok(resp) => resp,
         };
         let status = resp.status();
@@ -146,16 +146,4 @@ impl UpstreamHealth {
 /// rights on what it asked for).
 pub(crate) fn credentials_refused(code: &str) -> bool {
     matches!(code, "InvalidAccessKeyId" | "SignatureDoesNotMatch" | "InvalidToken" | "ExpiredToken" | "InvalidSecurity")
-}
-
-/// An error and its causes in one line (`cannot connect to the upstream: Connection refused`).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

@@ -152,21 +152,23 @@ async fn an_expired_record_is_claimed_again_and_its_old_claim_is_void() {
     assert_eq!(count(&store), (0, 0));
 }
 
+/// Opens the store in `dir`, waiting for the writer thread of one just dropped to let go of it.
+fn reopen(dir: &std::path::Path) -> EmbeddedStore {
+    for _ in 0..200 {
+        if let Ok(store) = EmbeddedStore::open(dir) {
+            return store;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("the store file stayed locked");
+}
+
 /// A new file and a clean shutdown open clean; a process that stopped without recording a
 /// clean shutdown (killed, crashed) leaves the next start unclean, once.
 #[test]
 fn an_unclean_stop_is_seen_at_the_next_start() {
     let dir = tempfile::tempdir().unwrap();
-    // The writer thread lets go of the file shortly after the store is dropped.
-    let reopen = || {
-        for _ in 0..200 {
-            if let Ok(store) = EmbeddedStore::open(dir.path()) {
-                return store;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        panic!("the store file stayed locked");
-    };
+    let reopen = || reopen(dir.path());
     let store = reopen();
     assert!(store.opened_clean(), "a new file");
     drop(store); // as if killed: no mark
@@ -185,15 +187,7 @@ fn an_unclean_stop_is_seen_at_the_next_start() {
 #[test]
 fn a_recorded_hold_outlives_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
-    let reopen = || {
-        for _ in 0..200 {
-            if let Ok(store) = EmbeddedStore::open(dir.path()) {
-                return store;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        panic!("the store file stayed locked");
-    };
+    let reopen = || reopen(dir.path());
     let store = reopen();
     assert_eq!(store.held_until_ms(), None, "a new file holds nothing");
     store.hold_until(1_000_000).unwrap();

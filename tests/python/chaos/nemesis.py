@@ -123,33 +123,33 @@ class Nemesis(threading.Thread):
         return [e["loss"] for e in self.log if "loss" in e]
 
     # faults -------------------------------------------------------------------------------
-    def kill9(self, entry):
+    def _restart(self, entry, steps):
+        """A replica down while `steps(fg)` runs, up after; the window is a restart's."""
         r = self.rng.choice(self.replicas)
         entry["target"] = r.name
         r.state = "down"
         t_from = time.monotonic()
         try:
-            r.fg.kill9()
-            time.sleep(self.rng.uniform(0.1, 1.0))
-            r.fg.start()
+            steps(r.fg)
             r.state = "up"
         finally:
             self.restarts.append({"replica": r.name, "t_from": t_from, "t_to": time.monotonic()})
 
+    def kill9(self, entry):
+        def steps(fg):
+            fg.kill9()
+            time.sleep(self.rng.uniform(0.1, 1.0))
+            fg.start()
+        self._restart(entry, steps)
+
     def crash_restart_stop(self, entry):
-        r = self.rng.choice(self.replicas)
-        entry["target"] = r.name
-        r.state = "down"
-        t_from = time.monotonic()
-        try:
-            r.fg.kill9()
-            r.fg.start()
+        def steps(fg):
+            fg.kill9()
+            fg.start()
             time.sleep(self.rng.uniform(0.2, 1.0))
-            r.fg.stop()
-            r.fg.start()
-            r.state = "up"
-        finally:
-            self.restarts.append({"replica": r.name, "t_from": t_from, "t_to": time.monotonic()})
+            fg.stop()
+            fg.start()
+        self._restart(entry, steps)
 
     def _pause(self, entry, seconds: float):
         r = self.rng.choice(self.replicas)
