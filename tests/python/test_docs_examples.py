@@ -151,9 +151,14 @@ def run_python(code: str, cwd: Path, env: dict | None = None, check: str = "") -
 
 
 def check_config(file: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`fencegate check-config` on `file`, with a HOME of its own outside the file's folder (a
+    shipped config's folder is the repository's)."""
+    import tempfile
+
     cmd = [str(bin_path()), "check-config", "--config", str(file)]
-    return subprocess.run(cmd, cwd=file.parent, env=example_env(file.parent, env), capture_output=True, text=True,
-                          timeout=60)
+    with tempfile.TemporaryDirectory() as home:
+        return subprocess.run(cmd, cwd=file.parent, env=example_env(Path(home), env), capture_output=True,
+                              text=True, timeout=60)
 
 
 def risks(r: subprocess.CompletedProcess) -> list:
