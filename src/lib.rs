@@ -43,7 +43,7 @@ pub mod upstream;
 
 mod app;
 
-pub use app::{App, Bound, init_store, probe_failure, reconcile};
+pub use app::{App, Bound, accept_restored_store, init_store, probe_failure, reconcile};
 
 /// The size of the future `f` returns, found without calling it: for tests of what a future
 /// carries in every request or connection.

@@ -47,10 +47,16 @@ enum Command {
     /// Mark a new Redis fence store as new, once, before its first use. A store found without
     /// its marks is taken as one that lost its state (flushed, restarted empty), and admits no
     /// write for the in-flight registrations' time to live. Never run it on a store that lost
-    /// its state: that is what the quiet period protects.
+    /// its state: that is what the quiet period protects. With --accept-restored, take an
+    /// embedded store its witness refuses (an older copy put back) as it is.
     InitStore {
         #[arg(long, short, default_value = "config/fencegate.toml")]
         config: PathBuf,
+        /// Embedded store: take the store as it is for the newest copy although its witness
+        /// saw later commits or another store (a restored copy it refuses). Its fences may be
+        /// below tokens used since the copy; the next start holds writes as after a crash.
+        #[arg(long)]
+        accept_restored: bool,
     },
     /// Ask the running fencegate the config names to compare its upstream with its fences:
     /// API gateway requests whose outcome is unknown and, in a bucket, uploads of superseded
@@ -84,14 +90,21 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve { config } => load(&config).and_then(|c| runtime()?.block_on(serve(c))).map(done),
         Command::CheckConfig { config } => load(&config).map(|c| {
-            println!("{c:#?}");
+            // The effective config (file, include and environment), as a file `serve` reads;
+            // secrets shown as `<hidden: key>`.
+            print!("{}", c.to_toml());
+            // As comments, so that the output stays a file `serve` reads.
             for risk in c.risks() {
-                println!("risk: {risk}");
+                println!("# risk: {risk}");
             }
             ExitCode::SUCCESS
         }),
-        Command::InitStore { config } => load(&config).and_then(|c| {
-            let done = runtime()?.block_on(fencegate::init_store(&c))?;
+        Command::InitStore { config, accept_restored } => load(&config).and_then(|c| {
+            let done = if accept_restored {
+                fencegate::accept_restored_store(&c)?
+            } else {
+                runtime()?.block_on(fencegate::init_store(&c))?
+            };
             println!("{done}");
             Ok(ExitCode::SUCCESS)
         }),

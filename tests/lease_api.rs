@@ -57,15 +57,15 @@ async fn a_held_lease_refuses_a_second_acquire_and_a_stale_release() {
     }
 
     // A release with someone else's (or an old) lease id changes nothing.
-    assert!(matches!(c.release("job:api", "0123456789abcdef").await, Err(LeaseError::Gone)));
+    assert!(matches!(c.release("job:api", "0123456789abcdef").await, Err(LeaseError::Gone { .. })));
     let renewed = c.renew("job:api", &a.lease_id).await.expect("the current lease survives a stale release");
     assert_eq!((renewed.token, renewed.lease_id.as_str()), (a.token, a.lease_id.as_str()));
     assert!(matches!(c.try_acquire("job:api", "b", TTL_LONG).await, Err(LeaseError::Held { .. })));
 
     // Released: its id is dead, and the next holder gets a greater token at once.
     c.release("job:api", &a.lease_id).await.unwrap();
-    assert!(matches!(c.renew("job:api", &a.lease_id).await, Err(LeaseError::Gone)));
-    assert!(matches!(c.release("job:api", &a.lease_id).await, Err(LeaseError::Gone)));
+    assert!(matches!(c.renew("job:api", &a.lease_id).await, Err(LeaseError::Gone { .. })));
+    assert!(matches!(c.release("job:api", &a.lease_id).await, Err(LeaseError::Gone { .. })));
     let b = c.try_acquire("job:api", "b", TTL_LONG).await.unwrap();
     assert!(b.token > a.token, "{:?} after {:?}", b.token, a.token);
     assert_ne!(b.lease_id, a.lease_id);
@@ -86,11 +86,11 @@ async fn renew_after_expiry_is_gone() {
     clock.advance(Duration::from_millis(299));
     assert!(matches!(c.try_acquire("job:expiry", "b", TTL_LONG).await, Err(LeaseError::Held { .. })));
     clock.advance(Duration::from_millis(1));
-    assert!(matches!(c.renew("job:expiry", &a.lease_id).await, Err(LeaseError::Gone)));
-    assert!(matches!(c.release("job:expiry", &a.lease_id).await, Err(LeaseError::Gone)));
+    assert!(matches!(c.renew("job:expiry", &a.lease_id).await, Err(LeaseError::Gone { .. })));
+    assert!(matches!(c.release("job:expiry", &a.lease_id).await, Err(LeaseError::Gone { .. })));
     let b = c.try_acquire("job:expiry", "b", TTL_LONG).await.expect("an expired lease does not block");
     assert!(b.token > a.token);
-    assert!(matches!(c.renew("job:expiry", &a.lease_id).await, Err(LeaseError::Gone)), "superseded");
+    assert!(matches!(c.renew("job:expiry", &a.lease_id).await, Err(LeaseError::Gone { .. })), "superseded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,13 +153,14 @@ async fn a_grant_fences_the_resource_at_once_and_the_old_holder_learns_it() {
     assert_eq!(current, Some(b.token().to_string()));
 
     tokio::time::timeout(EVENT_WAIT_MAX, a.lost().cancelled()).await.expect("A's client raises the loss");
-    assert_eq!(a.status(), LeaseStatus::Lost(LostReason::Refused));
+    // B's grant is a newer token: A learns it was superseded, and by which token.
+    assert_eq!(a.status(), LeaseStatus::Lost(LostReason::Superseded { fence: b.token().0 }));
     assert!(!a.is_held());
     assert_eq!(b.status(), LeaseStatus::Held);
 
     let s3b = fenced_s3(&fg, FencingInterceptor::for_lease(&b));
     s3b.put_object().bucket(BUCKET).key("out.csv").body(ByteStream::from_static(b"b")).send().await.unwrap();
-    assert!(matches!(a.release().await, Err(LeaseError::Gone)));
+    assert!(matches!(a.release().await, Err(LeaseError::Gone { .. })));
     b.release().await.unwrap();
 }
 

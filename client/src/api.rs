@@ -87,9 +87,10 @@ pub enum LeaseError {
     /// Someone else holds a live lease on the name (409 `LeaseHeld`).
     #[error("the lease is held by {holder} for {remaining_ms} more ms")]
     Held { holder: String, remaining_ms: u64 },
-    /// The lease expired, was released, or was superseded (410 `LeaseGone`).
-    #[error("the lease expired, was released, or was superseded")]
-    Gone,
+    /// The lease expired, was released, or was superseded (410 `LeaseGone`); `fence` is the
+    /// resource's fence as fencegate said it: above the lease's token, it was superseded.
+    #[error("the lease expired, was released, or was superseded{}", .fence.map(|f| format!(" (the resource's fence is {f})")).unwrap_or_default())]
+    Gone { fence: Option<u64> },
     /// fencegate refused the call for another reason (bad request, credentials, store down).
     #[error("fencegate answered {status} {code}: {detail}")]
     Refused { status: u16, code: String, detail: String },
@@ -113,7 +114,7 @@ impl LeaseError {
         match self {
             Self::Transport { .. } | Self::Timeout { .. } => true,
             Self::Refused { status, .. } => *status >= 500,
-            Self::Held { .. } | Self::Gone | Self::Protocol(_) | Self::Invalid(_) => false,
+            Self::Held { .. } | Self::Gone { .. } | Self::Protocol(_) | Self::Invalid(_) => false,
         }
     }
 }
@@ -145,6 +146,8 @@ struct Problem {
     detail: String,
     holder: Option<String>,
     remaining_ms: Option<u64>,
+    /// A `LeaseGone`'s: the resource's fence.
+    fence: Option<u64>,
 }
 
 impl LeaseClient {
@@ -374,7 +377,7 @@ fn refusal(status: StatusCode, bytes: &[u8]) -> LeaseError {
     let problem: Option<Problem> = serde_json::from_slice(bytes).ok();
     let code = problem.as_ref().and_then(|p| p.kind.rsplit(':').next()).unwrap_or_default().to_owned();
     match (status, problem) {
-        (StatusCode::GONE, _) => LeaseError::Gone,
+        (StatusCode::GONE, problem) => LeaseError::Gone { fence: problem.and_then(|p| p.fence) },
         (StatusCode::CONFLICT, Some(Problem { holder: Some(holder), remaining_ms: Some(remaining_ms), .. }))
             if code == "LeaseHeld" =>
         {
@@ -412,7 +415,9 @@ mod tests {
             LeaseError::Held { holder, remaining_ms: 12 } if holder == "a"
         ));
         let gone = br#"{"type":"urn:fencegate:problem:LeaseGone"}"#;
-        assert!(matches!(refusal(StatusCode::GONE, gone), LeaseError::Gone));
+        assert!(matches!(refusal(StatusCode::GONE, gone), LeaseError::Gone { fence: None }));
+        let superseded = br#"{"type":"urn:fencegate:problem:LeaseGone","fence":9}"#;
+        assert!(matches!(refusal(StatusCode::GONE, superseded), LeaseError::Gone { fence: Some(9) }));
         let down = br#"{"type":"urn:fencegate:problem:FenceStoreUnavailable","detail":"timeout"}"#;
         let err = refusal(StatusCode::SERVICE_UNAVAILABLE, down);
         assert!(matches!(&err, LeaseError::Refused { status: 503, code, .. } if code == "FenceStoreUnavailable"));

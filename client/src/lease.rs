@@ -82,16 +82,31 @@ pub enum LeaseStatus {
 /// Why a lease was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostReason {
-    /// fencegate refused a renewal (410): the lease expired there, or was superseded.
+    /// fencegate refused a renewal or release (410): the lease expired there or was released.
     Refused,
+    /// fencegate refused it (410) and the resource's fence is above the lease's token: a newer
+    /// token was registered or granted, and every write of this lease is refused.
+    Superseded { fence: u64 },
     /// The local deadline passed without a successful renewal.
     Deadline,
+}
+
+impl LostReason {
+    /// The reason in a sentence, for a person.
+    pub fn explanation(&self) -> String {
+        match self {
+            Self::Refused => "refused: it expired at fencegate, or someone else released it".to_owned(),
+            Self::Superseded { fence } => format!("superseded: a newer token ({fence}) was registered or granted"),
+            Self::Deadline => "deadline: no renewal succeeded before it would have expired".to_owned(),
+        }
+    }
 }
 
 impl std::fmt::Display for LostReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Refused => "refused",
+            Self::Superseded { .. } => "superseded",
             Self::Deadline => "deadline",
         })
     }
@@ -148,6 +163,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Why a lease that fencegate answered as gone (with the resource's `fence`) is lost.
+    fn gone(&self, fence: Option<u64>) -> LostReason {
+        match fence {
+            Some(fence) if fence > self.token.0 => LostReason::Superseded { fence },
+            _ => LostReason::Refused,
+        }
+    }
+
     fn new(grant: Grant, deadline: Instant) -> Self {
         Self {
             name: grant.name,
@@ -288,7 +311,7 @@ impl Lease {
         };
         match &result {
             Ok(()) => self.shared.end(LeaseStatus::Released),
-            Err(LeaseError::Gone) => self.shared.end(LeaseStatus::Lost(LostReason::Refused)),
+            Err(LeaseError::Gone { fence }) => self.shared.end(LeaseStatus::Lost(self.shared.gone(*fence))),
             // Unknown outcome: it is ours until the deadline at most, and we stopped renewing.
             Err(_) => self.shared.end(LeaseStatus::Abandoned),
         }
@@ -365,9 +388,9 @@ async fn heartbeat(
                 shared.end(LeaseStatus::Lost(LostReason::Refused));
                 return;
             }
-            Ok(Err(LeaseError::Gone)) => {
+            Ok(Err(LeaseError::Gone { fence })) => {
                 metrics::heartbeat_latency(sent.elapsed());
-                shared.end(LeaseStatus::Lost(LostReason::Refused));
+                shared.end(LeaseStatus::Lost(shared.gone(fence)));
                 return;
             }
             Ok(Err(error)) => {
@@ -451,7 +474,7 @@ mod tests {
                     }
                     "id-flaky" => Ok(()),
                     "id-down" => Err(LeaseError::Timeout { after_ms: 10 }),
-                    _ => Err(LeaseError::Gone),
+                    _ => Err(LeaseError::Gone { fence: None }),
                 }
             })
         }
@@ -491,7 +514,7 @@ mod tests {
     /// A refused renewal (410) raises the loss at once.
     #[tokio::test(start_paused = true)]
     async fn a_refused_renewal_loses_the_lease_at_once() {
-        let transport = Scripted::new(vec![err_after(20, LeaseError::Gone)]);
+        let transport = Scripted::new(vec![err_after(20, LeaseError::Gone { fence: None })]);
         let (lease, start) = start(&transport, "id-1");
         let lost = lease.lost();
         lost.cancelled().await;
@@ -568,7 +591,7 @@ mod tests {
         assert_eq!(transport.sent_ms(t0), vec![300], "no renewal after release");
 
         let (stale, _) = start(&transport, "id-2");
-        assert!(matches!(stale.release().await, Err(LeaseError::Gone)));
+        assert!(matches!(stale.release().await, Err(LeaseError::Gone { .. })));
         assert_eq!(*transport.released.lock().unwrap(), vec!["id-1".to_owned(), "id-2".to_owned()]);
     }
 
@@ -622,7 +645,7 @@ mod tests {
     async fn losses_and_heartbeats_are_measured() {
         let recorder = crate::metrics::tests::Recording::default();
         let _guard = ::metrics::set_default_local_recorder(&recorder);
-        let transport = Scripted::new(vec![ok_after(40), err_after(20, LeaseError::Gone)]);
+        let transport = Scripted::new(vec![ok_after(40), err_after(20, LeaseError::Gone { fence: None })]);
         let (lease, _) = start(&transport, "id-1");
         lease.lost().cancelled().await;
         assert_eq!(recorder.counter("lease_lost"), 1);

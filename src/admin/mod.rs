@@ -4,9 +4,10 @@
 //! (`/v1/events`). Errors are `application/problem+json`.
 //!
 //! Who may do what, with `server.admin_token` set: probes and the console page need nothing;
-//! the reads take the bearer token or the console's cookie (`POST /v1/session`); raising a
-//! fence takes the bearer token only, so that a page of another port of the same host, which
-//! the browser sends the `SameSite` cookie from, cannot raise one.
+//! the reads take the admin token, the read token (`server.admin_read_token`, for monitoring)
+//! or the console's cookie (`POST /v1/session` with either token); raising a fence or running
+//! a reconciliation takes the admin bearer token only, so that neither monitoring nor a page of
+//! another port of the same host, which the browser sends the `SameSite` cookie from, can.
 
 mod console;
 mod events;
@@ -43,9 +44,11 @@ pub struct Admin {
     metrics: PrometheusHandle,
     /// `Bearer <token>` expected in `Authorization`, when configured.
     bearer: Option<String>,
-    /// The console's cookie value: the token's SHA-256 in hex (a cookie holds it in any
-    /// character set; the token itself never travels back to the browser).
-    session: Option<String>,
+    /// `server.admin_read_token`: reads only.
+    read_bearer: Option<String>,
+    /// The console's cookie values, one per token: the token's SHA-256 in hex (a cookie holds
+    /// it in any character set; the token itself never travels back to the browser).
+    sessions: Vec<String>,
     /// Who the listener answers to (`Host`): a page whose name was rebound to this address
     /// (DNS rebinding) gets 421.
     hosts: ServedHosts,
@@ -115,6 +118,12 @@ struct Session {
 
 type AdminResponse = Response<UnsyncBoxBody<Bytes, Infallible>>;
 
+/// The admin listener's bearer tokens (`server.admin_token`, `server.admin_read_token`).
+pub struct Tokens {
+    pub admin: Option<String>,
+    pub read: Option<String>,
+}
+
 /// The token of an `Authorization: Bearer <token>` value (the scheme is case-insensitive).
 fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     let (scheme, token) = value.split_at_checked(7)?;
@@ -127,15 +136,27 @@ impl Admin {
         feed: Arc<Feed>,
         reconciler: Reconciler,
         metrics: PrometheusHandle,
-        admin_token: Option<String>,
+        tokens: Tokens,
         hosts: ServedHosts,
         idle_timeout: std::time::Duration,
     ) -> Self {
-        let session = admin_token.as_deref().map(session_value);
+        let sessions = tokens.admin.iter().chain(&tokens.read).map(|t| session_value(t)).collect();
         let page_policy = console::content_security_policy().parse().expect("a policy is a header value");
         let keep_alive = events::keep_alive(idle_timeout);
         let upstream = Arc::new(UpstreamHealth::in_process());
-        Self { gate, feed, reconciler, metrics, bearer: admin_token, session, hosts, page_policy, keep_alive, upstream }
+        Self {
+            gate,
+            feed,
+            reconciler,
+            metrics,
+            bearer: tokens.admin,
+            read_bearer: tokens.read,
+            sessions,
+            hosts,
+            page_policy,
+            keep_alive,
+            upstream,
+        }
     }
 
     /// `/readyz` and `/v1/status` also say whether `upstream` answers fencegate's credentials
@@ -175,7 +196,9 @@ impl Admin {
         };
         if access < needs {
             let detail = match access {
-                Access::Reader => "raising a fence takes the admin bearer token (the console's session only reads)",
+                Access::Reader => {
+                    "a change takes the admin bearer token (the read token and the console's session only read)"
+                }
                 _ => "a valid admin bearer token is required",
             };
             return Ok(problem(StatusCode::UNAUTHORIZED, "Unauthorized", detail));
@@ -239,14 +262,19 @@ impl Admin {
     /// an admin token configured, everyone is the operator (the listener is then on loopback:
     /// config refuses another address without a token).
     fn access(&self, headers: &HeaderMap) -> Access {
-        let (Some(expected), Some(session)) = (&self.bearer, &self.session) else {
+        let Some(expected) = &self.bearer else {
             return Access::Operator;
         };
         let presented = headers.get(header::AUTHORIZATION).and_then(|v| bearer_token(v.as_bytes()));
         if presented.is_some_and(|p| constant_time_eq(p, expected.as_bytes())) {
             return Access::Operator;
         }
-        if session_cookies(headers).any(|c| constant_time_eq(c.as_bytes(), session.as_bytes())) {
+        let reads = |p: &[u8]| self.read_bearer.as_ref().is_some_and(|read| constant_time_eq(p, read.as_bytes()));
+        if presented.is_some_and(reads) {
+            return Access::Reader;
+        }
+        let known = |c: &str| self.sessions.iter().any(|s| constant_time_eq(c.as_bytes(), s.as_bytes()));
+        if session_cookies(headers).any(known) {
             return Access::Reader;
         }
         Access::Anyone
@@ -297,12 +325,19 @@ impl Admin {
         let Ok(Session { token }) = serde_json::from_slice::<Session>(&body.to_bytes()) else {
             return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "expected {\"token\": \"<admin token>\"}");
         };
-        let (Some(expected), Some(session)) = (&self.bearer, &self.session) else {
+        if self.bearer.is_none() {
             return full(StatusCode::NO_CONTENT, Bytes::new());
-        };
-        if !constant_time_eq(token.as_bytes(), expected.as_bytes()) {
-            return problem(StatusCode::UNAUTHORIZED, "Unauthorized", "that is not the admin token");
         }
+        let known =
+            self.bearer.iter().chain(&self.read_bearer).any(|t| constant_time_eq(token.as_bytes(), t.as_bytes()));
+        if !known {
+            return problem(
+                StatusCode::UNAUTHORIZED,
+                "Unauthorized",
+                "that is neither the admin token nor the read token",
+            );
+        }
+        let session = session_value(&token);
         with_cookie(format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/"))
     }
 

@@ -17,7 +17,7 @@ use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::net::server::{self, ConnectionLimits};
 use crate::net::threads::{CloseOnDrop, ServingThreads};
-use crate::store::{EmbeddedStore, RedisStore, Wait};
+use crate::store::{EmbeddedOptions, EmbeddedStore, RedisStore, Wait};
 use crate::upstream::health::UpstreamHealth;
 use crate::upstream::{self, Enforcement, EtagForm, ProbeError, Probed, Upstream, probe_preconditions};
 
@@ -301,7 +301,10 @@ impl App {
                 self.feed.clone(),
                 reconciler,
                 metrics,
-                self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
+                crate::admin::Tokens {
+                    admin: self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
+                    read: self.config.server.admin_read_token.as_ref().map(|t| t.expose().to_owned()),
+                },
                 hosts,
                 ms(self.config.server.idle_timeout_ms),
             )
@@ -402,12 +405,33 @@ pub async fn init_store(config: &Config) -> anyhow::Result<String> {
     let quiet = InflightBounds::new(ms(config.fencing.inflight_deadline_ms)).registration_ttl();
     let store = RedisStore::connect(urls, ms(config.store.timeout_ms), "init".into(), None, 0, quiet)
         .await
-        .with_context(|| format!("store.url: cannot connect to Redis at {}", urls.join(", ")))?;
+        .with_context(|| {
+            let shown: Vec<_> = urls.iter().map(|u| crate::store::redis_url_without_secrets(u)).collect();
+            format!("store.url: cannot connect to Redis at {}", shown.join(", "))
+        })?;
     let marked = store.init().await.context("marking the store's slots")?;
     Ok(match marked {
         0 => "the store was already marked: nothing changed".to_owned(),
         n => format!("marked {n} slots of the store as new"),
     })
+}
+
+/// `fencegate init-store --accept-restored`: takes the embedded store as it is although its
+/// witness saw later commits or another store (docs/design.md, section 5). Returns what was
+/// done, for the operator.
+pub fn accept_restored_store(config: &Config) -> anyhow::Result<String> {
+    let StoreBackend::Embedded { path } = config.store.backend().map_err(at_fault)? else {
+        anyhow::bail!(
+            "--accept-restored: only an embedded store has a witness to write anew (store.kind = {:?})",
+            config.store.kind
+        );
+    };
+    Ok(EmbeddedStore::accept_as_newest(path, &embedded_options(&config.store))?.to_string())
+}
+
+/// How the embedded store `[store]` names is opened.
+fn embedded_options(store: &crate::config::StoreConfig) -> EmbeddedOptions {
+    EmbeddedOptions { cache_bytes: store.cache_bytes_max, witness_path: store.witness_path.clone() }
 }
 
 /// Opens the fence store the config names.
@@ -416,7 +440,7 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let replica_id = || store.replica_id.clone().unwrap_or_else(default_replica_id);
     Ok(match store.backend().map_err(at_fault)? {
         StoreBackend::Embedded { path } => {
-            let embedded = EmbeddedStore::open_with_cache(path, store.cache_bytes_max)?;
+            let embedded = EmbeddedStore::open_with(path, &embedded_options(store))?;
             embedded.set_idempotency_records_max(store.idempotency_records_max, store.idempotency_records_bytes_max);
             Arc::new(embedded)
         }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 mod backend;
 mod defaults;
@@ -27,7 +27,7 @@ pub const ENV_PREFIX: &str = "FENCEGATE_";
 /// of upstream connections.
 const THREADS_MAX: usize = 1024;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub server: ServerConfig,
@@ -46,7 +46,7 @@ pub struct Config {
     pub log: LogConfig,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeasesConfig {
     /// The longest lease a client may ask for.
@@ -60,7 +60,7 @@ impl Default for LeasesConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// The S3 (and API gateway) listener.
@@ -70,6 +70,11 @@ pub struct ServerConfig {
     /// When set, the admin API wants `Authorization: Bearer <admin_token>`.
     #[serde(default)]
     pub admin_token: Option<Secret>,
+    /// A second bearer token that only reads: `/metrics`, every `GET /v1/...`, the event feed
+    /// and the console's views; never a change. For monitoring, which then never holds the key
+    /// to every fence. Needs `admin_token`.
+    #[serde(default)]
+    pub admin_read_token: Option<Secret>,
     /// PEM certificate chain: when set (with `tls_key_path`), the main listener speaks HTTPS
     /// (HTTP/1.1 and HTTP/2 through ALPN).
     #[serde(default)]
@@ -139,7 +144,7 @@ impl ServerConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StoreKind {
     Embedded,
@@ -147,7 +152,7 @@ pub enum StoreKind {
     Etcd,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     pub kind: StoreKind,
@@ -155,10 +160,10 @@ pub struct StoreConfig {
     #[serde(default)]
     pub path: Option<PathBuf>,
     /// Redis URL of the redis store (`redis://host:port/db`, `rediss://` for TLS).
-    #[serde(default)]
+    #[serde(default, serialize_with = "url_without_secrets")]
     pub url: Option<String>,
     /// Seed nodes of a Redis Cluster, instead of `url`.
-    #[serde(default)]
+    #[serde(default, serialize_with = "urls_without_secrets")]
     pub cluster_urls: Vec<String>,
     /// Embedded store: idempotency records kept at most (the API gateway's); beyond, those that
     /// expire first are dropped, so route traffic cannot fill the disk under the fences.
@@ -186,6 +191,11 @@ pub struct StoreConfig {
     /// This replica's name in the shared in-flight registry; default: host name and process id.
     #[serde(default)]
     pub replica_id: Option<String>,
+    /// Embedded store: its witness, the record of its last commit kept outside the store
+    /// directory, by which a restored older copy is refused; default `<store.path>.witness`.
+    /// On another volume it finds out a whole data volume restored too.
+    #[serde(default)]
+    pub witness_path: Option<PathBuf>,
     /// The embedded store's page cache (redb); the rest of the file is read from disk.
     #[serde(default = "defaults::store_cache_bytes_max")]
     pub cache_bytes_max: usize,
@@ -194,14 +204,14 @@ pub struct StoreConfig {
     pub timeout_ms: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum UpstreamKind {
     Local,
     S3,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProbeMode {
     /// Probe, and refuse to start if the upstream ignores preconditions.
@@ -212,7 +222,7 @@ pub enum ProbeMode {
     Off,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
     pub kind: UpstreamKind,
@@ -253,7 +263,7 @@ pub struct UpstreamConfig {
     pub accept_no_preconditions: bool,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CredentialConfig {
     pub access_key_id: String,
@@ -271,7 +281,7 @@ pub const DEV_ACCESS_KEY_ID: &str = "fencegate-dev";
 pub const DEV_SECRET_ACCESS_KEY: &str = "fencegate-dev-secret";
 
 /// A credential's role (docs/security.md, "Who can move a fence").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Reads, and writes with tokens.
@@ -290,6 +300,29 @@ pub enum Role {
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
 pub struct Secret(String);
+
+/// A secret is shown as `<hidden>`, never as itself (`fencegate check-config`).
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(HIDDEN)
+    }
+}
+
+/// A Redis URL is shown without its user's password.
+fn url_without_secrets<S: serde::Serializer>(url: &Option<String>, serializer: S) -> Result<S::Ok, S::Error> {
+    match url {
+        Some(url) => serializer.serialize_some(&crate::store::redis_url_without_secrets(url)),
+        None => serializer.serialize_none(),
+    }
+}
+
+/// Redis URLs are shown without their user's password.
+fn urls_without_secrets<S: serde::Serializer>(urls: &[String], serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_seq(urls.iter().map(|u| crate::store::redis_url_without_secrets(u)))
+}
+
+/// What a secret looks like when fencegate shows a config.
+pub const HIDDEN: &str = "<hidden>";
 
 /// The shortest `server.admin_token` accepted.
 pub const ADMIN_TOKEN_BYTES_MIN: usize = 16;
@@ -315,7 +348,7 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FencingConfig {
     /// `false`: writes without a token pass unchecked (gradual adoption). A write that carries
@@ -388,7 +421,7 @@ impl Default for FencingConfig {
 }
 
 /// Maps objects to a resource: every key of `bucket` under `prefix` belongs to `resource`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
     pub bucket: String,
@@ -398,7 +431,7 @@ pub struct RuleConfig {
 }
 
 /// How a route makes writes safe for an API that knows nothing of fencing tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RouteMode {
     /// Sends an `Idempotency-Key` derived from resource, token and request id, and answers
@@ -411,7 +444,7 @@ pub enum RouteMode {
 }
 
 /// A third-party API behind the gate.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     /// Path prefix on fencegate's listener (`/payments/`); matched before S3 handling.
@@ -456,7 +489,7 @@ pub struct RouteConfig {
 }
 
 /// Who may raise a fence (a fence only goes up, so raising it is a privilege).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AdvancePolicy {
     /// A write with a token above the fence raises it.
@@ -471,7 +504,7 @@ impl AdvancePolicy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     #[default]
@@ -479,7 +512,7 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
     #[serde(default)]
@@ -500,8 +533,9 @@ impl Default for LogConfig {
 pub enum ConfigError {
     #[error("config file {file}: not found")]
     NotFound { file: PathBuf },
-    #[error("config file {file}: {source}")]
-    Parse { file: PathBuf, source: Box<figment::Error> },
+    /// Every error of the file and the environment, each once, in the file's words.
+    #[error("config file {file}: {}", .errors.join("; "))]
+    Parse { file: PathBuf, errors: Vec<String> },
     #[error("config file {file}: key `{key}`: {reason}")]
     Invalid { file: PathBuf, key: String, reason: String },
 }
@@ -532,8 +566,14 @@ impl Config {
     }
 
     fn from_figment(figment: Figment, file: &Path) -> Result<Self, ConfigError> {
-        let config: Config =
-            figment.extract().map_err(|e| ConfigError::Parse { file: file.into(), source: Box::new(e) })?;
+        let mut config: Config =
+            figment.extract().map_err(|e| ConfigError::Parse { file: file.into(), errors: describe(e) })?;
+        if figment.find_value("upstream.request_timeout_ms").is_err() && config.store.kind != StoreKind::Embedded {
+            // With a shared store a write must settle within D (its registration lapses after),
+            // so the default agrees with the deadline instead of exceeding it.
+            config.upstream.request_timeout_ms =
+                config.upstream.request_timeout_ms.min(config.fencing.inflight_deadline_ms);
+        }
         config.validate().map_err(|(key, reason)| ConfigError::Invalid { file: file.into(), key, reason })?;
         Ok(config)
     }
@@ -556,12 +596,66 @@ fn overrides() -> Env {
         .split("__")
 }
 
+/// Each of figment's errors in the words of the config file: the key as written there
+/// (`upstream.secret_access_key`, not figment's `default.` profile), or the environment
+/// variable that set it, then what is wrong.
+fn describe(errors: figment::Error) -> Vec<String> {
+    use figment::error::Kind;
+    let listed = |names: &[&str]| names.join(", ");
+    errors
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".").to_ascii_lowercase();
+            let from_env = e.metadata.as_ref().is_some_and(|m| m.name.contains(ENV_PREFIX));
+            let place = match (&e.kind, from_env) {
+                (Kind::MissingField(field), _) if key.is_empty() => format!("`{field}`"),
+                (Kind::MissingField(field), _) => format!("`{key}.{field}`"),
+                (_, true) => format!("`{key}` (from {})", env_name(&e.path)),
+                (_, false) if key.is_empty() => String::new(),
+                (_, false) => format!("`{key}`"),
+            };
+            let what = match &e.kind {
+                Kind::UnknownField(field, expected) => {
+                    let section = if key.contains('.') { key.rsplit_once('.').map_or("", |(s, _)| s) } else { "" };
+                    let section = if section.is_empty() { "the top level".to_owned() } else { format!("[{section}]") };
+                    format!("unknown key `{field}`; the keys of {section} are: {}", listed(expected))
+                }
+                Kind::UnknownVariant(value, expected) => {
+                    format!("unknown value {value:?}; expected one of: {}", listed(expected))
+                }
+                Kind::InvalidType(actual, expected) => format!("expected {expected}, found {actual}"),
+                Kind::InvalidValue(actual, expected) => format!("expected {expected}, found {actual}"),
+                Kind::MissingField(_) => "required, and not set".to_owned(),
+                Kind::DuplicateField(field) => format!("`{field}` is set twice"),
+                Kind::Message(message) => message.clone(),
+                other => other.to_string(),
+            };
+            if place.is_empty() { what } else { format!("{place}: {what}") }
+        })
+        .collect()
+}
+
+/// The environment variable that sets the key at `path` (`FENCEGATE_SERVER__LISTEN`).
+fn env_name(path: &[String]) -> String {
+    let keys: Vec<String> = path.iter().map(|k| k.to_ascii_uppercase()).collect();
+    format!("{ENV_PREFIX}{}", keys.join("__"))
+}
+
 /// Milliseconds from config to a `Duration`.
 pub fn ms(value: u64) -> Duration {
     Duration::from_millis(value)
 }
 
 pub use crate::fence::millis;
+
+mod show;
+
+impl Config {
+    /// The effective config as a TOML file `serve` reads (`show`), secrets hidden.
+    pub fn to_toml(&self) -> String {
+        show::to_toml(self)
+    }
+}
 
 #[cfg(test)]
 mod tests;

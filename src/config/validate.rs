@@ -16,7 +16,10 @@ impl Config {
                 self.server.admin_listen
             ));
         }
-        for c in &self.credentials {
+        // On a loopback listener only this host's processes can sign: the shipped config's
+        // development credential is a risk once the listener is reachable from elsewhere.
+        let reachable = !self.server.listen.ip().is_loopback();
+        for c in self.credentials.iter().filter(|_| reachable) {
             if c.access_key_id == DEV_ACCESS_KEY_ID || c.secret_access_key.expose() == DEV_SECRET_ACCESS_KEY {
                 risks.push(format!(
                     "credentials {:?}: the development credential from the shipped config is public; anyone can \
@@ -103,6 +106,26 @@ impl Config {
                 ),
             ));
         }
+        if let Some(read) = &server.admin_read_token {
+            let Some(admin) = &server.admin_token else {
+                return Err(invalid(
+                    "server.admin_read_token",
+                    "needs server.admin_token: without it, every caller may already change everything",
+                ));
+            };
+            if read.expose().len() < ADMIN_TOKEN_BYTES_MIN {
+                return Err(invalid(
+                    "server.admin_read_token",
+                    format!("must be at least {ADMIN_TOKEN_BYTES_MIN} bytes (it is {})", read.expose().len()),
+                ));
+            }
+            if read.expose() == admin.expose() {
+                return Err(invalid(
+                    "server.admin_read_token",
+                    "must differ from server.admin_token: a read token that is the admin token changes everything",
+                ));
+            }
+        }
         if !server.admin_listen.ip().is_loopback() && server.admin_token.is_none() {
             // Whoever reaches the admin API can raise any fence to 2^64-1 and lock it for good.
             return Err(invalid(
@@ -147,6 +170,16 @@ impl Config {
             if cluster {
                 return Err(invalid("store.wait_replicas", "not supported with store.cluster_urls"));
             }
+        }
+        match (backend, &store.witness_path) {
+            (StoreBackend::Embedded { path }, Some(witness)) if witness.starts_with(path) => {
+                // Restored with the store, it would agree with any copy.
+                return Err(invalid("store.witness_path", "must be outside store.path"));
+            }
+            (StoreBackend::Redis { .. } | StoreBackend::Etcd { .. }, Some(_)) => {
+                return Err(invalid("store.witness_path", "only the embedded store has a witness"));
+            }
+            _ => {}
         }
         if backend.is_shared() && self.fencing.inflight_deadline_ms < crate::fence::SHARED_INFLIGHT_DEADLINE_MS_MIN {
             // Safety holds for any D (the store keeps a registration D past the latest

@@ -145,6 +145,10 @@ pub fn apply_lease(
             _ => keep(LeaseOutcome::Gone),
         },
         LeaseCommand::Release { lease_id } => match live {
+            // Superseded: it could not write any more; it is removed, and its holder told so.
+            Some(l) if l.lease_id == lease_id && fence.is_some_and(|f| f > l.token) => {
+                LeaseTransition { outcome: LeaseOutcome::Gone, fence: None, lease: LeaseWrite::Delete }
+            }
             Some(l) if l.lease_id == lease_id => {
                 LeaseTransition { outcome: LeaseOutcome::Released, fence: None, lease: LeaseWrite::Delete }
             }
@@ -211,5 +215,12 @@ mod tests {
         );
         let released = apply_lease(f, Some(&l), LeaseCommand::Release { lease_id: "1".into() }, 10);
         assert_eq!((released.outcome, released.lease), (LeaseOutcome::Released, LeaseWrite::Delete));
+        // A newer token registered since the grant: renewing or releasing says it is gone
+        // (its holder could not write any more), and the lease is removed either way.
+        let above = Some(FenceToken(l.token.0 + 1));
+        for command in [LeaseCommand::Renew { lease_id: "1".into() }, LeaseCommand::Release { lease_id: "1".into() }] {
+            let t = apply_lease(above, Some(&l), command, 10);
+            assert_eq!((t.outcome, t.lease), (LeaseOutcome::Gone, LeaseWrite::Delete));
+        }
     }
 }

@@ -151,8 +151,10 @@ enum LeaseError {
     NotFound,
     #[error("lease is held by {holder} for {remaining_ms} more ms")]
     Held { holder: String, remaining_ms: u64 },
-    #[error("the lease expired, was released, or was superseded")]
-    Gone,
+    /// With the resource's fence now, when it has one: above the lease's token, a newer token
+    /// was registered or granted (the holder can tell it was superseded).
+    #[error("the lease expired, was released, or was superseded{}", .fence.map(|f| format!(" (the resource's fence is {f})")).unwrap_or_default())]
+    Gone { fence: Option<u64> },
     #[error("the resource's fence is at the largest token; no greater token can be granted")]
     TokensExhausted,
     #[error("fence state unknown: {0}")]
@@ -210,6 +212,19 @@ impl LeaseService {
             self.dispatch(method, path, body, &caller).await
         };
         answer.unwrap_or_else(|error| problem(&error))
+    }
+
+    /// A renewal or release refused as gone says the resource's fence, so that its holder
+    /// can tell a superseded lease (a fence above its token) from one that lapsed or was
+    /// released: `fencegate-lease` says which. The holder learns no more than a refused write
+    /// of its would tell it (`Fencing-Token-Current`).
+    async fn with_fence(&self, name: &ResourceKey, error: LeaseError) -> LeaseError {
+        match error {
+            LeaseError::Gone { fence: None } => {
+                LeaseError::Gone { fence: self.gate.fence(name).await.ok().flatten().map(|f| f.0) }
+            }
+            other => other,
+        }
     }
 
     /// `GET` a fence, or `PUT {"token": N}` to register a token (G7): 200 with the fence, 409
@@ -309,7 +324,7 @@ impl LeaseService {
                         let credentials = self.credentials(req.credentials, caller, &name, &lease);
                         Ok(lease_json(StatusCode::OK, &name, &lease, credentials))
                     }
-                    other => Err(refusal(other)),
+                    other => Err(self.with_fence(&name, refusal(other)).await),
                 }
             }
             (&Method::DELETE, false) => {
@@ -322,7 +337,7 @@ impl LeaseService {
                         resp.status = Some(StatusCode::NO_CONTENT);
                         Ok(resp)
                     }
-                    other => Err(refusal(other)),
+                    other => Err(self.with_fence(&name, refusal(other)).await),
                 }
             }
             _ => Err(LeaseError::NotFound),
@@ -388,7 +403,7 @@ fn refusal(outcome: LeaseOutcome) -> LeaseError {
         LeaseOutcome::TokensExhausted => LeaseError::TokensExhausted,
         _ => {
             metrics::lease_event("gone");
-            LeaseError::Gone
+            LeaseError::Gone { fence: None }
         }
     }
 }
@@ -443,7 +458,7 @@ fn problem(error: &LeaseError) -> S3Response<Body> {
         LeaseError::NoSuchFence => (StatusCode::NOT_FOUND, "NoSuchFence"),
         LeaseError::NotFound => (StatusCode::NOT_FOUND, "NotFound"),
         LeaseError::Held { .. } => (StatusCode::CONFLICT, "LeaseHeld"),
-        LeaseError::Gone => (StatusCode::GONE, "LeaseGone"),
+        LeaseError::Gone { .. } => (StatusCode::GONE, "LeaseGone"),
         LeaseError::TokensExhausted => (StatusCode::CONFLICT, "FencingTokensExhausted"),
         LeaseError::Unavailable(_) | LeaseError::Recovering { .. } => {
             (StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable")
@@ -453,6 +468,9 @@ fn problem(error: &LeaseError) -> S3Response<Body> {
     if let LeaseError::Held { holder, remaining_ms } = error {
         body["holder"] = serde_json::json!(holder);
         body["remaining_ms"] = serde_json::json!(remaining_ms);
+    }
+    if let LeaseError::Gone { fence: Some(fence) } = error {
+        body["fence"] = serde_json::json!(fence);
     }
     let mut resp = json_response(status, crate::net::problem::CONTENT_TYPE, &body);
     if let LeaseError::Recovering { retry_after_s, .. } = error {

@@ -9,7 +9,10 @@ mod redis;
 mod registrations;
 mod shared;
 
-pub use embedded::{DEFAULT_CACHE_BYTES, EmbeddedStore, IDEMPOTENCY_RECORDS_MAX, OpenError};
+pub use embedded::{
+    Accepted as AcceptedStore, DEFAULT_CACHE_BYTES, EmbeddedStore, IDEMPOTENCY_RECORDS_MAX, OpenError,
+    Options as EmbeddedOptions,
+};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdStore;
 pub use memory::MemoryStore;

@@ -281,6 +281,15 @@ class FenceGate:
             except OSError:
                 pass
 
+    def accept_restored_store(self) -> str:
+        """`fencegate init-store --accept-restored` (the embedded store's files were put back or
+        removed on purpose): what it printed."""
+        done = subprocess.run([str(bin_path()), "init-store", "--accept-restored", "--config", str(self.config_path)],
+                              capture_output=True, text=True, timeout=READY_TIMEOUT_S, cwd=str(self.workdir))
+        if done.returncode != 0:
+            raise AssertionError(f"fencegate init-store --accept-restored failed: {done.stderr[-2000:]}")
+        return done.stdout
+
     def restart(self, kill: bool = False):
         """Stop (or kill -9) and start again on the same data dirs (new ports)."""
         if kill:

@@ -323,7 +323,8 @@ def judge(run: ChaosRun):
 
 def test_chaos_one_replica_embedded_store(chaos_run):
     spec = RunSpec(name="chaos-embedded", topology="embedded", seconds=CHAOS_SECONDS, replicas=1,
-                   seed=seed(), faults={"kill9": 1, "crash_restart_stop": 1, "stop_short": 2, "stop_long": 1})
+                   seed=seed(), faults={"kill9": 1, "crash_restart_stop": 1, "store_restore": 1, "stop_short": 2,
+                           "stop_long": 1})
     judge(chaos_run(spec))
 
 

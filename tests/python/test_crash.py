@@ -224,3 +224,91 @@ def test_the_store_directory_removed_under_a_running_fencegate(fencegate, tmp_pa
     assert out.returncode != 0 and "fencegate ready" not in out.stdout, out.stdout
     assert "another fencegate process uses the fence store" in out.stderr, out.stderr
 
+
+
+def _copy_store(store_dir: Path) -> dict:
+    return {p.name: p.read_bytes() for p in store_dir.iterdir() if p.is_file()}
+
+
+def _put_back(store_dir: Path, copy: dict):
+    """Writes the copy's bytes over the files (in place: each file keeps its inode, as `cp` over
+    an existing file does)."""
+    for name, data in copy.items():
+        (store_dir / name).write_bytes(data)
+
+
+def _serve_once(fg):
+    """`fencegate serve` on the instance's config, expected to refuse: (exit code, stdout,
+    stderr); one that serves instead is stopped after 15 s and reported with exit code 0."""
+    import subprocess
+
+    from fencegate_testlib import bin_path
+    try:
+        out = subprocess.run([str(bin_path()), "serve", "--config", str(fg.config_path)], capture_output=True,
+                             text=True, timeout=15, stdin=subprocess.DEVNULL, cwd=str(fg.workdir))
+        return out.returncode, out.stdout, out.stderr
+    except subprocess.TimeoutExpired as served:
+        return 0, served.stdout or "", served.stderr or ""
+
+
+def test_an_older_copy_of_the_store_put_back_is_refused_before_it_admits_anything(fencegate):
+    """Registration 5, a clean stop, a copy of `data/fences`, a start, registration 7, a clean
+    stop, the copy put back: the start refuses, naming the store that went back in time and the
+    way out. Before: it started on the copy (fence 5) and took registration 6 after 7 had been
+    given out, and a lease grant handed out 6 and 7 again. The operator who takes the copy on
+    purpose (`init-store --accept-restored`) gets a start that holds writes as after a crash."""
+    import json
+    import subprocess
+
+    from fencegate_testlib import bin_path, quote_resource, signed_raw_request
+
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": 4000}})
+    store_dir = Path(fg.config["store"]["path"])
+    assert fg.put_fence("job:restored", 5).status_code == 200
+    fg.stop()
+    older = _copy_store(store_dir)
+    fg.start()
+    assert fg.put_fence("job:restored", 7).status_code == 200
+    fg.stop()
+    newest = _copy_store(store_dir)
+
+    _put_back(store_dir, older)
+    code, stdout, stderr = _serve_once(fg)
+    assert code != 0 and "fencegate ready" not in str(stdout), stdout
+    assert "went back in time" in stderr and "--accept-restored" in stderr, stderr
+    # Put the newest copy back: it starts with every fence.
+    _put_back(store_dir, newest)
+    fg.start()
+    assert fg.get_fence("job:restored").json()["token"] == 7
+    assert fg.put_fence("job:restored", 6).status_code == 409
+    fg.stop()
+
+    # The operator takes the older copy on purpose: said, and held as after a crash.
+    _put_back(store_dir, older)
+    accepted = subprocess.run([str(bin_path()), "init-store", "--accept-restored", "--config", str(fg.config_path)],
+                              capture_output=True, text=True, timeout=30)
+    assert accepted.returncode == 0, accepted.stderr
+    assert "accepted" in accepted.stdout and "reconcile" in accepted.stdout, accepted.stdout
+    fg.start()
+    assert fg.get_fence("job:restored").json()["token"] == 5
+    r = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:restored"),
+                           {"Content-Type": "application/json"},
+                           json.dumps({"holder": "worker", "ttl_ms": 10000}).encode())
+    assert r.status == 503 and "retry-after" in r.headers, (r.status, r.headers, r.body)
+
+
+def test_a_store_removed_while_stopped_does_not_start_empty(fencegate):
+    """`data/fences` removed (or replaced by a fresh one) while fencegate is stopped: the witness
+    beside it refuses an empty start, and the refused start leaves no file behind. Before: a
+    fresh, empty store, every fence gone."""
+    import shutil
+
+    fg = fencegate()
+    store_dir = Path(fg.config["store"]["path"])
+    assert fg.put_fence("job:removed", 9).status_code == 200
+    fg.stop()
+    shutil.rmtree(store_dir)
+    code, stdout, stderr = _serve_once(fg)
+    assert code != 0 and "fencegate ready" not in str(stdout), stdout
+    assert "is not the one its witness" in stderr, stderr
+    assert not (store_dir / "fences.redb").exists()

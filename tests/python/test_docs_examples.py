@@ -162,7 +162,7 @@ def check_config(file: Path, env: dict | None = None) -> subprocess.CompletedPro
 
 
 def risks(r: subprocess.CompletedProcess) -> list:
-    return [line for line in r.stdout.splitlines() if line.startswith("risk:")]
+    return [line for line in r.stdout.splitlines() if line.startswith("# risk:")]
 
 
 def ok(r: subprocess.CompletedProcess):
@@ -273,6 +273,66 @@ def test_operations_reconcile_a_bucket(start, tmp_path):
     assert "0 found in 0 gateway records, 0 uploads and 1 objects" in r.stdout, r.stdout
 
 
+@runs("docs/operations.md", "accept-restored")
+def test_operations_accept_a_restored_store(start, tmp_path):
+    """An older copy of `data/fences` put back is refused at start; the example takes it as it
+    is, and the next start serves it, holding grants as after a crash."""
+    fg = start(env={"FENCEGATE_FENCING__INFLIGHT_DEADLINE_MS": "30000"})
+    assert fg.put_fence("job:restored", 5).status_code == 200
+    fg.stop()
+    store = fg.workdir / "data" / "fences"
+    older = {p.name: p.read_bytes() for p in store.iterdir()}
+    fg.start()
+    assert fg.put_fence("job:restored", 7).status_code == 200
+    fg.stop()
+    for name, data in older.items():
+        (store / name).write_bytes(data)
+    env = {"PATH": f"{bin_path().parent}:{os.environ['PATH']}"}
+    refused = run_sh(f"fencegate serve --config {SHIPPED_CONFIG}", fg.workdir, env)
+    assert refused.returncode != 0 and "went back in time" in refused.stderr, refused.stderr
+
+    code = block("docs/operations.md", "accept-restored").code.replace("config/fencegate.toml", str(SHIPPED_CONFIG))
+    r = ok(run_sh(code, fg.workdir, env))
+    assert "accepted" in r.stdout, r.stdout
+    fg.start()
+    assert fence(fg, "job:restored") == 5
+    grant = signed_raw_request(fg, "POST", "/_fencegate/v1/leases/" + quote_resource("job:restored"),
+                               {"Content-Type": "application/json"},
+                               json.dumps({"holder": "worker", "ttl_ms": 10000}).encode())
+    assert grant.status == 503 and "retry-after" in grant.headers, (grant.status, grant.body)
+
+
+@runs("docs/operations.md", "prometheus-scrape")
+def test_operations_prometheus_scrapes_with_the_read_token(start, tmp_path):
+    """The scrape job, pointed at the test instance and its token file, gets the metrics with
+    the read token as Prometheus sends it; the same token can neither raise a fence nor start a
+    reconciliation (401), and reads the fences."""
+    import yaml
+
+    admin, read = "the-admin-token-of-16b", "the-read-token-of-16b"
+    fg = start(env={"FENCEGATE_SERVER__ADMIN_TOKEN": admin, "FENCEGATE_SERVER__ADMIN_READ_TOKEN": read})
+    job = yaml.safe_load(block("docs/operations.md", "prometheus-scrape").code)["scrape_configs"][0]
+    auth = job["authorization"]
+    token_file = tmp_path / "fencegate-read-token"
+    token_file.write_text(read + "\n")
+    assert auth["credentials_file"].endswith("fencegate-read-token")
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:9001"]
+    target = "%s:%d" % fg.admin_addr  # the docs' address, localized
+    # As Prometheus does: the file's content, trimmed, after the type.
+    bearer = {"Authorization": f"{auth['type']} {token_file.read_text().strip()}"}
+    metrics = requests.get(f"http://{target}/metrics", headers=bearer, timeout=10)
+    assert metrics.status_code == 200 and "fencegate_decisions_total" in metrics.text, metrics.text[:200]
+    assert requests.get(f"http://{target}/metrics", timeout=10).status_code == 401
+    raise_fence = requests.put(f"http://{target}/v1/fences/job%3Ax", json={"token": 2**63}, headers=bearer, timeout=10)
+    assert raise_fence.status_code == 401, raise_fence.text
+    recon = requests.post(f"http://{target}/v1/reconcile", json={"bucket": "b"}, headers=bearer, timeout=10)
+    assert recon.status_code == 401, recon.text
+    assert requests.get(f"http://{target}/v1/fences/job%3Ax", headers=bearer, timeout=10).status_code == 404
+    raised = requests.put(f"http://{target}/v1/fences/job%3Ax", json={"token": 3},
+                          headers={"Authorization": f"Bearer {admin}"}, timeout=10)
+    assert raised.status_code == 200, raised.text
+
+
 def replicas_file(directory: Path, text: str | None = None) -> Path:
     path = directory / "replicas.toml"
     path.write_text(text if text is not None else block("docs/operations.md", "redis-replicas").code)
@@ -285,16 +345,20 @@ def test_operations_replica_configs_pass_check_config(tmp_path):
     and the timeout rule it states is the one check-config enforces."""
     text = block("docs/operations.md", "redis-replicas").code
     r = ok(check_config(replicas_file(tmp_path, text)))
-    assert "Redis" in r.stdout and risks(r) == [], r.stdout
+    assert 'kind = "redis"' in r.stdout and risks(r) == [], r.stdout
     # Its commented wait_replicas line, switched on, still passes (the wait stays below timeout_ms).
     switched = text.replace("# wait_replicas = 1", "wait_replicas = 1")
     assert switched != text
     r = ok(check_config(replicas_file(tmp_path, switched)))
-    assert "wait_replicas: 1" in r.stdout and risks(r) == [], r.stdout
-    # The rule the page states is what keeps check-config quiet: without the line, a risk.
+    assert "wait_replicas = 1" in r.stdout and risks(r) == [], r.stdout
+    # The rule the page states is the one check-config enforces: above the deadline, a risk;
+    # without the line, the default follows the deadline (no risk).
     unruled = re.sub(r"\nrequest_timeout_ms = .*", "", text)
     assert unruled != text
     r = ok(check_config(replicas_file(tmp_path, unruled)))
+    assert risks(r) == [] and "request_timeout_ms = 30000" in r.stdout, r.stdout
+    above = re.sub(r"\nrequest_timeout_ms = .*", "\nrequest_timeout_ms = 40000", text)
+    r = ok(check_config(replicas_file(tmp_path, above)))
     assert any("request_timeout_ms" in line for line in risks(r)), r.stdout
 
     # The etcd section: the same file with its [store] table.
@@ -302,7 +366,7 @@ def test_operations_replica_configs_pass_check_config(tmp_path):
     with_etcd = re.sub(r"\[store\]\n.*?(?=\n\[)", lambda _m: etcd_store.strip() + "\n", text, flags=re.S)
     assert 'kind = "etcd"' in with_etcd and 'kind = "redis"' not in with_etcd
     r = ok(check_config(replicas_file(tmp_path, with_etcd)))
-    assert "Etcd" in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
+    assert 'kind = "etcd"' in r.stdout and "10.0.0.3:2379" in r.stdout and risks(r) == [], r.stdout
 
 
 @runs("docs/operations.md", "init-store")
@@ -364,7 +428,7 @@ def test_gateway_route(start, tmp_path):
     route = tmp_path / "route.toml"
     route.write_text(block("docs/gateway.md", "route").code)
     r = ok(check_config(SHIPPED_CONFIG, env={"FENCEGATE_INCLUDE": str(route)}))
-    assert 'prefix: "/payments/"' in r.stdout, r.stdout
+    assert 'prefix = "/payments/"' in r.stdout, r.stdout
     fg = start(env={"FENCEGATE_INCLUDE": str(route)})
     url = fg.s3_url + "/payments/42"
     for headers, status, code in [({}, 428, "FencingTokenRequired"),

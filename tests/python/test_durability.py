@@ -1,5 +1,7 @@
 """G2, durable advance, shown on the system calls: an advance is on disk (`fdatasync` of the
-fence store returned) before any byte of a write carrying the new token reaches the upstream.
+fence store returned), and so is its witness (the record of the store's last commit beside it,
+by which an older copy put back is refused), before any byte of a write carrying the new token
+reaches the upstream.
 
 `kill -9` cannot show this: the kernel's page cache survives a killed process, so a store that
 forwarded before syncing would still pass a crash test. Here fencegate runs under `strace`, and
@@ -72,7 +74,7 @@ def _stop(proc):
 
 def _events(trace, objects_dir):
     """The trace, in order, as ("sync", start, end) for a completed sync of the fence store's
-    fd (line numbers), ("data", line, path) for a data file the local upstream creates to
+    fd (line numbers), ("witness", start, end) for one of its witness's, ("data", line, path) for a data file the local upstream creates to
     receive a write's body, and ("commit", start, end) for a completed sync of the local
     upstream's database (a write's commit)."""
     lines = trace.read_text().splitlines()
@@ -92,20 +94,23 @@ def _events(trace, objects_dir):
         creating = re.search(r'openat\(.*"([^"]*)".*O_CREAT', line)
         if opened and opened.group(1).endswith("/fences.redb"):
             fds["fence"] = opened.group(2)
+        elif opened and opened.group(1).endswith("/fences.witness"):
+            fds["witness"] = opened.group(2)
         elif opened and opened.group(1).endswith("/local.redb"):
             fds["local"] = opened.group(2)
         elif creating and creating.group(1).startswith(data_dir):
             events.append(("data", n, creating.group(1)))
         done = re.search(r"\b(?:fdatasync|fsync)\((\d+)\)\s+= 0", line)
         began = re.search(r"\b(?:fdatasync|fsync)\((\d+) <unfinished", line)
+        kinds = {"fence": "sync", "witness": "witness", "local": "commit"}
         if done and which(done.group(1)):
-            events.append(("sync" if which(done.group(1)) == "fence" else "commit", n, n))
+            events.append((kinds[which(done.group(1))], n, n))
         elif began and which(began.group(1)):
             pending[pid] = (which(began.group(1)), n)
         elif re.search(r"<\.\.\. (fdatasync|fsync) resumed>.*= 0", line) and pid in pending:
             name, start = pending.pop(pid)
-            events.append(("sync" if name == "fence" else "commit", start, n))
-    assert "fence" in fds and "local" in fds, f"the trace shows both stores being opened: {fds}"
+            events.append((kinds[name], start, n))
+    assert {"fence", "witness", "local"} <= set(fds), f"the trace shows both stores and the witness opened: {fds}"
     return events
 
 
@@ -139,11 +144,15 @@ def test_an_advance_is_synced_before_its_write_reaches_the_upstream(tmp_path):
     events = _events(trace, objects_dir)
     puts = _puts(events)
     syncs = [(start, end) for kind, start, end in events if kind == "sync"]
+    witnessed = [(start, end) for kind, start, end in events if kind == "witness"]
     assert len(puts) == 12, puts  # the PUTs run one after another: 8 advancing, then 4 not
     advancing, same = puts[:8], puts[8:]
     for token, (previous, began, _) in enumerate(advancing, start=1):
         synced = [s for s in syncs if s[0] > previous and s[1] < began]
         assert synced, f"advance-{token} reached the upstream before its advance was synced (previous commit " \
                        f"at line {previous}, upload began at line {began})"
+        after_commit = [w for w in witnessed if w[0] > synced[0][1] and w[1] < began]
+        assert after_commit, f"advance-{token} reached the upstream before its commit was witnessed (store " \
+                             f"synced at line {synced[0][1]}, upload began at line {began})"
     first, last = same[0][1], same[-1][2]
-    assert not [s for s in syncs if first < s[0] < last], "writes that do not advance cost no sync"
+    assert not [s for s in syncs + witnessed if first < s[0] < last], "writes that do not advance cost no sync"

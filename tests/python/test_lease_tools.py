@@ -965,3 +965,21 @@ def test_classic_scenario_with_rclone_and_s3cmd(any_gate, tmp_path, background, 
     assert not session_procs(a.sid), f"A's processes outlived it: {session_procs(a.sid)}"
     # Nothing of A's left behind: no unfinished upload (the tools write these small files whole).
     assert not fg.moto.list_multipart_uploads(Bucket=fg.bucket).get("Uploads"), "an upload was left behind"
+
+
+def test_a_newer_token_registered_mid_run_exits_75_and_says_so(gate, background):
+    """An operator (or the lease service) registers a newer token on the lease's resource while
+    the command runs: every write of the lease is refused from then on, and when the command
+    ends `fencegate-lease` exits 75 naming the newer token. Before: the command's status (0 here)
+    and "released", as if the work had been done under the lease."""
+    fg = gate
+    bg = background(lease_cmd("job:overtaken", "--ttl-ms", "60000", command=["sleep", "1.5"]), tool_env(fg),
+                    "overtaken")
+    acquired = wait_until(lambda: ACQUIRED_RE.search(bg.err()) or bg.proc.poll() is not None, timeout=15,
+                          what="the lease to be acquired")
+    token = int(acquired.group(2))
+    assert fg.put_fence("job:overtaken", token + 5).status_code == 200
+    rc = bg.wait(timeout=15)
+    assert rc == EXIT_LOST, (rc, bg.err())
+    assert f"superseded: a newer token ({token + 5})" in bg.err(), bg.err()
+    assert "fencegate-lease: released" not in bg.err(), bg.err()

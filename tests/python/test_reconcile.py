@@ -138,9 +138,14 @@ def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_serv
 
 
 def test_a_fence_the_store_lost_is_raised_back_on_the_embedded_store(fencegate, moto_server, tmp_path):
-    """The embedded store restored from a copy taken before an advance: the object's stamp
-    is above the fence; `--apply` raises it back, and stale writes are refused again."""
+    """The embedded store restored from a copy taken before an advance, and taken as it is by
+    the operator (its witness refuses it otherwise: test_crash.py): the object's stamp is above
+    the fence; `--apply` raises it back once the start's hold has passed, and stale writes are
+    refused again."""
+    import time
+
     fg = start(fencegate, moto_server, "local")
+    fg.config["fencing"]["inflight_deadline_ms"] = 2000
     fg.client(token=3).put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"3")
     fg.stop()
     backup = tmp_path / "fences-backup"
@@ -150,8 +155,10 @@ def test_a_fence_the_store_lost_is_raised_back_on_the_embedded_store(fencegate, 
     fg.stop()
     shutil.rmtree(fg.workdir / "fences")
     shutil.copytree(backup, fg.workdir / "fences")
+    fg.accept_restored_store()
     fg.start()
     assert fence(fg, RESOURCE) == 3, "the restored store lost the advance to 8"
+    time.sleep(2.2)  # the hold of an accepted copy, as after a crash
 
     found = findings(reconcile(fg, "--json", "--apply"))
     assert [(f["kind"], f["stamp"], f["fence"], f["action"]) for f in found] == [("stamp_above_fence", 8, 3, "raised")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 from botocore.exceptions import ClientError
@@ -23,7 +24,10 @@ def test_lost_fence_store_local_upstream(fg):
     fg.client(token=12).put_object(Bucket=bucket, Key="k", Body=b"B's data")
     fg.stop()
     shutil.rmtree(fg.workdir / "fences")
+    fg.accept_restored_store()  # its witness refuses the empty store otherwise (test_crash.py)
+    fg.config["fencing"] = dict(fg.config.get("fencing", {}), inflight_deadline_ms=1000)
     fg.start()
+    time.sleep(1.1)  # the hold of an accepted store, as after a crash
     assert fg.get_fence(f"{bucket}/k").status_code == 404  # the store really forgot
 
     with pytest.raises(ClientError) as exc_info:

@@ -862,7 +862,7 @@ def check_config(path: Path, env: dict | None = None, cwd: Path | None = None) -
 
 
 def risk_lines(out: str) -> list:
-    return [line[len("risk: "):] for line in out.splitlines() if line.startswith("risk: ")]
+    return [line[len("# risk: "):] for line in out.splitlines() if line.startswith("# risk: ")]
 
 
 def write(tmp_path: Path, cfg: dict, name: str = "fencegate.toml") -> Path:
@@ -871,17 +871,22 @@ def write(tmp_path: Path, cfg: dict, name: str = "fencegate.toml") -> Path:
     return path
 
 
-def test_check_config_flags_the_shipped_dev_credential(tmp_path):
+def test_check_config_flags_the_dev_credential_once_others_can_reach_it(tmp_path):
     """Before: `check-config` printed the shipped config as valid and nothing else; the public
-    `fencegate-dev` credential (an issuer there) went to production unnoticed. Now one line
-    says so; the printed config also shows `admin_connections_max` at its default, 64."""
-    p = check_config(REPO_ROOT / "config" / "fencegate.toml", cwd=tmp_path)
+    `fencegate-dev` credential (an issuer there) went to production unnoticed. On the shipped
+    loopback listener only this host can sign with it, and the shipped config has no risk; the
+    same file listening on every address gets one line that says so. The printed config also
+    shows `admin_connections_max` at its default, 64."""
+    shipped = REPO_ROOT / "config" / "fencegate.toml"
+    p = check_config(shipped, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
-    risks = risk_lines(p.stdout)
-    assert len(risks) == 1, risks
-    assert risks[0].startswith('credentials "fencegate-dev": the development credential'), risks
-    assert "grant leases" in risks[0], "the shipped credential is an issuer"
-    assert re.search(r"\badmin_connections_max: 64,", p.stdout), p.stdout
+    assert risk_lines(p.stdout) == [], p.stdout
+    assert re.search(r"^admin_connections_max = 64$", p.stdout, re.M), p.stdout
+    opened = tmp_path / "open.toml"
+    opened.write_text(shipped.read_text().replace('listen = "127.0.0.1:9000"', 'listen = "0.0.0.0:9000"'))
+    risks = risk_lines(check_config(opened, cwd=tmp_path).stdout)
+    assert any(r.startswith('credentials "fencegate-dev": the development credential') and "grant leases" in r
+               for r in risks), risks
 
 
 def test_check_config_prints_no_risk_for_a_clean_config(tmp_path):
@@ -895,12 +900,16 @@ def _admin_open(cfg):
     cfg["server"].update(admin_listen="0.0.0.0:9001", admin_token="an-admin-token-of-our-own")
 
 
+# The development credential is a risk once other hosts can reach the listener (on loopback only
+# this host can sign): these also open it, which is a risk of its own (`s3-listener-...`).
 def _dev_key(cfg):
     cfg["credentials"].append({"access_key_id": "fencegate-dev", "secret_access_key": "not-the-dev-secret-9"})
+    _s3_open_plain(cfg)
 
 
 def _dev_secret(cfg):
     cfg["credentials"].append({"access_key_id": "someone", "secret_access_key": "fencegate-dev-secret"})
+    _s3_open_plain(cfg)
 
 
 def _route_write(cfg):
@@ -948,6 +957,9 @@ def test_check_config_prints_each_risk_once(tmp_path, risk):
     p = check_config(write(tmp_path, cfg))
     assert p.returncode == 0, p.stderr
     risks = risk_lines(p.stdout)
+    if change in (_dev_key, _dev_secret):  # with the open listener's own line
+        opened = RISKS["s3-listener-not-loopback-no-tls"][1]
+        risks = [r for r in risks if not r.startswith(opened)]
     assert len(risks) == 1 and risks[0].startswith(expected), risks
 
 
@@ -1034,7 +1046,7 @@ def test_serve_logs_the_risks_check_config_prints(fencegate):
                       "mode": "fence-only", "advance": "write"}]
     risky = fencegate(config=cfg, local_buckets=(BUCKET,))
     expected = risk_lines(check_config(risky.config_path).stdout)
-    assert len(expected) == 2, expected  # the dev credential (an issuer) and the route
+    assert len(expected) == 1, expected  # the route's (the dev credential is no risk on loopback)
     assert warnings_of(risky) == expected, (warnings_of(risky), expected)
     assert risky.admin("GET", "/healthz").status_code == 200
 

@@ -24,7 +24,8 @@
 //! releases its own lease, so `renew` and `release` work in the same shell.
 //!
 //! Exit status of `run`: COMMAND's own (128 + N if a signal N ended it); 75 if the lease was lost
-//! while COMMAND ran (it was stopped, or it had ended by the time the loss was seen); 69 if someone else holds the lease (after `--wait-ms`);
+//! while COMMAND ran (it was stopped, or it had ended by the time the loss was seen: lapsed,
+//! released by someone else, or superseded by a newer token, which it says); 69 if someone else holds the lease (after `--wait-ms`);
 //! 1 if fencegate refused or could not be reached; 2 for bad arguments. `acquire`, `renew` and
 //! `release` exit 0, 69 (held), 1 (refused, gone, unreachable) or 2.
 
@@ -35,7 +36,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use fencegate_client::cli::Connection;
-use fencegate_client::{Grant, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus};
+use fencegate_client::{Grant, Lease, LeaseClient, LeaseError, LeaseOptions, LeaseStatus, LostReason};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::process::Child;
@@ -257,7 +258,7 @@ async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration, mut
     if supervised.is_err() {
         // Lost: the command is stopped first (its group still exists until it is reaped).
         let reason = match lease.status() {
-            LeaseStatus::Lost(reason) => reason.to_string(),
+            LeaseStatus::Lost(reason) => reason.explanation(),
             other => format!("{other:?}"),
         };
         eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
@@ -274,10 +275,16 @@ async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration, mut
             eprintln!("fencegate-lease: lease {} lapsed while the command ran", lease.name());
             EXIT_LOST
         }
-        Ok(status) => {
-            release(lease).await;
-            status.code().map_or_else(|| 128 + status.signal().unwrap_or(0) as u8, |c| c as u8)
-        }
+        Ok(status) => match release(lease).await {
+            // Not the lease's any more when the command ended: superseded by a newer token (the
+            // command's writes were refused from then on, which its status may not say), or
+            // lapsed, or released by someone else.
+            Some(reason) => {
+                eprintln!("fencegate-lease: the lease was lost while the command ran ({})", reason.explanation());
+                EXIT_LOST
+            }
+            None => status.code().map_or_else(|| 128 + status.signal().unwrap_or(0) as u8, |c| c as u8),
+        },
         Err(Lost) => EXIT_LOST,
     }
 }
@@ -351,11 +358,23 @@ async fn stop(child: &mut Child, grace: Duration) {
     }
 }
 
-async fn release(lease: Lease) {
+/// Releases the lease; why it was lost, when fencegate said it was not this lease's any more.
+async fn release(lease: Lease) -> Option<LostReason> {
     let name = lease.name().to_owned();
+    let status = lease.watch();
     match lease.release().await {
-        Ok(()) => eprintln!("fencegate-lease: released {name}"),
-        Err(error) => eprintln!("fencegate-lease: release of {name}: {error}"),
+        Ok(()) => {
+            eprintln!("fencegate-lease: released {name}");
+            None
+        }
+        Err(LeaseError::Gone { .. }) => match *status.borrow() {
+            LeaseStatus::Lost(reason) => Some(reason),
+            _ => Some(LostReason::Refused),
+        },
+        Err(error) => {
+            eprintln!("fencegate-lease: release of {name}: {error}");
+            None
+        }
     }
 }
 

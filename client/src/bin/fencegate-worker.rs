@@ -181,7 +181,7 @@ async fn run(args: Args) -> Result<u8, Box<dyn std::error::Error>> {
                 let Some(held) = lease.take() else { continue };
                 match held.release().await {
                     Ok(()) => println!("released"),
-                    Err(LeaseError::Gone) => println!("release refused code=LeaseGone"),
+                    Err(LeaseError::Gone { .. }) => println!("release refused code=LeaseGone"),
                     Err(e) => return Err(e.into()),
                 }
             }

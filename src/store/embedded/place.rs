@@ -61,7 +61,7 @@ impl Place {
             });
         }
         match lock.try_lock() {
-            Ok(()) => Ok(Claimed { lock }),
+            Ok(()) => Ok(Claimed { lock, dir: canonical }),
             Err(std::fs::TryLockError::WouldBlock) => Err(PlaceError::Claimed { dir: canonical }),
             Err(std::fs::TryLockError::Error(source)) => Err(claim_error(source)),
         }
@@ -79,9 +79,16 @@ impl Place {
 /// A claimed directory whose file is not open yet.
 pub struct Claimed {
     lock: File,
+    /// The directory, canonical.
+    dir: PathBuf,
 }
 
 impl Claimed {
+    /// The store directory's canonical path.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The place of `file` once it is open: the identity it has now.
     pub fn opened(self, file: &Path) -> Result<Place, PlaceError> {
         let meta = std::fs::metadata(file).map_err(|_| PlaceError::Lost { file: file.into() })?;

@@ -1,3 +1,4 @@
+use super::place::PlaceError;
 use super::*;
 use crate::fence::IdempotencyOutcome;
 use redb::ReadableTableMetadata;
@@ -154,13 +155,186 @@ async fn an_expired_record_is_claimed_again_and_its_old_claim_is_void() {
 
 /// Opens the store in `dir`, waiting for the writer thread of one just dropped to let go of it.
 fn reopen(dir: &std::path::Path) -> EmbeddedStore {
+    try_reopen(dir).unwrap_or_else(|e| panic!("reopening the store: {e}"))
+}
+
+/// [`reopen`], with any refusal but "still in use" returned.
+fn try_reopen(dir: &std::path::Path) -> Result<EmbeddedStore, OpenError> {
     for _ in 0..200 {
-        if let Ok(store) = EmbeddedStore::open(dir) {
-            return store;
+        match EmbeddedStore::open(dir) {
+            Err(OpenError::Place(PlaceError::Claimed { .. }) | OpenError::Open { .. }) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            opened => return opened,
+        }
+    }
+    panic!("the store file stayed locked");
+}
+
+/// Waits until the store that was open in `dir` is closed (its writer thread lets go of the
+/// file, then of the claim).
+fn wait_closed(dir: &std::path::Path) {
+    for _ in 0..200 {
+        if Place::claim(dir).is_ok() {
+            return;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    panic!("the store file stayed locked");
+    panic!("the store in {} stayed open", dir.display());
+}
+
+/// A copy of the store directory `dir`'s files, once the store open there is closed.
+fn copy_of(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    wait_closed(dir);
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).map(|p| (p.clone(), std::fs::read(p).unwrap())).collect()
+}
+
+fn put_back(copy: &[(std::path::PathBuf, Vec<u8>)]) {
+    for (path, bytes) in copy {
+        std::fs::write(path, bytes).unwrap();
+    }
+}
+
+/// An older copy put back (in place, so the file keeps its inode) is refused before it
+/// admits anything, even after a clean stop; the newest copy put back opens; an operator who
+/// takes the older one on purpose gets a start that holds writes as after a crash.
+#[tokio::test]
+async fn an_older_copy_put_back_is_refused_until_the_operator_accepts_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let r = ResourceKey::new("job:a").unwrap();
+    let store = EmbeddedStore::open(&dir).unwrap();
+    store.advance(&r, FenceToken(5)).await.unwrap();
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let older = copy_of(&dir);
+    let store = reopen(&dir);
+    store.advance(&r, FenceToken(7)).await.unwrap();
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let newest = copy_of(&dir);
+
+    put_back(&older);
+    let refused = try_reopen(&dir).err().expect("an older copy opened");
+    assert!(matches!(refused, OpenError::WentBack { .. }), "{refused}");
+    assert!(refused.to_string().contains("--accept-restored"), "{refused}");
+    // Refusing changed nothing: it is refused again, and the newest copy still opens.
+    assert!(matches!(try_reopen(&dir), Err(OpenError::WentBack { .. })));
+    put_back(&newest);
+    let store = reopen(&dir);
+    assert_eq!(store.load(&r).await.unwrap(), Some(FenceToken(7)));
+    assert!(store.opened_clean());
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+
+    wait_closed(&dir);
+    put_back(&older);
+    let accepted = EmbeddedStore::accept_as_newest(&dir, &Options::default()).unwrap();
+    assert!(accepted.witnessed.is_some(), "{accepted}");
+    let store = reopen(&dir);
+    assert_eq!(store.load(&r).await.unwrap(), Some(FenceToken(5)));
+    assert!(!store.opened_clean(), "an accepted copy starts as after a crash");
+    store.advance(&ResourceKey::new("job:b").unwrap(), FenceToken(9)).await.unwrap();
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    // The copy set aside before, though it ran longer, is not what was accepted: refused.
+    let set_aside = copy_of(&dir);
+    put_back(&newest);
+    assert!(matches!(try_reopen(&dir), Err(OpenError::Replaced { .. })));
+    put_back(&set_aside);
+    drop(reopen(&dir));
+}
+
+/// A witness inside the store directory would be restored with it: refused however the path
+/// names it (relative, through `..`).
+#[test]
+fn a_witness_inside_the_store_directory_is_refused() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    for inside in [dir.join("w"), dir.join("sub/../w"), parent.path().join("fences/./w")] {
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let options = Options { witness_path: Some(inside.clone()), ..Options::default() };
+        let refused = EmbeddedStore::open_with(&dir, &options).err();
+        assert!(matches!(refused, Some(OpenError::WitnessInside { .. })), "{inside:?}: {refused:?}");
+    }
+    let outside = Options { witness_path: Some(parent.path().join("elsewhere.witness")), ..Options::default() };
+    drop(EmbeddedStore::open_with(&dir, &outside).unwrap());
+}
+
+/// A crash during a store's first start, after its witness named it and before its first
+/// commit: the next start makes the store the witness named. Before: refused for good.
+#[test]
+fn a_first_start_that_crashed_before_its_first_commit_starts_again() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let me = rustix::process::geteuid().as_raw();
+    drop(witness::Witness::create(&parent.path().join("fences.witness"), 42, 0, me).unwrap());
+    std::fs::write(parent.path().join("empty.witness"), b"").unwrap();
+    drop(reopen(&dir));
+    let other = parent.path().join("empty");
+    drop(EmbeddedStore::open(&other).unwrap());
+}
+
+/// The witness removed under a running store: no change is made any more (its records would
+/// go to a file no later start reads), and readiness says so.
+#[tokio::test]
+async fn a_witness_removed_under_a_running_store_stops_every_change() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let store = EmbeddedStore::open(&dir).unwrap();
+    let r = ResourceKey::new("job:a").unwrap();
+    store.advance(&r, FenceToken(5)).await.unwrap();
+    std::fs::remove_file(parent.path().join("fences.witness")).unwrap();
+    assert!(matches!(store.advance(&r, FenceToken(6)).await, Err(StoreError::Poisoned)));
+    assert!(matches!(store.ping().await, Err(StoreError::FileLost)));
+}
+
+/// The store directory removed (or a new, empty one put in its place) while no process runs:
+/// the witness beside it refuses a fresh start, and leaves no file behind doing so.
+#[tokio::test]
+async fn a_store_removed_while_stopped_is_not_started_anew() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let store = EmbeddedStore::open(&dir).unwrap();
+    store.advance(&ResourceKey::new("job:a").unwrap(), FenceToken(5)).await.unwrap();
+    drop(store);
+    wait_closed(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(matches!(try_reopen(&dir), Err(OpenError::Replaced { .. })));
+    assert!(!dir.join(FILE_NAME).exists(), "a refused start made a file");
+    // Another store's file there is refused too.
+    let other = parent.path().join("other");
+    drop(EmbeddedStore::open(&other).unwrap());
+    wait_closed(&other);
+    std::fs::copy(other.join(FILE_NAME), dir.join(FILE_NAME)).unwrap();
+    assert!(matches!(try_reopen(&dir), Err(OpenError::Replaced { .. })));
+    // The operator starts anew on purpose: a new, empty store, held at its first start.
+    std::fs::remove_file(dir.join(FILE_NAME)).unwrap();
+    let accepted = EmbeddedStore::accept_as_newest(&dir, &Options::default()).unwrap();
+    assert!(accepted.made_new && accepted.witnessed.is_some(), "{accepted:?}");
+    let store = reopen(&dir);
+    assert!(!store.opened_clean());
+    assert_eq!(store.load(&ResourceKey::new("job:a").unwrap()).await.unwrap(), None);
+}
+
+/// A store with commits and no witness is refused (a removed witness looks like a restored
+/// copy); a witness one commit behind (a crash between the store's commit and the witness's)
+/// is the normal case of a crash and opens.
+#[tokio::test]
+async fn a_missing_witness_is_refused_and_one_a_commit_behind_is_not() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("fences");
+    let witness_path = parent.path().join("fences.witness");
+    let store = EmbeddedStore::open(&dir).unwrap();
+    store.advance(&ResourceKey::new("job:a").unwrap(), FenceToken(5)).await.unwrap();
+    drop(store);
+    wait_closed(&dir);
+    let me = rustix::process::geteuid().as_raw();
+    let seen = witness::read(&witness_path, me).unwrap().expect("a witness beside the store");
+    drop(witness::Witness::create(&witness_path, seen.store_id, seen.generation - 1, me).unwrap());
+    drop(reopen(&dir));
+    std::fs::remove_file(&witness_path).unwrap();
+    assert!(matches!(try_reopen(&dir), Err(OpenError::WitnessMissing { .. })));
 }
 
 /// A new file and a clean shutdown open clean; a process that stopped without recording a

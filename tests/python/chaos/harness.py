@@ -193,6 +193,8 @@ class ChaosRun:
             t.join(timeout=max(0.0, deadline - time.monotonic()) + 60)
         problems = [f"{t.name} is still running" for t in writers + [self.nemesis] if t.is_alive()]
         problems += [f"{t.name} failed: {t.failure!r}" for t in writers + [self.nemesis] if t.failure]
+        if self.nemesis.never_ran() and spec.seconds >= 60:
+            problems.append(f"fault kinds that never ran: {', '.join(self.nemesis.never_ran())}")
 
         # Every held write reaches moto before the history is judged.
         hold_max = self.hold_range[1]

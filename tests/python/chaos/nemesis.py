@@ -5,6 +5,10 @@ Faults (each chosen at random among those the topology allows):
 - `crash_restart_stop`: the operator's crash loop: kill -9 a replica, start it, stop it cleanly
   0.2-1 s later (inside the hold after the crash) and start it again; the hold must outlast
   the clean stop;
+- `store_restore` (embedded store): the operator's restore of an older backup: stop a replica
+  cleanly, copy its store directory, start it, let it commit for 0.5-2 s, stop it (cleanly or
+  kill -9), put the copy back in place; the start must refuse (the store went back in time: its
+  witness saw later commits) before admitting anything; the newest copy is put back and started;
 - `stop_short` / `stop_long`: SIGSTOP a replica, SIGCONT it after 0.3-1.5 s, or after longer
   than a shared store keeps its registrations (11/8 of the in-flight deadline: a GC pause or VM
   suspend the others outlive);
@@ -21,6 +25,10 @@ Faults (each chosen at random among those the topology allows):
   gateway), restart it on its data after 0.2-1.5 s (the other two elect a leader meanwhile;
   Raft: no acknowledged write is lost), and wait until it answers and a leader is known.
 Client-side faults (timeouts, hang-ups, slow bodies, stalls) are the writers' (writers.py).
+
+Every kind with a weight is drawn once before any is drawn again (in a random order, as each is
+allowed), so a run of the usual length exercises every fault it names; the harness reports a kind
+that never ran.
 
 The two store losses are logged with `loss` (the window in which the store lost its state) and
 every replica restart in `restarts`: the checker needs both to know which fences a loss may
@@ -43,6 +51,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import requests
 
@@ -82,7 +91,9 @@ class Nemesis(threading.Thread):
                 kinds = [k for k in sorted(self.weights) if self.allowed(k, time.monotonic())]
                 if not kinds:
                     continue
-                kind = self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
+                untried = [k for k in kinds if k not in self.tried()]
+                kind = self.rng.choice(untried) if untried else \
+                    self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
                 entry = {"kind": kind, "target": "", "t_start": time.monotonic(), "detail": ""}
                 getattr(self, kind)(entry)
                 entry["t_end"] = time.monotonic()
@@ -114,9 +125,17 @@ class Nemesis(threading.Thread):
         """Whether `kind` may run now: store losses and replica restarts kept apart (module doc)."""
         if kind in STORE_LOSSES:
             return all(now - t >= SETTLE_S for t in [self.t_begin] + [r["t_to"] for r in self.restarts])
-        if kind in ("kill9", "crash_restart_stop"):
+        if kind in ("kill9", "crash_restart_stop", "store_restore"):
             return all(now - to >= self.long_stop + SETTLE_S for _, to in self.losses())
         return True
+
+    def tried(self) -> set:
+        """The kinds that ran at least once."""
+        return {e["kind"] for e in self.log}
+
+    def never_ran(self) -> list:
+        """The kinds with a weight that never ran."""
+        return sorted(set(self.weights) - self.tried())
 
     def losses(self) -> list:
         """The windows (from, to) in which the store may have lost its state."""
@@ -149,6 +168,37 @@ class Nemesis(threading.Thread):
             time.sleep(self.rng.uniform(0.2, 1.0))
             fg.stop()
             fg.start()
+        self._restart(entry, steps)
+
+    def store_restore(self, entry):
+        def steps(fg):
+            store_dir = Path(fg.config["store"]["path"])
+            fg.stop()
+            older = {p.name: p.read_bytes() for p in store_dir.iterdir() if p.is_file()}
+            fg.start()
+            ran = self.rng.uniform(0.5, 2.0)
+            time.sleep(ran)
+            crashed = self.rng.random() < 0.5
+            if crashed:
+                fg.kill9()
+            else:
+                fg.stop()
+            newest = {p.name: p.read_bytes() for p in store_dir.iterdir() if p.is_file()}
+            for name, data in older.items():  # in place, as `cp` over the files does
+                (store_dir / name).write_bytes(data)
+            try:
+                refused = subprocess.run([str(bin_path()), "serve", "--config", str(fg.config_path)],
+                                         capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL,
+                                         cwd=str(fg.workdir))
+            except subprocess.TimeoutExpired as served:
+                raise AssertionError(f"an older copy of the store was served: {served.stdout!r}") from None
+            if refused.returncode == 0 or "went back in time" not in refused.stderr:
+                raise AssertionError(f"an older copy of the store was not refused ({refused.returncode}): "
+                                     f"{refused.stderr[-2000:]}")
+            for name, data in newest.items():
+                (store_dir / name).write_bytes(data)
+            fg.start()
+            entry["detail"] = f"ran {ran:.2f}s on the newest copy, then {'kill -9' if crashed else 'a clean stop'}"
         self._restart(entry, steps)
 
     def _pause(self, entry, seconds: float):

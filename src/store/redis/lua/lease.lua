@@ -40,13 +40,13 @@ if op == 'acquire' then
   return {'granted', ARGV[3], ARGV[2], token, ARGV[4], expires, had, repaired}
 end
 if not live or l[2] ~= ARGV[2] then return {'gone', '', '', '', '', ''} end
+local cur = redis.call('GET', KEYS[1])
+if cur and lt(l[3], cur) then
+  -- superseded: a newer token was registered or written since the grant (renew or release)
+  redis.call('DEL', KEYS[2])
+  return {'gone', '', '', '', '', ''}
+end
 if op == 'renew' then
-  local cur = redis.call('GET', KEYS[1])
-  if cur and lt(l[3], cur) then
-    -- superseded: a newer token was registered or written since the grant
-    redis.call('DEL', KEYS[2])
-    return {'gone', '', '', '', '', ''}
-  end
   local expires = tostring(now + tonumber(l[4]))
   redis.call('HSET', KEYS[2], 'expires_at_ms', expires)
   return {'renewed', l[1], l[2], l[3], l[4], expires}
