@@ -181,9 +181,22 @@ async fn health(config: &Config) -> anyhow::Result<()> {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Empty<bytes::Bytes>>();
     let uri: http::Uri = format!("http://{addr}/readyz").parse()?;
-    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), client.get(uri)).await;
-    let status = answer.map_err(|_| anyhow::anyhow!("{addr} did not answer within 5 s"))??.status();
-    anyhow::ensure!(status == http::StatusCode::OK, "not ready: /readyz answered {status}");
+    let asked = async {
+        let answer = client.get(uri).await?;
+        let status = answer.status();
+        let body = http_body_util::BodyExt::collect(answer.into_body()).await?.to_bytes();
+        anyhow::Ok((status, body))
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), asked).await;
+    let (status, body) = answer.map_err(|_| anyhow::anyhow!("{addr} did not answer within 5 s"))??;
+    if status != http::StatusCode::OK {
+        // Each cause, as /readyz names it (its problem document's `detail`).
+        let detail = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|problem| problem["detail"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).trim().to_owned());
+        anyhow::bail!("not ready (/readyz answered {status}): {detail}");
+    }
     println!("ready");
     Ok(())
 }

@@ -31,7 +31,7 @@ pub enum Refusal {
         "fencing token {presented} is above the fence, and here only registrations and lease grants raise it (advance = \"registration\")"
     )]
     Unregistered { presented: FenceToken, current: Option<FenceToken> },
-    #[error("fence state unknown; the write was not forwarded")]
+    #[error("fence state unknown; the write was not forwarded{}", said_why(.0))]
     StoreUnavailable(#[source] StoreError),
     #[error("older writes on the resource were still in flight after {waited_ms} ms; retry")]
     DrainTimeout { waited_ms: u64 },
@@ -51,6 +51,13 @@ pub enum Fault {
     Store,
     /// Other writes hold the resource: a retry after `Retry-After` may succeed.
     Busy,
+}
+
+/// The store's reason, for a refusal that says when a retry can succeed (a quiet period, the
+/// hold after an unclean start): the caller and its operator should know what is waited for.
+/// Other store errors stay in the log (they may name hosts).
+fn said_why(error: &StoreError) -> String {
+    if error.retry_after_ms().is_some() { format!(": {error}") } else { String::new() }
 }
 
 impl From<AdmitError> for Refusal {

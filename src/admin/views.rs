@@ -81,6 +81,12 @@ pub async fn status(gate: &Gate, feed: &Feed, upstream: &Reach, auth: bool) -> A
             "ready": upstream.cause().is_none(),
             "detail": upstream.cause(),
         },
+        // Advances held after an unclean start (reads, and writes that advance nothing, pass):
+        // how long still, or null.
+        "hold": gate.hold_remaining().map(|left| json!({
+            "remaining_ms": u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+            "why": "the last fencegate process did not shut down cleanly: writes it sent may still commit",
+        })),
         // This replica and those the shared store saw lately.
         "replicas": replicas,
         "auth": auth,

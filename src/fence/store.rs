@@ -34,7 +34,7 @@ pub enum StoreError {
     )]
     FileLost,
     #[error(
-        "the fence store lost its state (flushed, restarted empty, or failed over): nothing is admitted for {retry_after_ms} ms more, until writes that were in flight before can no longer commit"
+        "the fence store has no mark of continuity here: it lost its state (flushed, restarted empty, or failed over), or it is new and was never initialised; nothing is admitted for {retry_after_ms} ms more, until writes that were in flight before can no longer commit. A new store needs `fencegate init-store` once, before its first use; never run it on a store that lost its state"
     )]
     Recovering { retry_after_ms: u64 },
     #[error(

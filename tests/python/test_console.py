@@ -347,3 +347,21 @@ def test_a_held_write_shows_in_flight(held_s3, browser):
         writer.join(timeout=30)
     assert result.get("ok"), result
     page.until("no write in flight", lambda: page.rows("inflight") == [] and page.shown("inflight-empty"))
+
+
+def test_the_hold_after_a_crash_and_the_upstream_show_in_the_header(fencegate, browser):
+    """After a kill -9, the next start holds advances for the in-flight deadline: the header says
+    so with the seconds left (and /v1/status carries it), beside the upstream's readiness; once
+    the hold has passed it is gone. Before: neither the hold nor the upstream showed anywhere."""
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": 4000}})
+    fg.restart(kill=True)
+    status = fg.admin("GET", "/v1/status").json()
+    assert status["hold"] and 0 < status["hold"]["remaining_ms"] <= 4000, status
+    page = Console(browser, fg.admin_url).open()
+    page.wait_healthy()
+    page.until("the hold shown", lambda: page.shown("hold"))
+    assert 1 <= int(page.text("hold-left")) <= 4, page.text("hold-left")
+    assert page.js("return document.getElementById('upstream-health').dataset.state") == "ok"
+    assert page.text("upstream-health") == "answers"
+    page.until("the hold gone once passed", lambda: not page.shown("hold"), timeout=10)
+    assert fg.admin("GET", "/v1/status").json()["hold"] is None

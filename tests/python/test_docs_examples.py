@@ -170,8 +170,8 @@ def ok(r: subprocess.CompletedProcess):
     return r
 
 
-def fence(fg: FenceGate, resource: str):
-    r = fg.get_fence(resource)
+def fence(fg: FenceGate, resource: str, admin_token: str | None = None):
+    r = fg.get_fence(resource, token=admin_token)
     assert r.status_code in (200, 404), r.text
     return r.json()["token"] if r.status_code == 200 else None
 
@@ -678,7 +678,8 @@ def test_leases_issuer_recipes(service, start, tmp_path):
     lease (the next worker gets it at once, with a higher token). `test_lease_recipes.py` plays
     the classic scenario and the issuers' restarts with the same workers."""
     need(service)
-    fg = start()
+    admin = "docs-recipes-admin-token-32-bytes"  # as in production: the recipes never use it
+    fg = start(env={"FENCEGATE_SERVER__ADMIN_TOKEN": admin})
     make_bucket(fg)
     (tmp_path / "invoices.txt").write_bytes(b"invoices of the day\n")
     with running_issuer(service, tmp_path / service, etcd_members=1) as issuer:
@@ -695,7 +696,7 @@ def test_leases_issuer_recipes(service, start, tmp_path):
         assert line in first.output.splitlines(), first.output
     assert first.heartbeats_ms() and first.lines("lease_lost") == [], first.output
     assert second.token() > token, second.output
-    assert fence(fg, "job:invoices") == second.token()
+    assert fence(fg, "job:invoices", admin) == second.token()
     assert at_upstream(fg, "reports", "invoices.txt") == b"invoices of the day\n"
     assert stamp(fg, "reports", "invoices.txt") == str(token)
 

@@ -42,6 +42,9 @@ ADVISED_TTL_MS = 10_000
 HEARTBEATS = int(os.environ.get("LEASE_HEARTBEATS", "9"))
 HEARTBEAT_TTL_MS = 1200  # a renewal every 400 ms
 
+# The recipes run against a fencegate whose admin listener wants a token: they never use it.
+ADMIN_TOKEN = "recipes-admin-token-32-bytes-long"
+
 
 # One server of each kind for the module (each test has resources of its own); Redis per test,
 # since one test runs it without its data.
@@ -93,7 +96,8 @@ def recipe(issuer, fencegate, tmp_path):
 
     def make(service: str, **env):
         found = issuer(service)
-        fg = fencegate(local_buckets=(BUCKET,))
+        # With an admin token, as in production: the recipes register on the S3 listener.
+        fg = fencegate(local_buckets=(BUCKET,), config={"server": {"admin_token": ADMIN_TOKEN}})
         directory = tmp_path / f"workers{len(made)}"
         directory.mkdir()
         workers = Workers(service, fg, directory, {
@@ -124,7 +128,7 @@ def at_upstream(fg, key: str):
 
 
 def fence_of(fg, resource: str) -> int:
-    r = fg.get_fence(resource)
+    r = fg.get_fence(resource, token=ADMIN_TOKEN)
     assert r.status_code == 200, r.text
     return r.json()["token"]
 

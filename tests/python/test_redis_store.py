@@ -294,3 +294,45 @@ def test_a_grant_answered_with_an_error_leaves_no_ghost_lease(fencegate, redis_s
         time.sleep(0.2)
     assert r.status == 201, f"the name is held by a ghost: {r.status} {r.body!r}"
     assert json.loads(r.body)["holder"] == "next"
+
+
+def test_a_redis_store_never_initialised_is_not_ready_and_names_init_store(tmp_path, redis_server):
+    """Before: without `fencegate init-store`, /readyz was 200 and every first write on a slot
+    got 503 for about 40 s with nothing naming init-store or the quiet period. Now /readyz is
+    503 with a detail that names init-store and when not to run it, a refused write says the
+    same, and readiness comes back by itself once the quiet period has passed (it would after a
+    loss too, where init-store must not be run)."""
+    import requests
+
+    from fencegate_testlib import FenceGate, base_config, seed_local_buckets
+
+    workdir = tmp_path / "fresh"
+    workdir.mkdir()
+    seed_local_buckets(workdir / "objects", ("fresh",))
+    cfg = merge(merge(base_config(workdir), redis_store(redis_server)),
+                {"upstream": {"probe_bucket": "fresh"}, "fencing": {"inflight_deadline_ms": 2000}})
+    fg = FenceGate(workdir=workdir, config=cfg, init_store=False)
+    fg.start()
+    try:
+        ready = requests.get(fg.admin_url + "/readyz", timeout=10)
+        assert ready.status_code == 503, ready.text
+        detail = ready.json()["detail"]
+        assert "fencegate init-store" in detail and "never run it on a store that lost its state" in detail, detail
+        # `fencegate health` (a container's health check) says the same cause.
+        import subprocess
+
+        from fencegate_testlib import bin_path, to_toml
+        host, port = fg.admin_addr
+        asked = tmp_path / "health.toml"
+        asked.write_text(to_toml(merge(fg.config, {"server": {"admin_listen": f"{host}:{port}"}})) + "\n")
+        health = subprocess.run([str(bin_path()), "health", "--config", str(asked)], capture_output=True, text=True,
+                                timeout=30)
+        assert health.returncode == 1 and "fencegate init-store" in health.stderr, (health.stdout, health.stderr)
+        with pytest.raises(ClientError) as refused:
+            fg.client(token=1).put_object(Bucket="fresh", Key="k", Body=b"x")
+        assert status_of(refused.value) == 503 and "init-store" in str(refused.value.response), refused.value.response
+        # The quiet period (11/8 of the 2 s deadline) passes: ready without anyone's help.
+        wait_until(lambda: requests.get(fg.admin_url + "/readyz", timeout=10).status_code == 200, timeout=10,
+                   what="readiness after the quiet period")
+    finally:
+        fg.stop()

@@ -41,7 +41,7 @@ SELECT setval('fencing_tokens', greatest(:fence, last_value)) FROM fencing_token
 SQL
 }
 
-S3=http://127.0.0.1:9000 ADMIN=http://127.0.0.1:9001
+S3=http://127.0.0.1:9000
 RESOURCE=${RESOURCE:-job:invoices} HOLDER=${HOLDER:-worker-$$} TTL_MS=${TTL_MS:-10000}
 WAIT_MS=${WAIT_MS:-0} BUCKET=${BUCKET:-reports}
 KEYS="${AWS_ACCESS_KEY_ID:-fencegate-dev}:${AWS_SECRET_ACCESS_KEY:-fencegate-dev-secret}"
@@ -59,8 +59,10 @@ while :; do
   sent=$(now_ms)
   TOKEN=$(grant) || TOKEN=
   if [ -n "$TOKEN" ]; then
-    status=$(curl -sS -o "$STATE/fence" -w '%{http_code}' -X PUT -d "{\"token\": $TOKEN}" \
-      "$ADMIN/v1/fences/$(printf %s "$RESOURCE" | jq -sRr @uri)") || status=000
+    body="{\"token\": $TOKEN}"   # signed with its hash: the issuer key's registration route
+    status=$(curl -sS -o "$STATE/fence" -w '%{http_code}' --aws-sigv4 aws:amz:us-east-1:s3 --user "$KEYS" \
+      -X PUT -H "x-amz-content-sha256: $(printf %s "$body" | sha256sum | cut -d' ' -f1)" -d "$body" \
+      "$S3/_fencegate/v1/fences/$(printf %s "$RESOURCE" | jq -sRr @uri)") || status=000
     if [ "$status" = 200 ]; then
       echo $((sent + TTL_MS)) > "$STATE/deadline"
       echo "lease_acquired token=$TOKEN holder=$HOLDER"

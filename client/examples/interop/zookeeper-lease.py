@@ -5,22 +5,37 @@
 #
 #   ZK_HOSTS=127.0.0.1:2181 RESOURCE=job:invoices python3 zookeeper-lease.py write:invoices.txt=invoices.txt
 
-import os, sys, threading, time, urllib.parse
+import hashlib, json, os, sys, threading, time, urllib.parse
 
 import boto3, requests
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import LockTimeout
 
-S3, ADMIN = "http://127.0.0.1:9000", "http://127.0.0.1:9001"
+S3 = "http://127.0.0.1:9000"
 RESOURCE = os.environ.get("RESOURCE", "job:invoices")
 HOLDER = os.environ.get("HOLDER", f"worker-{os.getpid()}")
 TTL = int(os.environ.get("TTL_MS", "10000")) / 1000
 WAIT = int(os.environ.get("WAIT_MS", "0")) / 1000
 BUCKET = os.environ.get("BUCKET", "reports")
+KEY = os.environ.get("AWS_ACCESS_KEY_ID", "fencegate-dev")
+SECRET = os.environ.get("AWS_SECRET_ACCESS_KEY", "fencegate-dev-secret")
 
 
 def say(line):
     print(line, flush=True)
+
+
+def register(token):
+    """Registers the token on the S3 listener, signed with its body's hash by an issuer key
+    (`role = "issuer"`): no admin listener, and it works with server.admin_token set."""
+    body = json.dumps({"token": token}).encode()
+    url = f"{S3}/_fencegate/v1/fences/{urllib.parse.quote(RESOURCE, safe='')}"
+    request = AWSRequest("PUT", url, data=body, headers={"x-amz-content-sha256": hashlib.sha256(body).hexdigest()})
+    S3SigV4Auth(Credentials(KEY, SECRET), "s3", "us-east-1").add_auth(request)
+    return requests.put(url, data=body, headers=dict(request.headers), timeout=5)
 
 
 class Lease:
@@ -79,7 +94,7 @@ except LockTimeout:
 token = int(lock.node[-10:]) + 1  # "...__lock__0000000042" -> 43: never 0
 if not beat():
     stop(5, "lease_lost reason=refused")
-fence = requests.put(f"{ADMIN}/v1/fences/{urllib.parse.quote(RESOURCE, safe='')}", json={"token": token}, timeout=5)
+fence = register(token)
 if fence.status_code != 200:
     lock.release()  # 409: the counter went back, and a ZooKeeper counter cannot be moved
     stop(6 if fence.status_code == 409 else 1, f"registration refused token={token} status={fence.status_code} {fence.text}")
@@ -88,8 +103,7 @@ threading.Thread(target=heartbeat, daemon=True).start()
 
 # 2. The work: the headers go in before-sign, so the signature covers them.
 s3 = boto3.client("s3", endpoint_url=S3, region_name="us-east-1",
-                  aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "fencegate-dev"),
-                  aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "fencegate-dev-secret"))
+                  aws_access_key_id=KEY, aws_secret_access_key=SECRET)
 
 
 def add_fencing_headers(request, **_):

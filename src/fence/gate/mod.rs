@@ -256,6 +256,13 @@ impl Gate {
         *self.writes_from.lock().expect("gate lock poisoned") = Some(until);
     }
 
+    /// How long advances are still held after an unclean start, if they are.
+    pub fn hold_remaining(&self) -> Option<std::time::Duration> {
+        let from = (*self.writes_from.lock().expect("gate lock poisoned"))?;
+        let left = from.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
     /// Waits until advances are allowed, or fails at `deadline`.
     async fn wait_after_unclean_start(&self, started: Instant, deadline: Instant) -> Result<(), AdmitError> {
         let Some(from) = *self.writes_from.lock().expect("gate lock poisoned") else { return Ok(()) };

@@ -64,6 +64,10 @@ pub const ANNOUNCE_CHANNEL: &str = "fg:advances";
 /// already runs or ran for this mark. The quiet period's end is a value (`until` on Redis's
 /// clock), not a key's time to live: no eviction policy may end it early.
 const LUA_LT: &str = include_str!("lua/common.lua");
+/// KEYS: epoch, quiet (of one slot). ARGV: fresh epoch, quiet ms. The slot's gate as a first
+/// use would pass it; returns the quiet period left there (ms, 0 when none).
+const LUA_SLOT_GATE: &str = "local g = epoch_gate(KEYS[1], KEYS[2], '', ARGV[1], ARGV[2], true)\n\
+                             if g then return g[3] end\nreturn 0\n";
 
 /// KEYS: fence, epoch, quiet. ARGV: token, channel, resource, known epoch, fresh epoch,
 /// quiet ms. Returns {advanced 0|1, previous or ''}, or the epoch gate's {-1, mark, quiet ms}
@@ -186,6 +190,8 @@ pub struct RedisStore {
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
+    /// Slot 0's epoch gate alone: readiness (`ping`).
+    slot_gate: Script,
     changes: Arc<Changes>,
     shared: Shared<RedisCalls>,
 }
@@ -256,6 +262,7 @@ impl RedisStore {
             lease: script(LUA_LEASE),
             idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
+            slot_gate: script(LUA_SLOT_GATE),
             changes,
             shared,
         })
@@ -550,8 +557,19 @@ impl FenceStore for RedisStore {
         "redis"
     }
 
+    /// The store answers, and slot 0 admits: a store with no mark there (a new one never
+    /// initialised, or one that lost its state) is not ready. Its gate runs as a first write
+    /// there would (writing a mark, starting the quiet period), so that readiness comes back by
+    /// itself once the quiet period has passed, with or without `init-store`.
     async fn ping(&self) -> Result<(), StoreError> {
         let _: String = self.connection.query(&redis::cmd("PING")).await?;
+        let (epoch, quiet) = epoch::keys_of_slot(0);
+        let mut inv = self.slot_gate.prepare_invoke();
+        inv.key(&epoch).key(&quiet).arg(epoch::new_epoch()).arg(self.quiet_ms);
+        let quiet_ms: u64 = self.connection.invoke(&inv).await?;
+        if quiet_ms > 0 {
+            return Err(StoreError::Recovering { retry_after_ms: quiet_ms });
+        }
         Ok(())
     }
 
