@@ -304,6 +304,13 @@ impl Caller {
         Self { base: fg.endpoint(), client: Client::builder(TokioExecutor::new()).build_http() }
     }
 
+    /// A caller on another loopback address (`127.0.0.N`): another peer to fencegate.
+    fn from_address(fg: &Fencegate, source: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_local_address(Some(source.parse().unwrap()));
+        Self { base: fg.endpoint(), client: Client::builder(TokioExecutor::new()).build(connector) }
+    }
+
     async fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
         let mut req = http::Request::new(Full::new(Bytes::copy_from_slice(body.as_bytes())));
         *req.method_mut() = method.parse().unwrap();
@@ -463,8 +470,10 @@ async fn a_replay_reaches_only_its_caller_and_a_refused_caller_is_not_recorded()
     assert_eq!(api.received("/v1/payments/8/charges").len(), 2);
 }
 
-/// A route holds at most `routes.buffered_bytes_max` of request bodies at once, and one caller
-/// at most a quarter of it (at least one body): beyond, 503.
+/// A route holds at most `routes.buffered_bytes_max` of request bodies at once, and one peer
+/// (address) at most a quarter of it (at least one body): beyond, 503. The share is the peer's,
+/// not the caller headers': four made-up `Authorization` values from one address are one share,
+/// and leave the route to everyone else (before: four shares, and every other caller got 503).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_buffers_a_bounded_number_of_bodies() {
     let api = FakeApi::start(None).await;
@@ -475,26 +484,34 @@ async fn a_route_buffers_a_bounded_number_of_bodies() {
         api.url("http", "/v1/payments/")
     );
     let fg = Fencegate::start_local(dir.path(), &route).await;
-    let c = Caller::new(&fg);
+    let (alice, bob, carol) = (
+        Caller::from_address(&fg, "127.0.0.1"),
+        Caller::from_address(&fg, "127.0.0.2"),
+        Caller::from_address(&fg, "127.0.0.3"),
+    );
     let body = "x".repeat(1000);
-    let call = |caller: &'static str, path: &'static str, key: &'static str| {
+    let call = |c: &Caller, who: &'static str, path: &'static str, key: &'static str| {
         let (c, body) = (c.clone(), body.clone());
         async move {
-            let headers = [("fencing-token", "5"), ("authorization", caller), ("idempotency-key", key)];
+            let headers = [("fencing-token", "5"), ("authorization", who), ("idempotency-key", key)];
             c.send("POST", path, &headers, &body).await
         }
     };
-    // Two callers' calls the API holds take the whole budget (2 x 1000 of 2048 bytes).
+    // Two peers' calls the API holds take the whole budget (2 x 1000 of 2048 bytes).
     api.script("/v1/payments/1/a", Script::StallThenExecute(Duration::from_millis(1500)));
     api.script("/v1/payments/1/b", Script::StallThenExecute(Duration::from_millis(1500)));
-    let a = tokio::spawn(call("Bearer alice", "/pay/1/a", "a"));
-    let b = tokio::spawn(call("Bearer bob", "/pay/1/b", "b"));
+    let a = tokio::spawn(call(&alice, "Bearer alice", "/pay/1/a", "a"));
+    let b = tokio::spawn(call(&bob, "Bearer bob", "/pay/1/b", "b"));
     let mut refused = None;
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(20)).await;
         if api.scripts_left() == 0 {
-            // A third caller finds the route full; alice, her share (1024 bytes) taken.
-            refused = Some((call("Bearer carol", "/pay/1/c", "c").await, call("Bearer alice", "/pay/1/d", "d").await));
+            // A third peer finds the route full; alice's address, its share (1024 bytes) taken,
+            // whatever identity it makes up.
+            refused = Some((
+                call(&carol, "Bearer carol", "/pay/1/c", "c").await,
+                call(&alice, "Bearer made-up", "/pay/1/d", "d").await,
+            ));
             break;
         }
     }
@@ -502,7 +519,23 @@ async fn a_route_buffers_a_bounded_number_of_bodies() {
     assert_eq!((third.status, third.code().as_str()), (503, "SlowDown"));
     assert_eq!((alice_again.status, alice_again.code().as_str()), (503, "SlowDown"));
     assert_eq!((a.await.unwrap().status, b.await.unwrap().status), (201, 201));
-    assert_eq!(call("Bearer carol", "/pay/1/c", "c").await.status, 201, "room again once they ended");
+    assert_eq!(call(&carol, "Bearer carol", "/pay/1/c", "c").await.status, 201, "room again once they ended");
+
+    // Four made-up identities from one address hold one share, not four: another peer is served.
+    for key in ["m1", "m2", "m3", "m4"] {
+        api.script(&format!("/v1/payments/2/{key}"), Script::StallThenExecute(Duration::from_millis(1500)));
+    }
+    let mallory = Caller::from_address(&fg, "127.0.0.4");
+    let held = tokio::spawn(call(&mallory, "Bearer m1", "/pay/2/m1", "m1"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for (who, path, key) in
+        [("Bearer m2", "/pay/2/m2", "m2"), ("Bearer m3", "/pay/2/m3", "m3"), ("Bearer m4", "/pay/2/m4", "m4")]
+    {
+        let more = call(&mallory, who, path, key).await;
+        assert_eq!((more.status, more.code().as_str()), (503, "SlowDown"), "{who}: a share of its own");
+    }
+    assert_eq!(call(&bob, "Bearer bob", "/pay/3/e", "e").await.status, 201, "another peer still gets its share");
+    assert_eq!(held.await.unwrap().status, 201);
 }
 
 /// While the first request is still in flight a duplicate gets 409 (and does not execute);

@@ -728,11 +728,12 @@ async fn each_serving_thread_calls_redis_on_a_connection_of_its_own() {
         load_on_each_thread().await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The shared connection's last command is a PING from off the threads; the threads' loads
-    // (GETs) then land on their own connections only.
+    // The shared connection's last command is readiness's from off the threads (a PING, then
+    // slot 0's epoch gate: an EVALSHA); the threads' loads (GETs) then land on their own
+    // connections only.
     store.ping().await.unwrap();
     load_on_each_thread().await;
-    assert_eq!(last_commands(&mut admin).await, vec!["get", "get", "ping", "subscribe"]);
+    assert_eq!(last_commands(&mut admin).await, vec!["evalsha", "get", "get", "subscribe"]);
 
     // The threads' connections are killed: their next loads still answer (on the shared
     // connection), and each thread opens a new one of its own.

@@ -24,7 +24,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 
 use crate::feed::Feed;
 use crate::fence::{AdmitError, FenceToken, Gate, Registered, ResourceKey};
@@ -46,9 +45,8 @@ pub struct Admin {
     bearer: Option<String>,
     /// `server.admin_read_token`: reads only.
     read_bearer: Option<String>,
-    /// The console's cookie values, one per token: the token's SHA-256 in hex (a cookie holds
-    /// it in any character set; the token itself never travels back to the browser).
-    sessions: Vec<String>,
+    /// The console's sessions: random values this process keeps, never derived from a token.
+    sessions: Sessions,
     /// Who the listener answers to (`Host`): a page whose name was rebound to this address
     /// (DNS rebinding) gets 421.
     hosts: ServedHosts,
@@ -85,18 +83,43 @@ impl ServedHosts {
     }
 
     /// Whether a request naming `authority` (its `Host`, or its URI's authority on HTTP/2) is
-    /// for this listener. A request that names none is not a browser's: it is served.
+    /// for this listener. A request that names none is not a browser's: it is served. The
+    /// authority is read by a URL parser, as the browser wrote it: `127.0.0.1:9001.evil.example`
+    /// is no address with a port, and is refused.
     fn serves(&self, authority: Option<&str>) -> bool {
         let Some(authority) = authority else { return true };
-        let Ok(authority) = authority.parse::<http::uri::Authority>() else { return false };
-        if authority.port_u16().is_some_and(|port| port != self.listen.port()) {
+        if authority.contains(['/', '?', '#', '@', '\\']) {
             return false;
         }
-        let host = authority.host();
-        let ip = self.listen.ip();
-        if let Ok(asked) = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
-            return ip.is_unspecified() || asked == ip;
+        let Ok(url) = url::Url::parse(&format!("http://{authority}/")) else { return false };
+        // The port as written (the URL drops a default one: `:80` is not "no port" here).
+        let written = authority.parse::<http::uri::Authority>().ok().and_then(|a| a.port_u16());
+        self.serves_url(&url, written)
+    }
+
+    /// Whether a page of `origin` (an `Origin` header: scheme, host and port) is this
+    /// listener's own.
+    fn serves_origin(&self, origin: &str) -> bool {
+        url::Url::parse(origin).is_ok_and(|url| {
+            matches!(url.scheme(), "http" | "https")
+                && url.username().is_empty()
+                && url.password().is_none()
+                && url.path() == "/"
+                && self.serves_url(&url, url.port_or_known_default())
+        })
+    }
+
+    fn serves_url(&self, url: &url::Url, port: Option<u16>) -> bool {
+        if port.is_some_and(|port| port != self.listen.port()) {
+            return false;
         }
+        let ip = self.listen.ip();
+        let host = match url.host() {
+            Some(url::Host::Ipv4(asked)) => return ip.is_unspecified() || std::net::IpAddr::V4(asked) == ip,
+            Some(url::Host::Ipv6(asked)) => return ip.is_unspecified() || std::net::IpAddr::V6(asked) == ip,
+            Some(url::Host::Domain(host)) => host,
+            None => return false,
+        };
         if host.eq_ignore_ascii_case("localhost") {
             return ip.is_loopback() || ip.is_unspecified();
         }
@@ -140,7 +163,7 @@ impl Admin {
         hosts: ServedHosts,
         idle_timeout: std::time::Duration,
     ) -> Self {
-        let sessions = tokens.admin.iter().chain(&tokens.read).map(|t| session_value(t)).collect();
+        let sessions = Sessions::default();
         let page_policy = console::content_security_policy().parse().expect("a policy is a header value");
         let keep_alive = events::keep_alive(idle_timeout);
         let upstream = Arc::new(UpstreamHealth::in_process());
@@ -233,7 +256,7 @@ impl Admin {
                 resp
             }
             (&Method::POST, "/v1/session") => self.open_session(req).await,
-            (&Method::DELETE, "/v1/session") => self.close_session(),
+            (&Method::DELETE, "/v1/session") => self.close_session(req.headers()),
             (_, "/v1/session") => problem(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "use POST or DELETE"),
             (&Method::GET, "/v1/status") => {
                 views::status(&self.gate, &self.feed, &self.upstream.reach(), self.bearer.is_some()).await
@@ -273,8 +296,7 @@ impl Admin {
         if presented.is_some_and(reads) {
             return Access::Reader;
         }
-        let known = |c: &str| self.sessions.iter().any(|s| constant_time_eq(c.as_bytes(), s.as_bytes()));
-        if session_cookies(headers).any(known) {
+        if session_cookies(headers).any(|c| self.sessions.live(c)) {
             return Access::Reader;
         }
         Access::Anyone
@@ -289,10 +311,7 @@ impl Admin {
         }
         match headers.get(header::ORIGIN).map(|v| v.to_str()) {
             None => true,
-            Some(Ok(origin)) => origin
-                .strip_prefix("http://")
-                .or_else(|| origin.strip_prefix("https://"))
-                .is_some_and(|authority| self.hosts.serves(Some(authority))),
+            Some(Ok(origin)) => self.hosts.serves_origin(origin),
             Some(Err(_)) => false,
         }
     }
@@ -337,8 +356,9 @@ impl Admin {
                 "that is neither the admin token nor the read token",
             );
         }
-        let session = session_value(&token);
-        with_cookie(format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/"))
+        let session = self.sessions.open();
+        let max_age = SESSION_TTL.as_secs();
+        with_cookie(format!("{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}"))
     }
 
     /// `POST /v1/reconcile` `{"bucket", "prefix", "apply"}`: the scan's events as JSON lines,
@@ -371,7 +391,12 @@ impl Admin {
         resp
     }
 
-    fn close_session(&self) -> AdminResponse {
+    /// `DELETE /v1/session`: the session the request carries ends here, not only in the browser
+    /// (a copy of the cookie is worth nothing after it).
+    fn close_session(&self, headers: &HeaderMap) -> AdminResponse {
+        for cookie in session_cookies(headers) {
+            self.sessions.close(cookie);
+        }
         with_cookie(format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"))
     }
 
@@ -418,9 +443,45 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The console's cookie value for `token`.
-fn session_value(token: &str) -> String {
-    hex::encode(Sha256::digest(token.as_bytes()))
+/// How long a console session lasts without a new sign-in.
+const SESSION_TTL: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+/// Sessions kept at most: a new one past it ends the oldest.
+const SESSIONS_MAX: usize = 256;
+
+/// The console's sessions: each a random value (128 bits, from the OS's generator) handed to
+/// one browser, kept here until it signs out or expires. Nothing in it is derived from a
+/// token, so no two sessions share a value and a copied cookie dies with its session.
+#[derive(Default)]
+struct Sessions {
+    /// Value → when it expires.
+    live: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+}
+
+impl Sessions {
+    fn open(&self) -> String {
+        let value = uuid::Uuid::new_v4().simple().to_string();
+        let now = std::time::Instant::now();
+        let mut live = self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        live.retain(|_, expires| *expires > now);
+        if live.len() >= SESSIONS_MAX
+            && let Some(oldest) = live.iter().min_by_key(|(_, expires)| **expires).map(|(v, _)| v.clone())
+        {
+            live.remove(&oldest);
+        }
+        live.insert(value.clone(), now + SESSION_TTL);
+        value
+    }
+
+    fn live(&self, value: &str) -> bool {
+        let live = self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A map lookup by value: its time depends on the value's hash, not on how much of a
+        // guess matches, and a guess of 128 random bits is hopeless anyway.
+        live.get(value).is_some_and(|expires| *expires > std::time::Instant::now())
+    }
+
+    fn close(&self, value: &str) {
+        self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(value);
+    }
 }
 
 /// The values of the console's cookie the request carries (a page of another port of the host
@@ -498,6 +559,21 @@ mod tests {
             assert!(any.serves(Some(ok)), "{ok}");
         }
         assert!(!any.serves(Some("evil.example:9001")));
+        // Read as a URL: a port that runs on into a name is no port of ours.
+        for refused in ["127.0.0.1:9001.evil.example", "127.0.0.1:9001@evil.example", "127.0.0.1:9001/x"] {
+            assert!(!loopback.serves(Some(refused)), "{refused}");
+        }
+        for (origin, ok) in [
+            ("http://127.0.0.1:9001", true),
+            ("https://localhost:9001", true),
+            ("http://127.0.0.1:9001.evil.example", false),
+            ("http://evil.example:9001", false),
+            ("http://user@127.0.0.1:9001", false),
+            ("ftp://127.0.0.1:9001", false),
+            ("null", false),
+        ] {
+            assert_eq!(loopback.serves_origin(origin), ok, "{origin}");
+        }
         let v6 = on("[::1]:9001", &[]);
         assert!(v6.serves(Some("[::1]:9001")) && v6.serves(Some("localhost")) && !v6.serves(Some("127.0.0.1:9001")));
     }

@@ -164,16 +164,30 @@ impl Output {
 /// any), so that no key moves the cursor, retitles the window or reorders the line around it
 /// (bidirectional overrides).
 fn shown(name: &str) -> String {
-    name.chars()
-        .map(|c| if c.is_control() || is_format(c) { c.escape_unicode().to_string() } else { c.to_string() })
-        .collect()
+    name.chars().map(|c| if prints(c) { c.to_string() } else { c.escape_unicode().to_string() }).collect()
 }
 
-/// Unicode's invisible format characters that change how a line reads: bidirectional marks,
-/// embeddings, overrides and isolates, zero-width characters, the byte order mark, soft hyphen.
-fn is_format(c: char) -> bool {
-    matches!(c, '\u{00AD}' | '\u{061C}' | '\u{180E}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
-        | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206F}' | '\u{FEFF}' | '\u{FFF9}'..='\u{FFFB}')
+/// Whether `c` shows as itself: not a control, not a space other than U+0020, not one of
+/// Unicode's format characters nor its default-ignorable code points (bidirectional marks and
+/// overrides, zero-width characters, the soft hyphen, variation selectors, Hangul fillers,
+/// tags: they reorder a line or make two names look alike), not a private-use character nor a
+/// noncharacter. The console escapes the same set (console.html, `INVISIBLE`).
+fn prints(c: char) -> bool {
+    let hidden = c.is_control()
+        || (c.is_whitespace() && c != ' ')
+        || matches!(c,
+            // Default_Ignorable_Code_Point (Unicode 15.1)
+            '\u{00AD}' | '\u{034F}' | '\u{061C}' | '\u{115F}'..='\u{1160}' | '\u{17B4}'..='\u{17B5}'
+            | '\u{180B}'..='\u{180F}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{206F}'
+            | '\u{3164}' | '\u{FE00}'..='\u{FE0F}' | '\u{FEFF}' | '\u{FFA0}' | '\u{FFF0}'..='\u{FFF8}'
+            | '\u{1BCA0}'..='\u{1BCA3}' | '\u{1D173}'..='\u{1D17A}' | '\u{E0000}'..='\u{E0FFF}'
+            // the other format characters (Cf)
+            | '\u{0600}'..='\u{0605}' | '\u{06DD}' | '\u{070F}' | '\u{0890}'..='\u{0891}' | '\u{08E2}'
+            | '\u{FFF9}'..='\u{FFFB}' | '\u{110BD}' | '\u{110CD}' | '\u{13430}'..='\u{1343F}'
+            // private use, and noncharacters
+            | '\u{E000}'..='\u{F8FF}' | '\u{F0000}'..='\u{10FFFF}' | '\u{FDD0}'..='\u{FDEF}')
+        || (c as u32 & 0xFFFE) == 0xFFFE;
+    !hidden
 }
 
 fn action(value: &Value) -> String {
@@ -196,5 +210,18 @@ mod tests {
         assert_eq!(shown("pay\u{202e}nem"), "pay\\u{202e}nem");
         assert_eq!(shown("zero\u{200b}width"), "zero\\u{200b}width");
         assert_eq!(shown("été/報告.csv"), "été/報告.csv");
+        // Look-alikes: a soft hyphen, a variation selector, a Hangul filler, a no-break space,
+        // a tag character.
+        for (name, escaped) in [
+            ("in\u{ad}voice", "in\\u{ad}voice"),
+            ("job\u{fe0f}", "job\\u{fe0f}"),
+            ("a\u{3164}b", "a\\u{3164}b"),
+            ("a\u{a0}b", "a\\u{a0}b"),
+            ("a\u{e0041}", "a\\u{e0041}"),
+            ("a\u{034f}b", "a\\u{34f}b"),
+        ] {
+            assert_eq!(shown(name), escaped);
+        }
+        assert_eq!(shown("a b"), "a b");
     }
 }

@@ -610,7 +610,9 @@ fn describe(errors: figment::Error) -> Vec<String> {
             let place = match (&e.kind, from_env) {
                 (Kind::MissingField(field), _) if key.is_empty() => format!("`{field}`"),
                 (Kind::MissingField(field), _) => format!("`{key}.{field}`"),
-                (_, true) => format!("`{key}` (from {})", env_name(&e.path)),
+                // An unknown key's variable may name more below it (`..._SECTION__KEY`).
+                (Kind::UnknownField(..), true) => format!("`{key}` (from the environment: {}*)", env_name(&e.path)),
+                (_, true) => format!("`{key}` (from the environment: {})", env_name(&e.path)),
                 (_, false) if key.is_empty() => String::new(),
                 (_, false) => format!("`{key}`"),
             };

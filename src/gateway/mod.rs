@@ -301,7 +301,11 @@ impl Gateway {
         // be without one), and it must arrive within the route's request timeout.
         let reserve = content_length(&parts.headers)
             .map_or(route.body_bytes_max, |n| usize::try_from(n).unwrap_or(usize::MAX).min(route.body_bytes_max));
-        let _buffered = route.hold_buffer(&caller, reserve).ok_or(GatewayError::BufferFull)?;
+        // The share is the peer's (its address), not the caller headers': fencegate does not
+        // authenticate a route's callers, and made-up `Authorization` values would each get
+        // a share of their own. Behind a proxy every caller is the proxy's.
+        let share = parts.extensions.get::<crate::net::server::Peer>().map_or_else(|| caller.clone(), |p| p.share());
+        let _buffered = route.hold_buffer(&share, reserve).ok_or(GatewayError::BufferFull)?;
         let body = match tokio::time::timeout(route.request_timeout, read_body(body, reserve)).await {
             Ok(body) => body?,
             Err(_) => return Err(GatewayError::BodyReadTimeout { after_ms: millis(route.request_timeout) }),

@@ -137,7 +137,7 @@ pub async fn run<S, B>(
             // HTTP/2 as on HTTP/1, a connection with no request in flight for that long is
             // closed: PINGs and SETTINGS are not requests.
             let unused = requests.clone().unused_for(limits.header_read_timeout);
-            let service = Counted { inner: service, requests };
+            let service = Counted { inner: service, requests, peer };
             match tls {
                 None => serve(&builder, TokioIo::new(tracked), service, watcher, idle, unused, peer).await,
                 // Boxed: the handshake's and a TLS connection's futures are about twice a plain
@@ -367,18 +367,43 @@ impl Drop for RequestGuard {
 struct Counted<S> {
     inner: S,
     requests: Arc<Requests>,
+    /// The connection's peer, given to every request as a [`Peer`] extension.
+    peer: std::net::SocketAddr,
 }
 
-impl<S, R, B> Service<R> for Counted<S>
+/// The address of the peer a request came from (its TCP connection's): what a caller cannot
+/// invent, unlike any header. A request extension.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub std::net::SocketAddr);
+
+impl Peer {
+    /// The peer's share key: its IPv4 address, or its IPv6 /64 (what one host is usually
+    /// given), so that one host's addresses are one share.
+    pub fn share(&self) -> String {
+        match self.0.ip() {
+            std::net::IpAddr::V4(ip) => ip.to_string(),
+            std::net::IpAddr::V6(ip) => match ip.to_ipv4_mapped() {
+                Some(v4) => v4.to_string(),
+                None => {
+                    let s = ip.segments();
+                    format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+                }
+            },
+        }
+    }
+}
+
+impl<S, T, B> Service<http::Request<T>> for Counted<S>
 where
-    S: Service<R, Response = http::Response<B>>,
+    S: Service<http::Request<T>, Response = http::Response<B>>,
 {
     type Response = http::Response<CountedBody<B>>;
     type Error = S::Error;
     type Future = CountedFuture<S::Future>;
 
-    fn call(&self, req: R) -> Self::Future {
+    fn call(&self, mut req: http::Request<T>) -> Self::Future {
         let guard = self.requests.start();
+        req.extensions_mut().insert(Peer(self.peer));
         CountedFuture { inner: self.inner.call(req), guard: Some(guard) }
     }
 }

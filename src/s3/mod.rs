@@ -133,6 +133,8 @@ struct Signed {
     may_advance: bool,
     scoped: Option<String>,
     signer: Option<String>,
+    /// Signed in its URL: whoever holds the URL sends it, not the signer.
+    presigned: bool,
 }
 
 impl Request {
@@ -298,6 +300,7 @@ impl Front {
             scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
             // Kept only where it is recorded: an upload's creator (no allocation per write).
             signer: signer.filter(|_| op.is_multipart_step()).map(str::to_owned),
+            presigned: signature.is_presigned(),
         };
         let request = self.request_of(req, target, signed)?;
         if !op.is_fenced_write() {
@@ -347,7 +350,15 @@ impl Front {
             trailers: req.trailing_headers,
             content_length,
             may_advance: signed.may_advance,
-            caller: req.credentials.as_ref().map(|c| CallerId::of(&c.access_key)),
+            // A presigned URL's holders count against a share of their own: spending the
+            // signer's whole share, they would starve the signing application's own writes.
+            caller: req.credentials.as_ref().map(|c| {
+                if signed.presigned {
+                    CallerId::of(&format!("{}\npresigned", c.access_key))
+                } else {
+                    CallerId::of(&c.access_key)
+                }
+            }),
             signer: signed.signer,
             scoped: signed.scoped,
         })

@@ -55,8 +55,8 @@ BAD_CONFIGS = {
     "bad-store-kind": ('[store]\nkind = "no-such-store"\n', {}, "store.kind", None),
     "unknown-key": ("[fencing]\nbogus_key = 1\n", {}, "fencing.bogus_key", None),
     "wrong-type": ('[fencing]\nrequire_token = "yes"\n', {}, "fencing.require_token", None),
-    "bad-store-kind-from-env": ("", {"FENCEGATE_STORE__KIND": "nope"}, "store.kind", "(from FENCEGATE_STORE__KIND)"),
-    "unknown-key-from-env": ("", {"FENCEGATE_SERVER__BOGUS": "1"}, "server.bogus", "(from FENCEGATE_SERVER__BOGUS)"),
+    "bad-store-kind-from-env": ("", {"FENCEGATE_STORE__KIND": "nope"}, "store.kind", "(from the environment: FENCEGATE_STORE__KIND)"),
+    "unknown-key-from-env": ("", {"FENCEGATE_SERVER__BOGUS": "1"}, "server.bogus", "(from the environment: FENCEGATE_SERVER__BOGUS*)"),
     # A value that parses but fails validation is reported against the file, even when the
     # environment set it.
     "below-minimum-from-env": ("", {"FENCEGATE_SERVER__HEADER_BYTES_MAX": "100"}, "server.header_bytes_max", None),

@@ -365,3 +365,18 @@ def test_the_hold_after_a_crash_and_the_upstream_show_in_the_header(fencegate, b
     assert page.text("upstream-health") == "answers"
     page.until("the hold gone once passed", lambda: not page.shown("hold"), timeout=10)
     assert fg.admin("GET", "/v1/status").json()["hold"] is None
+
+
+def test_characters_that_do_not_print_show_escaped(fencegate, browser):
+    """Look-alike names: a soft hyphen, a variation selector, a Hangul filler, a combining
+    grapheme joiner and a no-break space are legal in a resource name, and each shows escaped,
+    so two names that look alike do not read alike. Before: the five showed raw."""
+    fg = fencegate()
+    names = {"in\u00advoice": "in\\u{ad}voice", "job\ufe0f": "job\\u{fe0f}", "a\u3164b": "a\\u{3164}b",
+             "c\u034fd": "c\\u{34f}d", "e\u00a0f": "e\\u{a0}f"}
+    for name in names:
+        assert fg.put_fence(name, 1).status_code == 200, name
+    page = Console(browser, fg.admin_url).open()
+    page.wait_healthy()
+    for escaped in names.values():
+        page.wait_row("fences", resource=escaped, token="1")

@@ -469,7 +469,7 @@ def test_an_unknown_section_from_the_environment_stops_the_start(tmp_path):
     assert "fencegate ready" not in p.stdout
     assert "nosuchsection" in p.stderr.lower(), p.stderr
     assert str(cfg) in p.stderr, p.stderr
-    assert "`FENCEGATE_` environment" in p.stderr, p.stderr
+    assert "from the environment: FENCEGATE_NOSUCHSECTION" in p.stderr, p.stderr
 
 
 # --------------------------------------------------------------------------------------------

@@ -983,3 +983,41 @@ def test_a_newer_token_registered_mid_run_exits_75_and_says_so(gate, background)
     assert rc == EXIT_LOST, (rc, bg.err())
     assert f"superseded: a newer token ({token + 5})" in bg.err(), bg.err()
     assert "fencegate-lease: released" not in bg.err(), bg.err()
+
+
+@pytest.mark.parametrize("ends", ["command-ends", "lease-lost"])
+def test_a_process_that_left_the_commands_group_is_stopped_too(gate, background, ends):
+    """The command starts a process in a session of its own (`setsid`), out of its process group,
+    and its shell ends at once (the process is an orphan): when the command ends, or when the
+    lease is lost, `fencegate-lease` stops it as well and names it. Before: it kept running with
+    the lease's credentials."""
+    fg = gate
+    marker = f"{31 + len(ends)}.{os.getpid() % 1000:03d}"  # a sleep of its own, to find it by
+    # Lost: a renewal every second finds the newer token while the command still runs.
+    ttl_ms, runs_s = ("60000", "1.5") if ends == "command-ends" else ("3000", "20")
+    command = ["sh", "-c", f"setsid sleep {marker} </dev/null >/dev/null 2>&1 & sleep {runs_s}"]
+    bg = background(lease_cmd("job:escaped-" + ends, "--ttl-ms", ttl_ms, "--grace-ms", "1000", command=command),
+                    tool_env(fg), "escaped")
+    acquired = wait_until(lambda: ACQUIRED_RE.search(bg.err()) or bg.proc.poll() is not None, timeout=15,
+                          what="the lease to be acquired")
+
+    def sleepers():
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if stat.read_bytes().split(b"\0")[:2] == [b"sleep", marker.encode()]:
+                    found.append(int(stat.parent.name))
+            except OSError:
+                pass
+        return found
+
+    escaped = wait_until(sleepers, timeout=5, what="the escaped sleep")
+    if ends == "lease-lost":
+        assert fg.put_fence("job:escaped-" + ends, int(acquired.group(2)) + 1).status_code == 200
+    rc = bg.wait(timeout=30)
+    if ends == "lease-lost":
+        assert rc == EXIT_LOST and "stopping the command" in bg.err(), (rc, bg.err())
+    gone = wait_until(lambda: not (set(escaped) & set(sleepers())) or None, timeout=5,
+                      what="the escaped sleep to be stopped")
+    assert gone, sleepers()
+    assert "outside its group" in bg.err() and "sleep" in bg.err(), bg.err()

@@ -82,7 +82,7 @@ def test_the_cookie_reads_and_only_the_bearer_token_raises(fencegate):
     assert opened.status_code == 204
     cookie = opened.headers["Set-Cookie"]
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
-    assert ADMIN_TOKEN not in cookie, "the cookie holds a digest, never the token"
+    assert ADMIN_TOKEN not in cookie, "the cookie holds a random session, never the token"
     assert s.get(url + "/v1/fences", timeout=10).status_code == 200
     assert fg.put_fence("job:locked", 5, token=ADMIN_TOKEN).status_code == 200
 
@@ -93,6 +93,43 @@ def test_the_cookie_reads_and_only_the_bearer_token_raises(fencegate):
     closed = s.delete(url + "/v1/session", timeout=10)
     assert closed.status_code == 204 and "Max-Age=0" in closed.headers["Set-Cookie"]
     assert s.get(url + "/v1/fences", timeout=10).status_code == 401
+
+
+def test_a_console_session_is_random_and_ends_at_sign_out(fencegate):
+    """Before: the cookie was the token's unsalted SHA-256, the same for every session, and a
+    copy of it still read after sign-out. Now each sign-in gets a random value the server keeps:
+    two sign-ins differ, neither is derived from the token, and a copy of a signed-out cookie
+    reads nothing."""
+    import hashlib
+
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN}})
+    url = fg.admin_url
+    first, second = session(fg), session(fg)
+    a, b = first.cookies["fencegate_admin"], second.cookies["fencegate_admin"]
+    assert a != b and hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest() not in (a, b)
+    assert len(a) >= 32, a
+    copy = {"Cookie": f"fencegate_admin={a}"}
+    assert requests.get(url + "/v1/fences", headers=copy, timeout=10).status_code == 200
+    assert first.delete(url + "/v1/session", timeout=10).status_code == 204
+    assert requests.get(url + "/v1/fences", headers=copy, timeout=10).status_code == 401, "signed out"
+    assert second.get(url + "/v1/fences", timeout=10).status_code == 200, "the other session goes on"
+    forged = {"Cookie": "fencegate_admin=" + hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()}
+    assert requests.get(url + "/v1/fences", headers=forged, timeout=10).status_code == 401
+
+
+def test_an_origin_that_only_starts_like_the_listener_is_another_site(fencegate):
+    """`Origin: http://127.0.0.1:PORT.evil.example` is a page of evil.example, not of this
+    listener: a change from it is refused (403). Before: its text began with the listener's
+    address and it passed. The origin is read by a URL parser."""
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN}})
+    host, port = fg.admin_addr
+    for origin in (f"http://{host}:{port}.evil.example", f"http://{host}:{port}@evil.example"):
+        r = requests.put(fg.admin_url + "/v1/fences/job%3Aorigin", json={"token": 3},
+                         headers={**bearer(), "Origin": origin}, timeout=10)
+        assert r.status_code == 403 and r.json()["title"] == "CrossSiteRequest", (origin, r.status_code, r.text)
+    own = requests.put(fg.admin_url + "/v1/fences/job%3Aorigin", json={"token": 3},
+                       headers={**bearer(), "Origin": f"http://{host}:{port}"}, timeout=10)
+    assert own.status_code == 200, own.text
 
 
 def test_listing_queries_are_checked(fencegate):

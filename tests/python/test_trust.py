@@ -1312,6 +1312,44 @@ def test_a_tenant_names_only_resources_inside_its_buckets(fencegate):
     assert fence_of(fg, "job:tenant-b") == 6
 
 
+def test_a_presigned_urls_holders_do_not_spend_the_signers_share(fencegate):
+    """Before: writes sent with a presigned URL counted against their signer's share of the
+    resource's writes in flight, so whoever held the URL (slow uploads that never finish)
+    starved the signing application's own writes (503). Now a presigned URL's writes have a
+    share of their own: the third presigned upload gets 503 `SlowDown`, and the signer's own
+    header-signed write goes through."""
+    import urllib.parse
+
+    fg = fencegate(config=tenants_config(inflight_per_resource_max=4, inflight_per_caller_max=2),
+                   local_buckets=("tenant-b",))
+    signer = s3_client(fg.s3_url, access_key=TENANT_B[0], secret_key=TENANT_B[1])
+
+    def presigned(key: str) -> str:
+        return signer.generate_presigned_url(
+            "put_object", Params={"Bucket": "tenant-b", "Key": key, "Metadata": {"fencing-token": "1"}},
+            ExpiresIn=300)
+
+    held = []
+    try:
+        for i in range(2):  # the URLs' holders: admitted, their bodies never finished
+            url = urllib.parse.urlsplit(presigned(f"jobs/slow-{i}"))
+            sock = socket.create_connection(fg.s3_addr, timeout=10)
+            head = build_head("PUT", f"{url.path}?{url.query}", [("Host", url.netloc), ("x-amz-meta-fencing-token", "1"),
+                                                              ("Content-Length", "1000")])
+            sock.sendall(head + b"x" * 10)
+            held.append(sock)
+        time.sleep(0.5)
+        third = requests.put(presigned("jobs/third"), data=b"third", headers={"x-amz-meta-fencing-token": "1"},
+                             timeout=30)
+        assert third.status_code == 503 and "SlowDown" in third.text, third.text
+        own = s3_client(fg.s3_url, token=1, access_key=TENANT_B[0], secret_key=TENANT_B[1])
+        own.put_object(Bucket="tenant-b", Key="jobs/own", Body=b"the signer's own")
+        assert read_object(fg.client(), "tenant-b", "jobs/own") == b"the signer's own"
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def test_one_credential_cannot_fill_a_resources_budget(fencegate):
     """Before: writes in flight were bounded per resource only, so one credential holding slow
     uploads on a resource (1,030 of them in the attack) made every other writer's writes there

@@ -145,6 +145,14 @@ async fn main() -> ExitCode {
 }
 
 async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duration, command: &[OsString]) -> u8 {
+    // Whatever the command starts stays below fencegate-lease, even a process that leaves its
+    // group (`setsid`) and whose parent ends: orphans come to fencegate-lease, not to init, so
+    // `stop_escaped` finds them all.
+    if let Err(error) = nix::sys::prctl::set_child_subreaper(true) {
+        eprintln!(
+            "fencegate-lease: cannot keep the command's orphans ({error}); one that leaves its group may outlive it"
+        );
+    }
     let options = LeaseOptions::default().with_credentials();
     let ttl = Duration::from_millis(args.ttl_ms);
     let holder = args.holder.clone().unwrap_or_else(default_holder);
@@ -264,6 +272,8 @@ async fn supervise_and_end(child: &mut Child, lease: Lease, grace: Duration, mut
         eprintln!("fencegate-lease: lease {} lost ({reason}); stopping the command", lease.name());
         stop(child, grace).await;
     }
+    // Then what left the group: it holds the lease's credentials too.
+    stop_escaped(watchdog.as_ref().and_then(Child::id), grace).await;
     if let Some(watchdog) = watchdog.as_mut() {
         let _ = watchdog.kill().await;
     }
@@ -345,6 +355,62 @@ async fn stop_leftovers(group: Option<Pid>, grace: Duration) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = killpg(group, Signal::SIGKILL);
+}
+
+/// Stops every process still below fencegate-lease but the watchdog: those the command
+/// started that left its process group (`setsid`, a daemon), kept below by the subreaper.
+/// SIGTERM, SIGKILL after `grace`; says which it stopped.
+async fn stop_escaped(watchdog: Option<u32>, grace: Duration) {
+    let me = std::process::id();
+    let escaped = || descendants(me).into_iter().filter(|(pid, _)| Some(*pid) != watchdog).collect::<Vec<_>>();
+    let found = escaped();
+    if found.is_empty() {
+        return;
+    }
+    let named: Vec<String> = found.iter().map(|(pid, name)| format!("{pid} ({name})")).collect();
+    eprintln!("fencegate-lease: stopping what the command left outside its group: {}", named.join(", "));
+    let signal_all = |signal: Signal| {
+        for (pid, _) in escaped() {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), signal);
+        }
+    };
+    signal_all(Signal::SIGTERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until && !escaped().is_empty() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal_all(Signal::SIGKILL);
+}
+
+/// The live processes below `root` (not zombies), with their names, read from /proc.
+fn descendants(root: u32) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    // pid -> (parent, name, state), from /proc/PID/stat: "pid (name) state ppid ...", the name
+    // possibly holding spaces and parentheses (the last ')' ends it).
+    let mut processes = std::collections::HashMap::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let mut rest = stat[close + 1..].split_whitespace();
+        let (Some(state), Some(parent)) = (rest.next(), rest.next().and_then(|p| p.parse::<u32>().ok())) else {
+            continue;
+        };
+        processes.insert(pid, (parent, stat[open + 1..close].to_owned(), state.to_owned()));
+    }
+    let mut found = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(parent) = frontier.pop() {
+        for (pid, (of, name, state)) in &processes {
+            if *of == parent && !found.iter().any(|(p, _)| p == pid) {
+                frontier.push(*pid);
+                if state != "Z" {
+                    found.push((*pid, name.clone()));
+                }
+            }
+        }
+    }
+    found
 }
 
 /// SIGTERM to the command's process group, SIGKILL after `grace`.
