@@ -28,6 +28,30 @@ pub const REFUSALS_QUEUED_MAX: usize = 10_000;
 
 /// Watchers at once at most; one more is refused (the admin listener answers 503).
 pub const WATCHERS_MAX: usize = 16;
+/// Of those, what one client (a peer address) may hold: a few readers that never read cannot
+/// take every place.
+pub const WATCHERS_PER_CLIENT_MAX: usize = 4;
+
+/// Who opens a watch.
+#[derive(Debug, Clone, Default)]
+pub struct Viewer {
+    /// The client's share key (its peer address); empty when unknown.
+    pub client: String,
+    /// Presented the admin bearer token: always gets a place, ending another viewer's oldest
+    /// watch if it must.
+    pub operator: bool,
+}
+
+/// Why a watch was not opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchRefused {
+    /// [`WATCHERS_MAX`] watch, none of them ends for this viewer.
+    Full,
+    /// The client holds [`WATCHERS_PER_CLIENT_MAX`] already.
+    ClientFull,
+    /// fencegate is stopping.
+    Closed,
+}
 
 /// One decision as the feed tells it. Nothing secret: the caller is named by its access key
 /// id, never by a secret or a route caller's credentials.
@@ -94,6 +118,7 @@ pub enum Missed {
 struct Watcher {
     queue: Mutex<Queue>,
     ready: Notify,
+    viewer: Viewer,
 }
 
 #[derive(Default)]
@@ -141,9 +166,31 @@ impl Feed {
     /// `last_seen` (the id of the last refusal a watcher read before, [`Feed::refusal_id`]):
     /// what it missed since, every refusal up to the new watcher's first.
     pub fn watch(self: &Arc<Self>, last_seen: Option<&str>) -> Option<(Watch, Option<Missed>)> {
+        self.watch_as(last_seen, Viewer::default()).ok()
+    }
+
+    /// [`Feed::watch`] for `viewer`: at most [`WATCHERS_PER_CLIENT_MAX`] per client (the
+    /// operator's aside), and an operator finding every place taken ends the oldest watch that
+    /// is not an operator's to take its place.
+    pub fn watch_as(
+        self: &Arc<Self>,
+        last_seen: Option<&str>,
+        viewer: Viewer,
+    ) -> Result<(Watch, Option<Missed>), WatchRefused> {
         let mut watchers = self.watchers.lock().expect("feed lock");
-        if watchers.list.len() >= WATCHERS_MAX || self.closed.load(Ordering::Acquire) {
-            return None;
+        if self.closed.load(Ordering::Acquire) {
+            return Err(WatchRefused::Closed);
+        }
+        let of_client = |list: &Vec<Arc<Watcher>>| list.iter().filter(|w| w.viewer.client == viewer.client).count();
+        if !viewer.operator && !viewer.client.is_empty() && of_client(&watchers.list) >= WATCHERS_PER_CLIENT_MAX {
+            return Err(WatchRefused::ClientFull);
+        }
+        if watchers.list.len() >= WATCHERS_MAX {
+            let oldest_other = watchers.list.iter().position(|w| !w.viewer.operator);
+            match oldest_other {
+                Some(at) if viewer.operator => watchers.list.remove(at).end(End::Closed),
+                _ => return Err(WatchRefused::Full),
+            }
         }
         let missed = last_seen.map(|id| {
             let seen: Option<u64> =
@@ -153,10 +200,10 @@ impl Feed {
                 _ => Missed::Unknown,
             }
         });
-        let watcher = Arc::new(Watcher::default());
+        let watcher = Arc::new(Watcher { viewer, ..Watcher::default() });
         watchers.list.push(watcher.clone());
         self.watched.store(watchers.list.len(), Ordering::Relaxed);
-        Some((Watch { feed: self.clone(), watcher }, missed))
+        Ok((Watch { feed: self.clone(), watcher }, missed))
     }
 
     /// The id of refusal number `n` of this process (`<epoch>.<n>`), as the feed sends it.
@@ -554,6 +601,27 @@ mod tests {
         feed.close();
         assert_eq!(last.next().await, None, "the feed ends at shutdown");
         assert!(feed.watch(None).is_none() && !feed.watched());
+    }
+
+    /// A client holds a few watches at most; an operator always gets one, ending the oldest
+    /// watch that is not an operator's; operators alone fill the feed only among themselves.
+    #[tokio::test]
+    async fn a_client_holds_a_few_watches_and_the_operator_always_gets_one() {
+        let feed = Feed::new("r1");
+        let viewer = |client: &str, operator| Viewer { client: client.into(), operator };
+        let mut held = Vec::new();
+        for _ in 0..WATCHERS_PER_CLIENT_MAX {
+            held.push(feed.watch_as(None, viewer("10.0.0.1", false)).unwrap().0);
+        }
+        assert_eq!(feed.watch_as(None, viewer("10.0.0.1", false)).err(), Some(WatchRefused::ClientFull));
+        for i in 0..(WATCHERS_MAX - WATCHERS_PER_CLIENT_MAX) {
+            held.push(feed.watch_as(None, viewer(&format!("10.0.1.{i}"), false)).unwrap().0);
+        }
+        assert_eq!(feed.watch_as(None, viewer("10.0.2.1", false)).err(), Some(WatchRefused::Full));
+        let operator = feed.watch_as(None, viewer("10.0.0.1", true)).expect("the operator gets a place").0;
+        assert_eq!(held[0].next().await, None, "the oldest other watch ended for it");
+        drop(operator);
+        assert!(feed.watch_as(None, viewer("10.0.2.1", false)).is_ok(), "a place freed");
     }
 
     /// Refusals are numbered whether watched or not, in the order every watcher reads them; a

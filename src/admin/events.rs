@@ -17,7 +17,7 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 
 use super::{AdminResponse, problem};
-use crate::feed::{Feed, FeedItem, Missed, REFUSALS_QUEUED_MAX, Watch};
+use crate::feed::{Feed, FeedItem, Missed, REFUSALS_QUEUED_MAX, Viewer, Watch, WatchRefused};
 
 /// A comment at least this often on a quiet feed, so that proxies and the client's own
 /// timeouts keep an idle stream open ...
@@ -37,18 +37,28 @@ pub fn watch(
     headers: &HeaderMap,
     query: Option<&str>,
     keep_alive: Duration,
+    viewer: Viewer,
 ) -> AdminResponse {
     let from_query = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .find(|(name, _)| name == "last_event_id")
         .map(|(_, value)| value.into_owned());
     let last_seen =
         headers.get("last-event-id").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()).or(from_query);
-    let Some((watch, missed)) = feed.watch(last_seen.as_deref()) else {
-        return problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "TooManyWatchers",
-            &format!("at most {} clients watch the feed at once", crate::feed::WATCHERS_MAX),
-        );
+    let (watch, missed) = match feed.watch_as(last_seen.as_deref(), viewer) {
+        Ok(watching) => watching,
+        Err(refused) => {
+            let detail = match refused {
+                WatchRefused::ClientFull => format!(
+                    "this client already watches the feed {} times; close one",
+                    crate::feed::WATCHERS_PER_CLIENT_MAX
+                ),
+                WatchRefused::Full | WatchRefused::Closed => format!(
+                    "at most {} clients watch the feed at once (the admin token always gets a place)",
+                    crate::feed::WATCHERS_MAX
+                ),
+            };
+            return problem(StatusCode::SERVICE_UNAVAILABLE, "TooManyWatchers", &detail);
+        }
     };
     let opening = match missed {
         None => format!("retry: {RETRY_MS}\n: watching\n\n"),

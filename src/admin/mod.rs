@@ -264,7 +264,13 @@ impl Admin {
             (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
             (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
             (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),
-            (&Method::GET, "/v1/events") => events::watch(&self.feed, req.headers(), query, self.keep_alive),
+            (&Method::GET, "/v1/events") => {
+                let viewer = crate::feed::Viewer {
+                    client: req.extensions().get::<crate::net::server::Peer>().map(|p| p.share()).unwrap_or_default(),
+                    operator: access == Access::Operator && self.bearer.is_some(),
+                };
+                events::watch(&self.feed, req.headers(), query, self.keep_alive, viewer)
+            }
             (&Method::POST, "/v1/reconcile") => self.reconcile(req).await,
             (method, p) if p.starts_with("/v1/fences/") => {
                 let raw = &p["/v1/fences/".len()..];

@@ -369,3 +369,36 @@ def test_a_write_in_flight_shows_with_the_newer_token_waiting_behind_it(held_s3)
     six.join(30)
     assert results == {"five": 200, "six": 200}
     wait_until(lambda: not view(), WAIT_S, what="nothing in flight")
+
+
+def test_readers_that_never_read_cannot_keep_the_operator_off_the_feed(fencegate):
+    """Before: 16 readers that never read held every `/v1/events` place, and the operator got
+    503. Now one client (a peer address) holds 4 at most, and the operator with the admin token
+    always gets a place, ending the oldest reader's stream that is not an operator's."""
+    import socket
+
+    read_token = "a-read-token-16-bytes"
+    fg = fencegate(config={"server": {"admin_token": ADMIN_TOKEN, "admin_read_token": read_token}})
+    host, port = fg.admin_addr
+    opened = []
+
+    def reader(source: str) -> int:
+        sock = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+        sock.sendall(f"GET /v1/events HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {read_token}\r\n"
+                     "Accept: text/event-stream\r\n\r\n".encode())
+        status = int(sock.recv(64).split()[1])
+        opened.append(sock)  # and never read again
+        return status
+
+    try:
+        assert [reader("127.0.0.2") for _ in range(4)] == [200] * 4
+        assert reader("127.0.0.2") == 503, "a fifth from one client"
+        for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            assert [reader(source) for _ in range(4)] == [200] * 4
+        assert reader("127.0.0.6") == 503, "every place taken"
+        operator = requests.get(fg.admin_url + "/v1/events", headers=bearer(), stream=True, timeout=(5, 10))
+        assert operator.status_code == 200, operator.text
+        operator.close()
+    finally:
+        for sock in opened:
+            sock.close()
