@@ -12,7 +12,7 @@ use crate::admin::{Admin, ServedHosts};
 use crate::config::UpstreamBackend;
 use crate::config::{Config, ProbeMode, StoreBackend, StoreKind, ms};
 use crate::feed::Feed;
-use crate::fence::{Gate, GateLimits, InflightBounds, Store};
+use crate::fence::{BootHold, Gate, GateLimits, Hold, InflightBounds, Store};
 use crate::gateway::Gateway;
 use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
 use crate::net::server::{self, ConnectionLimits};
@@ -48,25 +48,41 @@ pub struct App {
     feed: Arc<Feed>,
 }
 
-/// How long (ms from `now_ms`) no fence may advance because an earlier process may still have
+/// How long (ms from now) no fence may advance because an earlier process may still have
 /// writes in flight at the upstream. An unclean start holds for `deadline_ms` (D) from now, and
 /// records the hold's end durably before anything is admitted, so that no later start, clean
-/// stop or crash loop shortens it; a clean start honours what is left of a recorded hold. The
-/// record is a wall-clock time: a hold found longer than D (the clock went back) is cut to D.
-fn hold_after_earlier_processes(store: &dyn Store, now_ms: u64, deadline_ms: u64) -> anyhow::Result<u64> {
-    let longest = now_ms.saturating_add(deadline_ms);
-    let recorded = store.held_until_ms().filter(|until| *until > now_ms).map(|until| until.min(longest));
+/// stop or crash loop shortens it; a clean start honours what is left of a recorded hold.
+/// Within the boot it was recorded in, what is left is read on the boot clock (`boot`: this
+/// boot's id and `CLOCK_BOOTTIME` now), which a wall-clock jump does not move; after a reboot,
+/// on the wall clock (`now_ms`). Either way at most D (a clock that went back).
+fn hold_after_earlier_processes(
+    store: &dyn Store,
+    now_ms: u64,
+    boot: Option<(u64, u64)>,
+    deadline_ms: u64,
+) -> anyhow::Result<u64> {
+    let left = store.held().map(|hold| match (hold.boot, boot) {
+        (Some(recorded), Some((boot_id, boot_ms))) if recorded.boot_id == boot_id => {
+            recorded.until_ms.saturating_sub(boot_ms)
+        }
+        _ => hold.until_ms.saturating_sub(now_ms),
+    });
+    let recorded = left.filter(|left| *left > 0).map(|left| left.min(deadline_ms));
     if store.opened_clean() {
-        if let Some(until) = recorded {
+        if let Some(left) = recorded {
             tracing::warn!(
-                hold_ms = until - now_ms,
+                hold_ms = left,
                 "an earlier fencegate process did not shut down cleanly and its hold has not passed: no fence \
                  advances until it has"
             );
         }
-        return Ok(recorded.map_or(0, |until| until - now_ms));
+        return Ok(recorded.unwrap_or(0));
     }
-    store.hold_until(longest).context("fence store: recording the hold after an unclean start")?;
+    let hold = Hold {
+        until_ms: now_ms.saturating_add(deadline_ms),
+        boot: boot.map(|(boot_id, boot_ms)| BootHold { boot_id, until_ms: boot_ms.saturating_add(deadline_ms) }),
+    };
+    store.hold_until(hold).context("fence store: recording the hold after an unclean start")?;
     tracing::warn!(
         hold_ms = deadline_ms,
         "the last fencegate process did not shut down cleanly: writes it sent may still commit at the \
@@ -120,8 +136,12 @@ impl App {
             cached_resources_max: config.fencing.cached_resources_max,
         };
         let gate = Arc::new(Gate::new(store.clone(), limits));
-        let hold_ms =
-            hold_after_earlier_processes(store.as_ref(), clock.now_ms(), config.fencing.inflight_deadline_ms)?;
+        let hold_ms = hold_after_earlier_processes(
+            store.as_ref(),
+            clock.now_ms(),
+            clock.boot(),
+            config.fencing.inflight_deadline_ms,
+        )?;
         if hold_ms > 0 {
             gate.hold_writes_for(ms(hold_ms));
         }
@@ -505,4 +525,45 @@ fn default_replica_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
     let host = if host.is_empty() { "fencegate".to_owned() } else { host };
     format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fence::FenceStore;
+
+    fn reopen(dir: &std::path::Path) -> EmbeddedStore {
+        for _ in 0..200 {
+            if let Ok(store) = EmbeddedStore::open(dir) {
+                return store;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the store stayed open");
+    }
+
+    /// The hold after an unclean start is read on the boot clock within its boot: a wall clock
+    /// that jumped an hour forward while fencegate was stopped (an NTP step) does not shorten
+    /// it. Before: the hold was a wall-clock end, and that start held nothing. After a reboot
+    /// only the wall clock is left; a clock that went back is cut to D.
+    #[test]
+    fn a_wall_clock_jump_does_not_shorten_the_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = 30_000;
+        drop(reopen(dir.path())); // killed: no clean-stop mark
+        let store = reopen(dir.path());
+        let (wall, boot) = (1_000_000_000, (7, 50_000));
+        assert_eq!(hold_after_earlier_processes(&store, wall, Some(boot), d).unwrap(), d);
+        store.mark_clean_shutdown().unwrap();
+        drop(store);
+        // 10 s later on the boot clock, an hour later on the wall clock.
+        let store = reopen(dir.path());
+        assert!(store.opened_clean());
+        let later = wall + 3_600_000;
+        assert_eq!(hold_after_earlier_processes(&store, later, Some((7, 60_000)), d).unwrap(), 20_000);
+        // Another boot: the wall clock says it passed.
+        assert_eq!(hold_after_earlier_processes(&store, later, Some((8, 1_000)), d).unwrap(), 0);
+        // A wall clock gone back, after a reboot: at most D.
+        assert_eq!(hold_after_earlier_processes(&store, 0, None, d).unwrap(), d);
+    }
 }

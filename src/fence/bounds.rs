@@ -102,6 +102,11 @@ impl BootInstant {
         Self(Duration::new(secs, nanos))
     }
 
+    /// Milliseconds since the boot.
+    pub fn as_millis(&self) -> u64 {
+        millis(self.0)
+    }
+
     /// The time since `earlier`, zero if `earlier` is later.
     pub fn saturating_duration_since(&self, earlier: BootInstant) -> Duration {
         self.0.saturating_sub(earlier.0)

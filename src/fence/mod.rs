@@ -25,7 +25,7 @@ pub use lease::{
     LeaseCommand, LeaseOutcome, LeaseRecord, LeaseTransition, LeaseWrite, WITHDRAWN_GRANT_TTL_MS, apply_lease,
 };
 pub use store::{
-    AdvanceOutcome, FencePage, FenceStore, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page,
+    AdvanceOutcome, BootHold, FencePage, FenceStore, Hold, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page,
     REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, SharedAdmit, SharedRegistry, Store,
     StoreError, StoreEvent, UploadStore, listing_start, replica_age,
 };

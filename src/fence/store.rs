@@ -91,19 +91,38 @@ pub trait FenceStore: Send + Sync + 'static {
         Ok(())
     }
 
-    /// The wall-clock time (ms since the epoch) before which no fence may advance, as recorded
-    /// by [`Self::hold_until`]: an earlier process's writes may still commit at the upstream
-    /// until then. Read at open; `None` when nothing was recorded.
-    fn held_until_ms(&self) -> Option<u64> {
+    /// The hold recorded by [`Self::hold_until`]: no fence may advance before its end, as an
+    /// earlier process's writes may still commit at the upstream until then. Read at open;
+    /// `None` when nothing was recorded.
+    fn held(&self) -> Option<Hold> {
         None
     }
 
-    /// Records durably that no fence advances before `until_ms` (wall clock), so that every
-    /// later start honours the hold whatever happens in between: a clean stop inside it does
-    /// not end it. A shared store keeps a dead replica's registrations instead.
-    fn hold_until(&self, _until_ms: u64) -> Result<(), StoreError> {
+    /// Records `hold` durably, so that every later start honours it whatever happens in
+    /// between: a clean stop inside it does not end it. A shared store keeps a dead replica's
+    /// registrations instead.
+    fn hold_until(&self, _hold: Hold) -> Result<(), StoreError> {
         Ok(())
     }
+}
+
+/// A hold after an unclean start: its end on the wall clock, and on the boot clock of the boot
+/// it was recorded in. A start in the same boot reads the boot clock, which a wall-clock jump
+/// (an NTP step, an operator's `date`) does not move and which counts a suspension; a start
+/// after a reboot has only the wall clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    /// Wall clock, ms since the epoch.
+    pub until_ms: u64,
+    pub boot: Option<BootHold>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootHold {
+    /// The boot it was recorded in (`/proc/sys/kernel/random/boot_id`, hashed).
+    pub boot_id: u64,
+    /// `CLOCK_BOOTTIME`, ms.
+    pub until_ms: u64,
 }
 
 /// Leases, kept with the fences they raise (`src/fence/lease.rs` is their state machine).

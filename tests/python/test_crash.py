@@ -312,3 +312,34 @@ def test_a_store_removed_while_stopped_does_not_start_empty(fencegate):
     assert code != 0 and "fencegate ready" not in str(stdout), stdout
     assert "is not the one its witness" in stderr, stderr
     assert not (store_dir / "fences.redb").exists()
+
+
+def test_a_wall_clock_stepped_forward_does_not_shorten_the_hold(fencegate):
+    """Crash, start (the hold of D begins), a clean stop, then a start whose wall clock is an hour
+    ahead (an NTP step while fencegate was stopped; here libfaketime moves only the C library's
+    wall clock): the hold goes on, read on CLOCK_BOOTTIME within the boot. Before: the recorded
+    hold was a wall-clock end, already passed, and a grant was given at once while the crashed
+    process's writes could still commit."""
+    import os
+    from pathlib import Path
+
+    import requests
+
+    libfaketime = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+    if not libfaketime.exists():
+        message = f"{libfaketime} is missing (Debian's libfaketime; scripts/test installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    d_ms = 20000
+    fg = fencegate(config={"fencing": {"inflight_deadline_ms": d_ms}})
+    fg.restart(kill=True)  # the hold of D begins at this start
+    fg.stop()  # a clean stop inside it
+    fg.env.update({"LD_PRELOAD": str(libfaketime), "FAKETIME": "+1h", "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
+    fg.start()
+    hold = fg.admin("GET", "/v1/status").json().get("hold")
+    assert hold and d_ms / 2 < hold["remaining_ms"] <= d_ms, hold
+    # A registration is an advance (on the admin listener: no signature, whose date would be an
+    # hour off the faked clock): it waits for the hold, it is not admitted now.
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.put(fg.admin_url + "/v1/fences/job%3Astepped", json={"token": 1}, timeout=3)

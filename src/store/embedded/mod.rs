@@ -14,9 +14,9 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::fence::{
-    AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, IdempotencyStore,
-    LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError, UploadPage, UploadRecord,
-    UploadStore, apply_lease,
+    AdvanceOutcome, BootHold, FenceStore, FenceToken, Hold, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
+    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError,
+    UploadPage, UploadRecord, UploadStore, apply_lease,
 };
 
 /// resource name → fence token.
@@ -52,6 +52,9 @@ const CLEAN_SHUTDOWN: &str = "clean_shutdown";
 /// The wall-clock end (ms since the epoch) of the hold after the last unclean start: kept
 /// until it has passed, through every later start and stop (`FenceStore::hold_until`).
 const HOLD_UNTIL_MS: &str = "hold_until_ms";
+/// The same hold's boot and its end on that boot's `CLOCK_BOOTTIME` (ms), when known.
+const HOLD_BOOT_ID: &str = "hold_boot_id";
+const HOLD_UNTIL_BOOT_MS: &str = "hold_until_boot_ms";
 /// The store's id, made at its first commit: its witness names it ([`witness`]).
 const STORE_ID: &str = "store_id";
 /// Commits made to the store, this one included: one more in every commit's transaction.
@@ -191,8 +194,8 @@ pub struct EmbeddedStore {
     poisoned: Arc<AtomicBool>,
     /// Whether the last process that used the file shut down with no write in flight.
     opened_clean: bool,
-    /// The hold an earlier start recorded (`HOLD_UNTIL_MS`), as read at open.
-    held_until_ms: Option<u64>,
+    /// The hold an earlier start recorded (`HOLD_UNTIL_MS` and its boot's), as read at open.
+    held: Option<Hold>,
     records_max: Arc<AtomicUsize>,
     records_bytes_max: Arc<AtomicU64>,
 }
@@ -286,25 +289,28 @@ impl EmbeddedStore {
                 id
             }
         };
-        let init = || -> Result<(Facts, bool, Option<u64>), Box<dyn std::error::Error + Send + Sync>> {
+        let init = || -> Result<(Facts, bool, Option<Hold>), Box<dyn std::error::Error + Send + Sync>> {
             let txn = db.begin_write()?;
             txn.open_table(FENCES)?;
             txn.open_table(LEASES)?;
             txn.open_table(IDEMPOTENCY)?;
             txn.open_table(IDEMPOTENCY_EXPIRY)?;
             txn.open_table(UPLOADS)?;
-            let (facts, opened_clean, held_until_ms) = {
+            let (facts, opened_clean, held) = {
                 let mut meta = txn.open_table(META)?;
-                let held_until_ms = meta.get(HOLD_UNTIL_MS)?.map(|v| v.value());
+                let boot = match (meta.get(HOLD_BOOT_ID)?.map(|v| v.value()), meta.get(HOLD_UNTIL_BOOT_MS)?) {
+                    (Some(boot_id), Some(until)) => Some(BootHold { boot_id, until_ms: until.value() }),
+                    _ => None,
+                };
+                let held = meta.get(HOLD_UNTIL_MS)?.map(|v| Hold { until_ms: v.value(), boot });
                 meta.insert(STORE_ID, store_id)?;
                 let facts = next_generation(&mut meta)?;
-                (facts, meta.remove(CLEAN_SHUTDOWN)?.is_some(), held_until_ms)
+                (facts, meta.remove(CLEAN_SHUTDOWN)?.is_some(), held)
             };
             txn.commit()?;
-            Ok((facts, opened_clean, held_until_ms))
+            Ok((facts, opened_clean, held))
         };
-        let (facts, opened_clean, held_until_ms) =
-            init().map_err(|source| OpenError::Init { path: path.clone(), source })?;
+        let (facts, opened_clean, held) = init().map_err(|source| OpenError::Init { path: path.clone(), source })?;
         // Written over whatever was there (never removed first: a crash in between would leave
         // a store with no witness, which a start would take for a restored copy's).
         let witness = Witness::create(&witness_path, facts.store_id, facts.generation, owner)?;
@@ -333,8 +339,7 @@ impl EmbeddedStore {
             .name("fence-store-writer".into())
             .spawn(move || writer.run(queue))
             .expect("spawning the fence store writer thread");
-        let store =
-            Self { db, place, witness, writes, poisoned, opened_clean, held_until_ms, records_max, records_bytes_max };
+        let store = Self { db, place, witness, writes, poisoned, opened_clean, held, records_max, records_bytes_max };
         Ok((store, facts, witnessed))
     }
 
@@ -357,15 +362,21 @@ impl EmbeddedStore {
         answer.await.map_err(|_| StoreError::Closed)?
     }
 
-    /// One fact about the file, committed durably (and witnessed) before it returns.
-    fn set_meta(&self, name: &str, value: u64) -> Result<(), StoreError> {
+    /// Facts about the file (`None`: removed), committed durably together (and witnessed)
+    /// before it returns.
+    fn set_meta(&self, facts: &[(&str, Option<u64>)]) -> Result<(), StoreError> {
         self.check_poisoned()?;
         let mut witness = self.witness.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut set = || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let txn = self.db.begin_write()?;
             let generation = {
                 let mut meta = txn.open_table(META)?;
-                meta.insert(name, value)?;
+                for (name, value) in facts {
+                    match value {
+                        Some(value) => drop(meta.insert(*name, *value)?),
+                        None => drop(meta.remove(*name)?),
+                    }
+                }
                 next_generation(&mut meta)?.generation
             };
             txn.commit()?;
@@ -612,15 +623,18 @@ impl FenceStore for EmbeddedStore {
     }
 
     fn mark_clean_shutdown(&self) -> Result<(), StoreError> {
-        self.set_meta(CLEAN_SHUTDOWN, 1)
+        self.set_meta(&[(CLEAN_SHUTDOWN, Some(1))])
     }
 
-    fn held_until_ms(&self) -> Option<u64> {
-        self.held_until_ms
+    fn held(&self) -> Option<Hold> {
+        self.held
     }
 
-    fn hold_until(&self, until_ms: u64) -> Result<(), StoreError> {
-        self.set_meta(HOLD_UNTIL_MS, until_ms)
+    fn hold_until(&self, hold: Hold) -> Result<(), StoreError> {
+        let mut facts = vec![(HOLD_UNTIL_MS, Some(hold.until_ms))];
+        facts.push((HOLD_BOOT_ID, hold.boot.map(|b| b.boot_id)));
+        facts.push((HOLD_UNTIL_BOOT_MS, hold.boot.map(|b| b.until_ms)));
+        self.set_meta(&facts)
     }
 }
 

@@ -363,18 +363,19 @@ fn a_recorded_hold_outlives_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
     let reopen = || reopen(dir.path());
     let store = reopen();
-    assert_eq!(store.held_until_ms(), None, "a new file holds nothing");
-    store.hold_until(1_000_000).unwrap();
+    let hold = |until_ms| Hold { until_ms, boot: Some(BootHold { boot_id: 7, until_ms: until_ms / 10 }) };
+    assert_eq!(store.held(), None, "a new file holds nothing");
+    store.hold_until(hold(1_000_000)).unwrap();
     store.mark_clean_shutdown().unwrap();
     drop(store);
     let store = reopen();
     assert!(store.opened_clean());
-    assert_eq!(store.held_until_ms(), Some(1_000_000));
-    store.hold_until(2_000_000).unwrap();
+    assert_eq!(store.held(), Some(hold(1_000_000)));
+    store.hold_until(Hold { until_ms: 2_000_000, boot: None }).unwrap();
     drop(store); // killed
     let store = reopen();
     assert!(!store.opened_clean());
-    assert_eq!(store.held_until_ms(), Some(2_000_000));
+    assert_eq!(store.held(), Some(Hold { until_ms: 2_000_000, boot: None }), "a hold without its boot's");
 }
 
 /// The store directory removed under a running process: no change is made any more (it would
