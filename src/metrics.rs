@@ -64,6 +64,11 @@ fn describe_and_register() {
             "Idempotency claims refused: the records are at store.idempotency_records_max or its bytes",
         ),
         ("fencegate_store_wait_failures_total", "Changes fewer Redis replicas confirmed than store.wait_replicas"),
+        (
+            "fencegate_records_refused_total",
+            "Records kept for a caller (kind) refused by a bound (store.upload_records_*, Redis's memory)",
+        ),
+        ("fencegate_uploads_expired_total", "Uploads aborted by fencegate at fencing.abort_uploads_after_ms"),
         ("fencegate_gateway_requests_total", "Requests through the HTTP API gateway, by mode and outcome"),
         ("fencegate_idempotency_record_errors_total", "Idempotency records that could not be written"),
         (
@@ -95,6 +100,7 @@ fn describe_and_register() {
         "fencegate_lease_reads_refused_total",
         "fencegate_idempotency_records_full_total",
         "fencegate_idempotency_record_errors_total",
+        "fencegate_uploads_expired_total",
     ] {
         counter!(name).absolute(0);
     }
@@ -129,6 +135,11 @@ fn describe_and_register() {
         ),
         ("fencegate_s3_protocol_refusals_total", "status", &["400", "403"]),
     ];
+    // Idempotency claims the embedded store refuses are `fencegate_idempotency_records_full_total`.
+    for bound in ["per_caller", "per_resource", "count", "bytes", "memory"] {
+        counter!("fencegate_records_refused_total", "kind" => "upload", "bound" => bound).absolute(0);
+    }
+    counter!("fencegate_records_refused_total", "kind" => "idempotency", "bound" => "memory").absolute(0);
     for (name, label, values) in labelled {
         for value in *values {
             counter!(*name, *label => *value).absolute(0);
@@ -281,8 +292,20 @@ pub fn store_state_lost() {
     counter!("fencegate_store_state_lost_total").increment(1);
 }
 
+/// A record fencegate would keep for a caller, refused by a bound (`kind`: `upload`, or
+/// `idempotency` on Redis; `bound`: `per_caller`, `per_resource`, `count`, `bytes`, `memory`).
+pub fn records_refused(kind: &'static str, bound: &'static str) {
+    counter!("fencegate_records_refused_total", "kind" => kind, "bound" => bound).increment(1);
+}
+
+/// An upload aborted by fencegate because it stayed incomplete `fencing.abort_uploads_after_ms`.
+pub fn upload_expired() {
+    counter!("fencegate_uploads_expired_total").increment(1);
+}
+
 /// An idempotency claim refused: the records are at `store.idempotency_records_max` (or
-/// `store.idempotency_records_bytes_max`), and none is dropped before its retention ends.
+/// `store.idempotency_records_bytes_max`, or Redis's memory share), and none is dropped before
+/// its retention ends.
 pub fn idempotency_records_full() {
     counter!("fencegate_idempotency_records_full_total").increment(1);
 }

@@ -8,7 +8,7 @@
 
 use http::{HeaderMap, HeaderName, StatusCode};
 
-use crate::fence::{AdmitError, FenceToken, ResourceKeyError, StoreError, TokenParseError};
+use crate::fence::{AdmitError, FenceToken, Full, ResourceKeyError, StoreError, TokenParseError};
 
 /// The response header that tells a refused writer the current fence.
 pub const CURRENT_TOKEN_HEADER: HeaderName = HeaderName::from_static("fencing-token-current");
@@ -39,7 +39,14 @@ pub enum Refusal {
     TooManyInflight { max: usize },
     #[error("this caller already has {max} writes in flight on the resource (fencing.inflight_per_caller_max); retry")]
     TooManyInflightForCaller { max: usize },
+    /// A record fencegate would keep for the caller (an upload's), refused by its bounds:
+    /// complete or abort uploads, or retry later. Never a fence operation.
+    #[error("nothing was created: {0}; complete or abort uploads, or retry later")]
+    RecordsFull(Full),
 }
+
+/// `Retry-After` of [`Refusal::RecordsFull`].
+const RECORDS_FULL_RETRY_AFTER_S: u64 = 30;
 
 /// Whose fault a refusal is, which says whether the same request can succeed later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,9 +84,10 @@ impl Refusal {
     pub fn fault(&self) -> Fault {
         match self {
             Self::StoreUnavailable(_) => Fault::Store,
-            Self::DrainTimeout { .. } | Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => {
-                Fault::Busy
-            }
+            Self::DrainTimeout { .. }
+            | Self::TooManyInflight { .. }
+            | Self::TooManyInflightForCaller { .. }
+            | Self::RecordsFull(_) => Fault::Busy,
             _ => Fault::Client,
         }
     }
@@ -95,7 +103,8 @@ impl Refusal {
             Self::StoreUnavailable(_)
             | Self::DrainTimeout { .. }
             | Self::TooManyInflight { .. }
-            | Self::TooManyInflightForCaller { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | Self::TooManyInflightForCaller { .. }
+            | Self::RecordsFull(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -111,6 +120,8 @@ impl Refusal {
             Self::StoreUnavailable(_) => "FenceStoreUnavailable",
             Self::DrainTimeout { .. } => "FencingDrainTimeout",
             Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => "TooManyInflightWrites",
+            // As the API gateway names its full idempotency records.
+            Self::RecordsFull(_) => "SlowDown",
         }
     }
 
@@ -133,6 +144,7 @@ impl Refusal {
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
             Self::TooManyInflight { .. } | Self::TooManyInflightForCaller { .. } => "too_many_inflight",
+            Self::RecordsFull(_) => "records_full",
         }
     }
 
@@ -145,6 +157,8 @@ impl Refusal {
                 Some(e.retry_after_ms().unwrap_or(1000).div_ceil(1000).max(1))
             }
             _ if self.fault() == Fault::Client => None,
+            // Records free up as uploads end, not within a second.
+            Self::RecordsFull(_) => Some(RECORDS_FULL_RETRY_AFTER_S),
             _ => Some(1),
         }
     }

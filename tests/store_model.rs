@@ -10,8 +10,8 @@ use std::collections::HashMap;
 
 use fencegate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord,
-    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseStore, ListingStore, ResourceKey, Store, UploadRecord,
-    UploadStore,
+    IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeaseStore, ListingStore, RecordLimits, ResourceKey, Store,
+    UploadRecord, UploadStore,
 };
 use fencegate::store::{EmbeddedStore, MemoryStore, RedisStore};
 use proptest::prelude::*;
@@ -343,6 +343,52 @@ async fn both_stores_keep_the_idempotency_record_contract() {
     }
 }
 
+/// etcd counts the live idempotency records before a claim (`store.idempotency_records_max`):
+/// a claim that finds as many is refused, and a record removed makes room. Before: route traffic
+/// could fill etcd's quota, and a full etcd refuses every write, fence advances included.
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_bounds_its_idempotency_records() {
+    let etcd = common::EtcdCluster::start(1).await;
+    let store = etcd_store(&etcd).await;
+    store.set_idempotency_records_max(3);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let claim = |n: u8| {
+        let key = IdempotencyKey::new(ResourceKey::new("payment:{1}").unwrap(), &[n]);
+        let record = in_flight_claim(&key, &format!("c{n}"), now);
+        (key, record)
+    };
+    for n in 0..3 {
+        let (key, record) = claim(n);
+        assert_eq!(store.idempotency_begin(&key, &record, now).await.unwrap(), IdempotencyBegin::Claimed);
+    }
+    let (key, record) = claim(3);
+    assert_eq!(store.idempotency_begin(&key, &record, now).await.unwrap(), IdempotencyBegin::Full);
+    let (first, first_record) = claim(0);
+    assert!(matches!(
+        store.idempotency_begin(&first, &first_record, now).await.unwrap(),
+        IdempotencyBegin::Existing(_)
+    ));
+    store.idempotency_finish(&first, "c0", None).await.unwrap();
+    assert_eq!(store.idempotency_begin(&key, &record, now).await.unwrap(), IdempotencyBegin::Claimed);
+    let resource = ResourceKey::new("job:etcd-full").unwrap();
+    assert_eq!(store.advance(&resource, FenceToken(2)).await.unwrap(), AdvanceOutcome::Advanced { previous: None });
+}
+
+/// A claim of `key` made at `now`, in flight for a second and kept for a minute.
+fn in_flight_claim(key: &IdempotencyKey, claim: &str, now: u64) -> IdempotencyRecord {
+    IdempotencyRecord {
+        claim: claim.into(),
+        fingerprint: "fp".into(),
+        token: FenceToken(4),
+        upstream_key: key.upstream_key(FenceToken(4)),
+        expires_at_ms: now + 60_000,
+        route: "/api/".into(),
+        claimed_at_ms: now,
+        outcome: IdempotencyOutcome::InFlight { deadline_ms: now + 1_000 },
+    }
+}
+
 async fn record_contract(store: &dyn IdempotencyStore, name: &str) {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let key = IdempotencyKey::new(ResourceKey::new("payment:{1}").unwrap(), b"client-key");
@@ -458,17 +504,18 @@ async fn upload_contract(store: &dyn UploadStore, name: &str) {
         token: FenceToken(token),
         creator: "AKIA".into(),
         created_at_ms: 1,
+        counted_as: String::new(),
     };
     assert_eq!(store.upload_get("b1", "id-7").await.unwrap(), None, "{name}");
     let kept: Vec<UploadRecord> =
         (0..23).map(|n| record(if n % 2 == 0 { "b1" } else { "b2" }, &format!("id-{n}"), n)).collect();
     for r in &kept {
-        store.upload_put(r).await.unwrap();
+        assert_eq!(store.upload_put(r, &RecordLimits::default()).await.unwrap(), Keep::Kept, "{name}");
     }
     assert_eq!(store.upload_get("b1", "id-7").await.unwrap(), None, "{name}: id-7 is in b2");
     assert_eq!(store.upload_get("b2", "id-7").await.unwrap(), Some(kept[7].clone()), "{name}");
     assert_eq!(store.upload_get("b2", "id-").await.unwrap(), None, "{name}: a prefix is another id");
-    store.upload_put(&record("b1", "id-7", 7)).await.unwrap();
+    store.upload_put(&record("b1", "id-7", 7), &RecordLimits::default()).await.unwrap();
     for page in [1, 5, 23, 100] {
         let mut seen = std::collections::BTreeSet::new();
         let mut cursor = None;
@@ -486,6 +533,119 @@ async fn upload_contract(store: &dyn UploadStore, name: &str) {
     store.upload_remove("b2", "never-kept").await.unwrap();
     assert_eq!(store.upload_get("b2", "id-7").await.unwrap(), None, "{name}: removed");
     assert_eq!(store.upload_get("b1", "id-7").await.unwrap().map(|r| r.token), Some(FenceToken(7)), "{name}");
+}
+
+/// Every store bounds the upload records (per caller, per resource, in all, by bytes) in the
+/// same step as it keeps one: a new record past a bound is refused and not kept, a removal
+/// makes room again, a record taken over under the same name is never refused and moves its
+/// counts, and the counts survive a reopen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_bounds_its_upload_records() {
+    let dir = tempfile::tempdir().unwrap();
+    upload_bounds(&EmbeddedStore::open(dir.path()).unwrap(), "embedded").await;
+    let embedded = Embedded { dir };
+    upload_bounds_after_reopen(&embedded.open().await, "embedded").await;
+    let redis = common::RedisServer::start().await;
+    upload_bounds(&redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await, "redis").await;
+    let again = redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await;
+    upload_bounds_after_reopen(&again, "redis").await;
+    upload_bounds(&MemoryStore::default(), "memory").await;
+    #[cfg(feature = "etcd")]
+    {
+        let etcd = common::EtcdCluster::start(1).await;
+        upload_bounds(&etcd_store(&etcd).await, "etcd").await;
+        upload_bounds_after_reopen(&etcd_store(&etcd).await, "etcd").await;
+    }
+}
+
+/// A Redis past three quarters of its `maxmemory` (and below it, so it takes writes) refuses
+/// new upload records and idempotency claims, and still takes advances and lease grants: the
+/// last quarter is the fences'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_near_its_maxmemory_keeps_taking_fence_operations() {
+    let redis = common::RedisServer::start().await;
+    let store = redis_store(&redis.url(), std::time::Duration::from_secs(2), 0).await;
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO").arg("memory").query_async(&mut conn).await.unwrap();
+    let used: u64 = info.split("used_memory:").nth(1).unwrap().split("\r\n").next().unwrap().parse().unwrap();
+    let _: () =
+        redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(used * 6 / 5).query_async(&mut conn).await.unwrap();
+    let full = fencegate::fence::Full::Memory;
+    let upload = bounded_upload("m1", "A", "r1");
+    assert_eq!(store.upload_put(&upload, &RecordLimits::default()).await.unwrap(), Keep::Full(full));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let key = IdempotencyKey::new(ResourceKey::new("payment:{1}").unwrap(), b"client-key");
+    let claim = in_flight_claim(&key, "a", now);
+    assert_eq!(store.idempotency_begin(&key, &claim, now).await.unwrap(), IdempotencyBegin::Full);
+    let resource = ResourceKey::new("job:near-full").unwrap();
+    assert_eq!(store.advance(&resource, FenceToken(3)).await.unwrap(), AdvanceOutcome::Advanced { previous: None });
+    let grant = LeaseCommand::Acquire { holder: "w".into(), ttl_ms: 10_000, lease_id: "l1".into(), floor: None };
+    assert!(matches!(store.lease(&resource, grant, now).await.unwrap(), LeaseOutcome::Granted(_)));
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(0).query_async(&mut conn).await.unwrap();
+    assert_eq!(store.upload_put(&upload, &RecordLimits::default()).await.unwrap(), Keep::Kept, "room again");
+}
+
+fn bounded_upload(id: &str, caller: &str, resource: &str) -> UploadRecord {
+    UploadRecord {
+        bucket: "b".into(),
+        key: format!("k/{id}"),
+        path: format!("/b/k/{id}"),
+        upload_id: id.into(),
+        resource: resource.into(),
+        token: FenceToken(1),
+        // Counted as the caller, not the creator: a lease credential's records count against
+        // the lease, not its issuer.
+        creator: "ISSUER".into(),
+        created_at_ms: 1,
+        counted_as: caller.into(),
+    }
+}
+
+const BOUNDS: RecordLimits = RecordLimits { per_caller: 3, per_resource: 4, count: 6, bytes: 1 << 20 };
+
+async fn upload_bounds(store: &dyn UploadStore, name: &str) {
+    let put = |id: &str, caller: &str, resource: &str| {
+        let record = bounded_upload(id, caller, resource);
+        async move { store.upload_put(&record, &BOUNDS).await.unwrap() }
+    };
+    for id in ["a1", "a2", "a3"] {
+        assert_eq!(put(id, "A", "r1").await, Keep::Kept, "{name}");
+    }
+    assert_eq!(put("a4", "A", "r2").await, Keep::Full(fencegate::fence::Full::Caller(3)), "{name}: per caller");
+    assert_eq!(store.upload_get("b", "a4").await.unwrap(), None, "{name}: a refused record is not kept");
+    assert_eq!(put("b1", "B", "r1").await, Keep::Kept, "{name}");
+    assert_eq!(put("c1", "C", "r1").await, Keep::Full(fencegate::fence::Full::Resource(4)), "{name}: per resource");
+    assert_eq!(put("b2", "B", "r2").await, Keep::Kept, "{name}");
+    assert_eq!(put("c1", "C", "r3").await, Keep::Kept, "{name}");
+    assert_eq!(put("d1", "D", "r4").await, Keep::Full(fencegate::fence::Full::Count(6)), "{name}: in all");
+    // Taken over by a newer token of another caller: kept although every bound is reached.
+    let mut taken = bounded_upload("a1", "D", "r1");
+    taken.token = FenceToken(2);
+    assert_eq!(store.upload_put(&taken, &BOUNDS).await.unwrap(), Keep::Kept, "{name}: a take-over");
+    assert_eq!(put("a4", "A", "r2").await, Keep::Full(fencegate::fence::Full::Count(6)), "{name}");
+    store.upload_remove("b", "a2").await.unwrap();
+    assert_eq!(put("a4", "A", "r2").await, Keep::Kept, "{name}: a removal made room, and A's take-over freed A");
+    let tight = RecordLimits { bytes: 1, ..RecordLimits::default() };
+    let big = bounded_upload("e1", "E", "r5");
+    assert_eq!(store.upload_put(&big, &tight).await.unwrap(), Keep::Full(fencegate::fence::Full::Bytes(1)), "{name}");
+}
+
+/// After [`upload_bounds`] and a reopen: A holds a3 and a4 (a1 was taken over by D), B holds
+/// two, in all six.
+async fn upload_bounds_after_reopen(store: &dyn UploadStore, name: &str) {
+    let put = |id: &str, caller: &str, resource: &str| {
+        let record = bounded_upload(id, caller, resource);
+        async move { store.upload_put(&record, &BOUNDS).await.unwrap() }
+    };
+    assert_eq!(put("x1", "X", "r9").await, Keep::Full(fencegate::fence::Full::Count(6)), "{name}: counted at reopen");
+    for id in ["a3", "a4", "b1", "b2"] {
+        store.upload_remove("b", id).await.unwrap();
+    }
+    assert_eq!(put("x1", "A", "r9").await, Keep::Kept, "{name}");
+    assert_eq!(put("x2", "A", "r9").await, Keep::Kept, "{name}");
+    assert_eq!(put("x3", "A", "r9").await, Keep::Kept, "{name}");
+    assert_eq!(put("x4", "A", "r9").await, Keep::Full(fencegate::fence::Full::Caller(3)), "{name}");
 }
 
 /// Every store lists its fences the same way: in byte order of the resource, by prefix (taken

@@ -134,6 +134,7 @@ impl App {
             inflight_per_resource_max: config.fencing.inflight_per_resource_max,
             inflight_per_caller_max: config.fencing.inflight_per_caller(),
             cached_resources_max: config.fencing.cached_resources_max,
+            upload_records: config.store.upload_records(),
         };
         let gate = Arc::new(Gate::new(store.clone(), limits));
         let hold_ms = hold_after_earlier_processes(
@@ -483,6 +484,7 @@ async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
             let etcd = crate::store::EtcdStore::connect(endpoints, ms(store.timeout_ms), replica_id())
                 .await
                 .with_context(|| format!("store.endpoints: cannot reach etcd at {}", endpoints.join(", ")))?;
+            etcd.set_idempotency_records_max(store.idempotency_records_max);
             Arc::new(etcd)
         }
         #[cfg(not(feature = "etcd"))]

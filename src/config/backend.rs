@@ -28,6 +28,16 @@ impl StoreBackend<'_> {
 }
 
 impl StoreConfig {
+    /// The bounds on upload records (`store.upload_records_*`).
+    pub fn upload_records(&self) -> crate::fence::RecordLimits {
+        crate::fence::RecordLimits {
+            per_caller: self.upload_records_per_caller_max,
+            per_resource: self.upload_records_per_resource_max,
+            count: self.upload_records_max,
+            bytes: self.upload_records_bytes_max,
+        }
+    }
+
     /// The store, or the key at fault.
     pub fn backend(&self) -> Result<StoreBackend<'_>, Invalid> {
         match self.kind {

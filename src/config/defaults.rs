@@ -41,6 +41,21 @@ pub fn store_idempotency_records_bytes_max() -> u64 {
 pub fn store_idempotency_records_max() -> usize {
     crate::store::IDEMPOTENCY_RECORDS_MAX
 }
+pub fn store_upload_records_per_caller_max() -> u64 {
+    crate::fence::RecordLimits::default().per_caller
+}
+pub fn store_upload_records_per_resource_max() -> u64 {
+    crate::fence::RecordLimits::default().per_resource
+}
+pub fn store_upload_records_max() -> u64 {
+    crate::fence::RecordLimits::default().count
+}
+pub fn store_upload_records_bytes_max() -> u64 {
+    crate::fence::RecordLimits::default().bytes
+}
+pub fn abort_uploads_after_ms() -> u64 {
+    7 * 24 * 3600 * 1000
+}
 pub fn store_wait_timeout_ms() -> u64 {
     500
 }

@@ -172,6 +172,20 @@ pub struct StoreConfig {
     /// Embedded store: the bytes those records take at most (keys, claims, recorded responses).
     #[serde(default = "defaults::store_idempotency_records_bytes_max")]
     pub idempotency_records_bytes_max: u64,
+    /// Upload records (one per multipart upload made with a token, until it is completed,
+    /// aborted or expired) kept at most for one caller, the access key that created them.
+    #[serde(default = "defaults::store_upload_records_per_caller_max")]
+    pub upload_records_per_caller_max: u64,
+    /// Upload records kept at most on one resource.
+    #[serde(default = "defaults::store_upload_records_per_resource_max")]
+    pub upload_records_per_resource_max: u64,
+    /// Upload records kept at most in all; beyond, a new upload is refused (503), never a
+    /// fence operation.
+    #[serde(default = "defaults::store_upload_records_max")]
+    pub upload_records_max: u64,
+    /// The bytes those records take at most (names and JSON).
+    #[serde(default = "defaults::store_upload_records_bytes_max")]
+    pub upload_records_bytes_max: u64,
     /// Redis: after every change of a fence, a grant or a registration, wait until this many
     /// Redis replicas have it (`WAIT`), and fail closed (503) when fewer confirm within
     /// `wait_timeout_ms`. 0: do not wait.
@@ -398,6 +412,11 @@ pub struct FencingConfig {
     /// admitted completion of it can take, so that none is cut short.
     #[serde(default = "defaults::abort_stale_uploads_after_ms")]
     pub abort_stale_uploads_after_ms: u64,
+    /// How long any multipart upload made with a token may stay incomplete: fencegate aborts
+    /// it this long after its creation, whatever its token, and forgets its record. Not 0:
+    /// what fencegate keeps for a caller expires.
+    #[serde(default = "defaults::abort_uploads_after_ms")]
+    pub abort_uploads_after_ms: u64,
 }
 
 impl Default for FencingConfig {
@@ -416,6 +435,7 @@ impl Default for FencingConfig {
             rules: Vec::new(),
             show_stamp: false,
             abort_stale_uploads_after_ms: defaults::abort_stale_uploads_after_ms(),
+            abort_uploads_after_ms: defaults::abort_uploads_after_ms(),
         }
     }
 }
@@ -541,6 +561,14 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The longest an admitted completion of a multipart upload may take to commit, in ms: it
+    /// reaches the upstream within the request timeout and commits within D of that (the
+    /// assumption), on clocks that may run apart by the drift allowed everywhere else.
+    pub fn upload_completion_ms(&self) -> u64 {
+        let ms = self.upstream.request_timeout_ms.saturating_add(self.fencing.inflight_deadline_ms);
+        (ms as f64 * (1.0 + crate::fence::CLOCK_RATE_DRIFT_MAX)).ceil() as u64
+    }
+
     /// Reads `file`, applies `FENCEGATE_*` environment overrides, and validates the result.
     pub fn load(file: &Path) -> Result<Self, ConfigError> {
         if !file.is_file() {

@@ -198,6 +198,10 @@ impl Config {
         positive(&[
             ("store.timeout_ms", store.timeout_ms),
             ("store.idempotency_records_bytes_max", store.idempotency_records_bytes_max),
+            ("store.upload_records_per_caller_max", store.upload_records_per_caller_max),
+            ("store.upload_records_per_resource_max", store.upload_records_per_resource_max),
+            ("store.upload_records_max", store.upload_records_max),
+            ("store.upload_records_bytes_max", store.upload_records_bytes_max),
         ])
     }
 
@@ -269,8 +273,7 @@ impl Config {
         // A completion admitted just before its upload's token was superseded reaches the
         // upstream within the request timeout and commits within D of that (the assumption),
         // measured on clocks that may run apart by the drift allowed everywhere else.
-        let completion_ms = self.upstream.request_timeout_ms.saturating_add(fencing.inflight_deadline_ms);
-        let completion_ms = (completion_ms as f64 * (1.0 + crate::fence::CLOCK_RATE_DRIFT_MAX)).ceil() as u64;
+        let completion_ms = self.upload_completion_ms();
         if fencing.abort_stale_uploads_after_ms != 0 && fencing.abort_stale_uploads_after_ms < completion_ms {
             return Err(invalid(
                 "fencing.abort_stale_uploads_after_ms",
@@ -278,6 +281,18 @@ impl Config {
                     "must be 0 (never) or at least {completion_ms} (upstream.request_timeout_ms plus \
                      fencing.inflight_deadline_ms, and 8 % for clock drift): a completion admitted before its \
                      upload was superseded may still commit until then"
+                ),
+            ));
+        }
+        if fencing.abort_uploads_after_ms < 2 * completion_ms {
+            return Err(invalid(
+                "fencing.abort_uploads_after_ms",
+                format!(
+                    "must be at least {} (twice upstream.request_timeout_ms plus fencing.inflight_deadline_ms, \
+                     and 8 % for clock drift): what fencegate keeps for a caller expires; parts and \
+                     completions are refused for the last {completion_ms} ms, so that none is in flight \
+                     when the upload is aborted",
+                    2 * completion_ms
                 ),
             ));
         }

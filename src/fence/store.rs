@@ -3,8 +3,8 @@
 use async_trait::async_trait;
 
 use super::{
-    FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand, LeaseOutcome, LeaseRecord,
-    ResourceKey, UploadPage, UploadRecord,
+    FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, Keep, LeaseCommand, LeaseOutcome, LeaseRecord,
+    RecordLimits, ResourceKey, UploadPage, UploadRecord,
 };
 
 /// The result of a check-and-advance.
@@ -176,8 +176,9 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 /// that every replica of a shared store sees them. Names are [`UploadRecord::name`].
 #[async_trait]
 pub trait UploadStore: Send + Sync + 'static {
-    /// Keeps `record`, durably once this returns (replacing one under the same name).
-    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError>;
+    /// Keeps `record`, durably once this returns, replacing one under the same name; a new
+    /// one only within `limits`, checked atomically with the write ([`super::budget`]).
+    async fn upload_put(&self, record: &UploadRecord, limits: &RecordLimits) -> Result<Keep, StoreError>;
 
     /// The record of upload `upload_id` in `bucket`, if one is kept.
     async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError>;

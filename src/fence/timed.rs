@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::millis;
 use super::{
-    AdvanceOutcome, FencePage, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, LeaseCommand,
-    LeaseOutcome, LeasePage, LeaseRecord, RecordPage, ResourceKey, SharedRegistry, Store, StoreError, UploadPage,
-    UploadRecord,
+    AdvanceOutcome, FencePage, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord, Keep, LeaseCommand,
+    LeaseOutcome, LeasePage, LeaseRecord, RecordLimits, RecordPage, ResourceKey, SharedRegistry, Store, StoreError,
+    UploadPage, UploadRecord,
 };
 use crate::metrics;
 
@@ -153,30 +153,37 @@ impl IdempotencyRecords {
 
 /// The multipart uploads made with a token, timed like every store call.
 #[derive(Clone)]
-pub struct UploadRecords(TimedStore);
+pub struct UploadRecords {
+    store: TimedStore,
+    limits: RecordLimits,
+}
 
 impl UploadRecords {
-    pub fn new(store: TimedStore) -> Self {
-        Self(store)
+    pub fn new(store: TimedStore, limits: RecordLimits) -> Self {
+        Self { store, limits }
     }
 
-    /// See [`super::UploadStore::upload_put`].
-    pub async fn put(&self, record: &UploadRecord) -> Result<(), StoreError> {
-        self.0.call(self.0.store.upload_put(record)).await
+    /// See [`super::UploadStore::upload_put`]: within the configured bounds.
+    pub async fn put(&self, record: &UploadRecord) -> Result<Keep, StoreError> {
+        let keep = self.store.call(self.store.store.upload_put(record, &self.limits)).await?;
+        if let Keep::Full(full) = keep {
+            crate::metrics::records_refused("upload", full.label());
+        }
+        Ok(keep)
     }
 
     /// See [`super::UploadStore::upload_get`].
     pub async fn get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
-        self.0.call(self.0.store.upload_get(bucket, upload_id)).await
+        self.store.call(self.store.store.upload_get(bucket, upload_id)).await
     }
 
     /// See [`super::UploadStore::upload_remove`].
     pub async fn remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
-        self.0.call(self.0.store.upload_remove(bucket, upload_id)).await
+        self.store.call(self.store.store.upload_remove(bucket, upload_id)).await
     }
 
     /// See [`super::UploadStore::uploads`].
     pub async fn page(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
-        self.0.call(self.0.store.uploads(cursor, limit)).await
+        self.store.call(self.store.store.uploads(cursor, limit)).await
     }
 }

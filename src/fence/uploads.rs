@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::FenceToken;
+use super::budget::Owner;
 
 /// One incomplete multipart upload created through fencegate with a fencing token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,8 +22,14 @@ pub struct UploadRecord {
     pub token: FenceToken,
     /// The access key that signed the creation (the issuer's, for a lease credential).
     pub creator: String,
-    /// Wall clock, for the operator's reports.
+    /// Wall clock: for the operator's reports, and when the upload expires
+    /// (`fencing.abort_uploads_after_ms`).
     pub created_at_ms: u64,
+    /// Who the record counts against (`super::budget`): the access key that signed its
+    /// creation or last take-over (a lease credential's own), a presigned URL's holders as one;
+    /// `creator` when empty (a record written before it was kept).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub counted_as: String,
 }
 
 impl UploadRecord {
@@ -34,6 +41,18 @@ impl UploadRecord {
 
     pub fn storage_name(&self) -> String {
         Self::name(&self.bucket, &self.upload_id)
+    }
+
+    /// Who the record counts against ([`super::budget`]) and what it takes as stored: its
+    /// name and `json`, its JSON.
+    pub fn owner(&self, json: &str) -> Owner {
+        let bytes = (self.bucket.len() + 1 + self.upload_id.len() + json.len()) as u64;
+        let caller = if self.counted_as.is_empty() { &self.creator } else { &self.counted_as };
+        Owner { caller: caller.clone(), resource: self.resource.clone(), bytes }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an upload record serialises")
     }
 }
 

@@ -64,6 +64,10 @@ pub enum FrontError {
     ClientNoSuchKey,
     #[error("The specified multipart upload does not exist for this key.")]
     NoSuchUpload,
+    /// Its parts and completion are refused before fencegate aborts it
+    /// (`fencing.abort_uploads_after_ms`), as S3 answers an upload its lifecycle rule aborted.
+    #[error("The multipart upload expires (fencing.abort_uploads_after_ms): start a new one.")]
+    UploadExpiring,
     #[error(
         "This copy request is illegal because it is trying to copy an object to itself without changing the \
          object's metadata, storage class, website redirect location or encryption attributes."
@@ -167,7 +171,7 @@ impl FrontError {
             Self::LeaseTokenMismatch { .. } => (S::BAD_REQUEST, "InvalidFencingToken"),
             Self::LeaseResourceMismatch { .. } => (S::BAD_REQUEST, "FencingResourceMismatch"),
             Self::ClientNoSuchKey => (S::NOT_FOUND, "NoSuchKey"),
-            Self::NoSuchUpload => (S::NOT_FOUND, "NoSuchUpload"),
+            Self::NoSuchUpload | Self::UploadExpiring => (S::NOT_FOUND, "NoSuchUpload"),
             Self::SelfCopyUnchanged => (S::BAD_REQUEST, "InvalidRequest"),
             Self::NotSupported(_) => (S::NOT_IMPLEMENTED, "NotImplemented"),
             Self::BadDigest { .. } => (S::BAD_REQUEST, "BadDigest"),

@@ -103,6 +103,9 @@ pub struct Front {
     /// The clock leases expire by (the lease service's), for requests signed with a lease
     /// credential.
     clock: Arc<dyn crate::lease::Clock>,
+    /// How long after its creation an upload takes parts and its completion: then the sweep
+    /// aborts it (`fencing.abort_uploads_after_ms`), with none of them in flight.
+    uploads_open_for: Duration,
 }
 
 /// What the handler knows of a request after classification.
@@ -123,6 +126,9 @@ struct Request {
     /// The access key that signed it (the issuer's, for a lease credential), on a multipart
     /// step (recorded as an upload's creator); `None` on any other request.
     signer: Option<String>,
+    /// Who its upload record counts against, on a multipart step: the access key that signed
+    /// it (a lease credential's own), a presigned URL's holders as one apart from the signer.
+    counted_as: Option<String>,
     /// The signer's `[[credentials]] buckets`, when it is restricted: the resources it names
     /// must be inside them.
     scoped: Option<String>,
@@ -182,6 +188,9 @@ impl Front {
                 .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
                 .collect(),
             clock: Arc::new(crate::lease::SystemClock),
+            uploads_open_for: crate::config::ms(
+                config.fencing.abort_uploads_after_ms.saturating_sub(config.upload_completion_ms()),
+            ),
             feed,
         })
     }
@@ -358,6 +367,9 @@ impl Front {
                 } else {
                     CallerId::of(&c.access_key)
                 }
+            }),
+            counted_as: signed.signer.as_ref().and(req.credentials.as_ref()).map(|c| {
+                if signed.presigned { format!("{}\npresigned", c.access_key) } else { c.access_key.to_string() }
             }),
             signer: signed.signer,
             scoped: signed.scoped,

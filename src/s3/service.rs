@@ -43,7 +43,8 @@ pub fn service(
     front.judged = enforcement.unwrap_or_else(|| front.upstream.enforcement_without_probe());
     let route_front = Arc::new(front);
     let after = Some(config.fencing.abort_stale_uploads_after_ms).filter(|ms| *ms > 0).map(crate::config::ms);
-    tokio::spawn(route_front.clone().sweep_uploads(after));
+    let expire_after = crate::config::ms(config.fencing.abort_uploads_after_ms);
+    tokio::spawn(route_front.clone().sweep_uploads(after, expire_after));
     let route =
         FencegateRoute { front: route_front.clone(), leases, issuers: issuers.clone(), sigv2: config.server.sigv2 };
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.

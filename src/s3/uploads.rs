@@ -4,9 +4,11 @@
 //! its token before the step is forwarded). The token and signer of the record may abort it
 //! whatever became of the token (an abort commits nothing, and the record shows no newer
 //! token uses the upload); fencegate aborts the uploads of superseded tokens
-//! `fencing.abort_stale_uploads_after_ms` after it saw them superseded; a completion or an
-//! abort through fencegate forgets the record, and so does the sweep once the upstream no
-//! longer has the upload. Design and crash points: `docs/design.md`, "Uploads left behind".
+//! `fencing.abort_stale_uploads_after_ms` after it saw them superseded, and every upload
+//! `fencing.abort_uploads_after_ms` after its creation; a completion or an abort through
+//! fencegate forgets the record, and so does the sweep once the upstream no longer has the
+//! upload. The records are bounded per caller, per resource and in all (`store.upload_records_*`):
+//! a creation past them is aborted and refused (503). Design and crash points: `docs/design.md`, "Uploads left behind".
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use super::error::FrontError;
 use super::forward::{XML_RESPONSE_BYTES_MAX, client_response};
 use super::{Admitted, Front, Request, Target};
 use crate::feed::Decision;
-use crate::fence::{FenceToken, ResourceKey, StoreError, UploadRecord};
+use crate::fence::{FenceToken, Keep, ResourceKey, StoreError, UploadRecord};
 use crate::lease::credentials::Claims;
 use crate::metrics;
 use crate::refusal::Refusal;
@@ -27,7 +29,8 @@ use crate::refusal::Refusal;
 /// Upload records read per page of a sweep.
 const SWEEP_PAGE: usize = 256;
 
-/// The sweep runs every quarter of `fencing.abort_stale_uploads_after_ms`, within these.
+/// The sweep runs every quarter of `fencing.abort_stale_uploads_after_ms` or
+/// `fencing.abort_uploads_after_ms`, whichever is shorter, within these.
 const SWEEP_PERIOD_MIN: Duration = Duration::from_secs(1);
 const SWEEP_PERIOD_MAX: Duration = Duration::from_secs(60);
 
@@ -48,6 +51,7 @@ impl Front {
             return Err(FrontError::NotSupported("a write without an object key"));
         };
         let (path, creator) = (request.target.raw_path.clone(), request.signer.clone().unwrap_or_default());
+        let counted_as = request.counted_as.clone().unwrap_or_default();
         let resp = self.send_admitted(request, &admitted).await?;
         let (resp, created) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
         let upload_id = resp.body().bytes().and_then(|xml| upload_id_in(&xml));
@@ -63,15 +67,23 @@ impl Front {
             token: admitted.token,
             creator,
             created_at_ms: self.clock.now_ms(),
+            counted_as,
         };
-        if let Err(error) = self.gate.upload_records().put(&record).await {
-            tracing::warn!(%error, upload_id = %record.upload_id, "an upload could not be recorded: aborting it");
-            if let Err(abort) = self.abort_upload(&record, "abort_unrecorded_upload").await {
-                tracing::warn!(error = %abort, upload_id = %record.upload_id, "the unrecorded upload could not be aborted");
+        let refusal = match self.gate.upload_records().put(&record).await {
+            Ok(Keep::Kept) => return Ok(client_response(resp)),
+            Ok(Keep::Full(full)) => {
+                tracing::info!(%full, creator = %record.creator, "an upload over its bounds: aborting it");
+                Refusal::RecordsFull(full)
             }
-            return Err(Refusal::StoreUnavailable(error).into());
+            Err(error) => {
+                tracing::warn!(%error, upload_id = %record.upload_id, "an upload could not be recorded: aborting it");
+                Refusal::StoreUnavailable(error)
+            }
+        };
+        if let Err(abort) = self.abort_upload(&record, "abort_unrecorded_upload").await {
+            tracing::warn!(error = %abort, upload_id = %record.upload_id, "the unrecorded upload could not be aborted");
         }
-        Ok(client_response(resp))
+        Err(refusal.into())
     }
 
     /// AbortMultipartUpload by the upload's owner: the token and signer of its record, on its
@@ -116,21 +128,31 @@ impl Front {
         Ok(Some(client_response(resp)))
     }
 
-    /// A part or the completion of an upload, admitted with a token newer than its record's:
-    /// the upload is that token's from now on, before the step is forwarded. Neither its
-    /// former owner nor the sweep may abort it then.
+    /// A part or the completion of an upload, admitted: refused once the upload is about to
+    /// expire (none may be in flight when the sweep aborts it). With a token newer than its
+    /// record's, the upload is that token's from now on, before the step is forwarded: neither
+    /// its former owner nor the sweep may abort it as superseded then.
     pub(super) async fn take_over_upload(&self, request: &Request, admitted: &Admitted) -> Result<(), FrontError> {
         let Some((bucket, upload_id)) = upload_of(request) else { return Ok(()) };
         let records = self.gate.upload_records();
         let record = records.get(&bucket, &upload_id).await.map_err(Refusal::StoreUnavailable)?;
-        let Some(record) = record.filter(|r| r.token < admitted.token) else { return Ok(()) };
+        let Some(record) = record else { return Ok(()) };
+        let age_ms = self.clock.now_ms().saturating_sub(record.created_at_ms);
+        if u128::from(age_ms) >= self.uploads_open_for.as_millis() {
+            return Err(FrontError::UploadExpiring);
+        }
+        if record.token >= admitted.token {
+            return Ok(());
+        }
         let taken = UploadRecord {
             token: admitted.token,
             creator: request.signer.clone().unwrap_or_default(),
             resource: admitted.resource.as_str().to_owned(),
+            counted_as: request.counted_as.clone().unwrap_or_default(),
             ..record
         };
-        records.put(&taken).await.map_err(Refusal::StoreUnavailable)?;
+        // A replacement: never refused by the bounds (it adds no record).
+        let _replaced: Keep = records.put(&taken).await.map_err(Refusal::StoreUnavailable)?;
         Ok(())
     }
 
@@ -159,22 +181,29 @@ impl Front {
     }
 
     /// For as long as the process runs: aborts the uploads whose token was superseded `after`
-    /// ago or more (`None`: never), and forgets the records of uploads the upstream no longer
-    /// has (completed or aborted around fencegate, or by a lifecycle rule). Every replica of a
-    /// shared store sweeps; an upload aborted twice is answered 404 the second time.
-    pub async fn sweep_uploads(self: Arc<Self>, after: Option<Duration>) {
-        let period = after.map_or(SWEEP_PERIOD_MAX, |after| (after / 4).clamp(SWEEP_PERIOD_MIN, SWEEP_PERIOD_MAX));
+    /// ago or more (`None`: never) and those created `expire_after` ago or more, and forgets
+    /// the records of uploads the upstream no longer has (completed or aborted around
+    /// fencegate, or by a lifecycle rule). Every replica of a shared store sweeps; an upload
+    /// aborted twice is answered 404 the second time.
+    pub async fn sweep_uploads(self: Arc<Self>, after: Option<Duration>, expire_after: Duration) {
+        let soonest = after.map_or(expire_after, |after| after.min(expire_after));
+        let period = (soonest / 4).clamp(SWEEP_PERIOD_MIN, SWEEP_PERIOD_MAX);
         let mut sweep = Sweep::default();
         loop {
             tokio::time::sleep(period).await;
-            if let Err(error) = self.sweep(after, &mut sweep).await {
+            if let Err(error) = self.sweep(after, expire_after, &mut sweep).await {
                 tracing::warn!(%error, "sweeping the upload records failed; trying again later");
             }
         }
     }
 
     /// One walk over the upload records.
-    async fn sweep(&self, after: Option<Duration>, sweep: &mut Sweep) -> Result<(), StoreError> {
+    async fn sweep(
+        &self,
+        after: Option<Duration>,
+        expire_after: Duration,
+        sweep: &mut Sweep,
+    ) -> Result<(), StoreError> {
         let records = self.gate.upload_records();
         let mut walked = HashSet::new();
         let mut cursor = None;
@@ -184,13 +213,18 @@ impl Front {
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
                 let name = record.storage_name();
                 walked.insert(name.clone());
+                let age_ms = self.clock.now_ms().saturating_sub(record.created_at_ms);
+                if u128::from(age_ms) >= expire_after.as_millis() {
+                    self.abort_swept(&record, Swept::Expired).await?;
+                    continue;
+                }
                 let superseded = crate::fence::stale_below(self.gate.fence(&resource).await?, record.token).is_some();
                 if !superseded {
                     sweep.superseded_since.remove(&name);
                 } else if let Some(after) = after {
                     let since = *sweep.superseded_since.entry(name.clone()).or_insert_with(Instant::now);
                     if since.elapsed() >= after {
-                        self.abort_superseded(&record).await?;
+                        self.abort_swept(&record, Swept::Superseded).await?;
                         continue;
                     }
                 }
@@ -206,33 +240,36 @@ impl Front {
         Ok(())
     }
 
-    /// Aborts an upload superseded long enough, unless a newer token took it over since the
-    /// walk read its record (read again just before).
-    async fn abort_superseded(&self, record: &UploadRecord) -> Result<(), StoreError> {
+    /// Aborts an upload the sweep found superseded or expired, unless a newer token took it
+    /// over since the walk read its record (read again just before).
+    async fn abort_swept(&self, record: &UploadRecord, why: Swept) -> Result<(), StoreError> {
         let now = self.gate.upload_records().get(&record.bucket, &record.upload_id).await?;
         if now.as_ref().is_none_or(|now| now.token != record.token) {
             return Ok(());
         }
-        match self.abort_upload(record, "abort_stale_upload").await {
+        let (op, what) = match why {
+            Swept::Superseded => ("abort_stale_upload", "aborted an upload of a superseded token"),
+            Swept::Expired => {
+                ("abort_expired_upload", "aborted an upload left incomplete past fencing.abort_uploads_after_ms")
+            }
+        };
+        match self.abort_upload(record, op).await {
             Ok(resp) if resp.status().is_success() => {
-                metrics::stale_upload_aborted("fencegate");
+                match why {
+                    Swept::Superseded => metrics::stale_upload_aborted("fencegate"),
+                    Swept::Expired => metrics::upload_expired(),
+                }
                 tracing::info!(
                     bucket = %record.bucket,
                     key = %record.key,
                     upload_id = %record.upload_id,
                     token = record.token.0,
-                    "aborted an upload of a superseded token"
+                    "{what}"
                 );
             }
             Ok(resp) if resp.status() == StatusCode::NOT_FOUND => {}
-            Ok(resp) => tracing::warn!(
-                status = %resp.status(),
-                upload_id = %record.upload_id,
-                "aborting an upload of a superseded token failed"
-            ),
-            Err(error) => {
-                tracing::warn!(%error, upload_id = %record.upload_id, "aborting an upload of a superseded token failed")
-            }
+            Ok(resp) => tracing::warn!(status = %resp.status(), upload_id = %record.upload_id, "{op} failed"),
+            Err(error) => tracing::warn!(%error, upload_id = %record.upload_id, "{op} failed"),
         }
         Ok(())
     }
@@ -273,6 +310,15 @@ impl Front {
             Err(error) => Err(format!("ListParts of upload {}: {error}", record.upload_id)),
         }
     }
+}
+
+/// Why the sweep aborts an upload.
+#[derive(Clone, Copy)]
+enum Swept {
+    /// Its token was superseded `fencing.abort_stale_uploads_after_ms` ago.
+    Superseded,
+    /// It was created `fencing.abort_uploads_after_ms` ago.
+    Expired,
 }
 
 /// What the sweep remembers between walks (in memory: a restart starts the waits again, so an

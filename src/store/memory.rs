@@ -9,8 +9,9 @@ use async_trait::async_trait;
 
 use crate::fence::{
     AdvanceOutcome, FencePage, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStore, LeaseCommand, LeaseOutcome, LeasePage, LeaseRecord, LeaseStore, LeaseWrite, ListingStore, Page,
-    RecordPage, ResourceKey, StoreError, UploadPage, UploadRecord, UploadStore, apply_lease, listing_start,
+    IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeasePage, LeaseRecord, LeaseStore, LeaseWrite, ListingStore,
+    Owner, Page, RecordLimits, RecordPage, ResourceKey, StoreError, Tally, UploadPage, UploadRecord, UploadStore,
+    apply_lease, listing_start,
 };
 
 #[derive(Default)]
@@ -18,9 +19,16 @@ pub struct MemoryStore {
     fences: Mutex<HashMap<ResourceKey, FenceToken>>,
     leases: Mutex<HashMap<ResourceKey, LeaseRecord>>,
     idempotency: Mutex<HashMap<IdempotencyKey, IdempotencyRecord>>,
-    uploads: Mutex<BTreeMap<String, UploadRecord>>,
+    uploads: Mutex<Uploads>,
     /// Makes every call fail, to test that callers fail closed.
     failing: AtomicBool,
+}
+
+/// The upload records, each with what it counts, and their tally.
+#[derive(Default)]
+struct Uploads {
+    records: BTreeMap<String, (UploadRecord, Owner)>,
+    tally: Tally,
 }
 
 impl MemoryStore {
@@ -152,20 +160,31 @@ impl IdempotencyStore for MemoryStore {
 
 #[async_trait]
 impl UploadStore for MemoryStore {
-    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
+    async fn upload_put(&self, record: &UploadRecord, limits: &RecordLimits) -> Result<Keep, StoreError> {
         self.check()?;
-        self.uploads.lock().expect("memory store lock").insert(record.storage_name(), record.clone());
-        Ok(())
+        let mut uploads = self.uploads.lock().expect("memory store lock");
+        let name = record.storage_name();
+        let owner = record.owner(&record.to_json());
+        let old = uploads.records.get(&name).map(|(_, owner)| owner.clone());
+        let keep = uploads.tally.put(old.as_ref(), &owner, limits);
+        if keep == Keep::Kept {
+            uploads.records.insert(name, (record.clone(), owner));
+        }
+        Ok(keep)
     }
 
     async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
         self.check()?;
-        Ok(self.uploads.lock().expect("memory store lock").get(&UploadRecord::name(bucket, upload_id)).cloned())
+        let uploads = self.uploads.lock().expect("memory store lock");
+        Ok(uploads.records.get(&UploadRecord::name(bucket, upload_id)).map(|(record, _)| record.clone()))
     }
 
     async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
         self.check()?;
-        self.uploads.lock().expect("memory store lock").remove(&UploadRecord::name(bucket, upload_id));
+        let mut uploads = self.uploads.lock().expect("memory store lock");
+        if let Some((_, owner)) = uploads.records.remove(&UploadRecord::name(bucket, upload_id)) {
+            uploads.tally.remove(&owner);
+        }
         Ok(())
     }
 
@@ -174,7 +193,7 @@ impl UploadStore for MemoryStore {
         let uploads = self.uploads.lock().expect("memory store lock");
         let from = cursor.unwrap_or_default();
         let mut records: Vec<UploadRecord> =
-            uploads.range(from..).take(limit.max(1) + 1).map(|(_, r)| r.clone()).collect();
+            uploads.records.range(from..).take(limit.max(1) + 1).map(|(_, (r, _))| r.clone()).collect();
         let next = (records.len() > limit.max(1)).then(|| records.pop().expect("one past the page").storage_name());
         Ok(UploadPage { records, next })
     }

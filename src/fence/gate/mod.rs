@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 use super::millis;
 use super::{
     AdvanceOutcome, Decision, FenceToken, IdempotencyRecords, LeaseCommand, LeaseOutcome, LeaseRecord, Listings,
-    ResourceKey, SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords, decide,
-    stale_below,
+    RecordLimits, ResourceKey, SharedAdmit, SharedRegistry, Store, StoreError, StoreEvent, TimedStore, UploadRecords,
+    decide, stale_below,
 };
 use crate::metrics;
 
@@ -55,6 +55,8 @@ pub struct GateLimits {
     /// Resources whose fence is kept in memory; idle ones beyond this are forgotten (and
     /// reloaded from the store when used again).
     pub cached_resources_max: usize,
+    /// The bounds on the upload records kept for callers (`store.upload_records_*`).
+    pub upload_records: RecordLimits,
 }
 
 impl Default for GateLimits {
@@ -65,6 +67,7 @@ impl Default for GateLimits {
             inflight_per_resource_max: 1024,
             inflight_per_caller_max: 512,
             cached_resources_max: 100_000,
+            upload_records: RecordLimits::default(),
         }
     }
 }
@@ -342,7 +345,7 @@ impl Gate {
 
     /// The multipart uploads made with a token, in the same store.
     pub fn upload_records(&self) -> UploadRecords {
-        UploadRecords::new(self.store.clone())
+        UploadRecords::new(self.store.clone(), self.limits.upload_records)
     }
 
     /// Admits a write with `token` on `resource`: advances the fence durably if `token` is

@@ -15,8 +15,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::fence::{
     AdvanceOutcome, BootHold, FenceStore, FenceToken, Hold, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
-    IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, ResourceKey, StoreError,
-    UploadPage, UploadRecord, UploadStore, apply_lease,
+    IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, LeaseWrite, RecordLimits, ResourceKey,
+    StoreError, apply_lease,
 };
 
 /// resource name → fence token.
@@ -145,11 +145,13 @@ enum WriteRequest {
         json: Option<Vec<u8>>,
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
-    /// Keep (or, with `None`, forget) the upload record under `name`.
+    /// Keep (or, with `None`, forget) the upload record under `name`, a new one within
+    /// `limits`.
     Upload {
         name: String,
         json: Option<String>,
-        reply: oneshot::Sender<Result<(), StoreError>>,
+        limits: RecordLimits,
+        reply: oneshot::Sender<Result<Keep, StoreError>>,
     },
 }
 
@@ -160,7 +162,7 @@ enum WriteOutcome {
     /// The live record that was already there, if any.
     IdempotencyBegin(Option<Vec<u8>>),
     IdempotencyFinish,
-    Upload,
+    Upload(Keep),
 }
 
 impl WriteRequest {
@@ -170,7 +172,7 @@ impl WriteRequest {
             (Self::Lease { reply, .. }, Ok(WriteOutcome::Lease(o))) => drop(reply.send(Ok(o))),
             (Self::IdempotencyBegin { reply, .. }, Ok(WriteOutcome::IdempotencyBegin(o))) => drop(reply.send(Ok(o))),
             (Self::IdempotencyFinish { reply, .. }, Ok(WriteOutcome::IdempotencyFinish)) => drop(reply.send(Ok(()))),
-            (Self::Upload { reply, .. }, Ok(WriteOutcome::Upload)) => drop(reply.send(Ok(()))),
+            (Self::Upload { reply, .. }, Ok(WriteOutcome::Upload(keep))) => drop(reply.send(Ok(keep))),
             (Self::Advance { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::Lease { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
             (Self::IdempotencyBegin { reply, .. }, Err(e)) => drop(reply.send(Err(e))),
@@ -325,7 +327,8 @@ impl EmbeddedStore {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE_MAX);
         let records_max = Arc::new(AtomicUsize::new(IDEMPOTENCY_RECORDS_MAX));
         let records_bytes_max = Arc::new(AtomicU64::new(IDEMPOTENCY_RECORDS_BYTES_MAX));
-        let records_bytes = records_bytes(&db).map_err(|source| OpenError::Init { path, source })?;
+        let records_bytes = records_bytes(&db).map_err(|source| OpenError::Init { path: path.clone(), source })?;
+        let uploads = uploads::Counted::of(&db).map_err(|source| OpenError::Init { path, source })?;
         let writer = Writer {
             db: db.clone(),
             place: place.clone(),
@@ -334,6 +337,7 @@ impl EmbeddedStore {
             records_max: records_max.clone(),
             records_bytes_max: records_bytes_max.clone(),
             records_bytes,
+            uploads,
         };
         std::thread::Builder::new()
             .name("fence-store-writer".into())
@@ -725,58 +729,6 @@ impl IdempotencyStore for EmbeddedStore {
     }
 }
 
-#[async_trait]
-impl UploadStore for EmbeddedStore {
-    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
-        let (reply, answer) = oneshot::channel();
-        let json = serde_json::to_string(record).expect("an upload record serialises");
-        self.submit(WriteRequest::Upload { name: record.storage_name(), json: Some(json), reply }, answer).await
-    }
-
-    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
-        self.check_poisoned()?;
-        let name = UploadRecord::name(bucket, upload_id);
-        let read = || -> Result<Option<String>, redb::Error> {
-            let txn = self.db.begin_read()?;
-            let table = txn.open_table(UPLOADS)?;
-            Ok(table.get(name.as_str())?.map(|v| v.value().to_owned()))
-        };
-        let json = read().map_err(|e| StoreError::Backend(Box::new(e)))?;
-        json.map(|j| serde_json::from_str(&j).map_err(|e| StoreError::Backend(Box::new(e)))).transpose()
-    }
-
-    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
-        let (reply, answer) = oneshot::channel();
-        let name = UploadRecord::name(bucket, upload_id);
-        self.submit(WriteRequest::Upload { name, json: None, reply }, answer).await
-    }
-
-    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
-        self.check_poisoned()?;
-        let db = self.db.clone();
-        let limit = limit.max(1);
-        let page = tokio::task::spawn_blocking(move || -> Result<Vec<String>, redb::Error> {
-            let txn = db.begin_read()?;
-            let table = txn.open_table(UPLOADS)?;
-            let from = cursor.unwrap_or_default();
-            let mut jsons = Vec::with_capacity(limit + 1);
-            for entry in table.range(from.as_str()..)?.take(limit + 1) {
-                jsons.push(entry?.1.value().to_owned());
-            }
-            Ok(jsons)
-        })
-        .await
-        .map_err(|e| StoreError::Backend(Box::new(e)))?
-        .map_err(|e| StoreError::Backend(Box::new(e)))?;
-        let mut records = page
-            .iter()
-            .map(|j| serde_json::from_str(j).map_err(|e| StoreError::Backend(Box::new(e))))
-            .collect::<Result<Vec<UploadRecord>, _>>()?;
-        let next = (records.len() > limit).then(|| records.pop().expect("one past the page").storage_name());
-        Ok(UploadPage { records, next })
-    }
-}
-
 /// The one thread that writes: takes every queued change, applies them in one transaction,
 /// commits (fsync) once, then answers each caller.
 struct Writer {
@@ -791,6 +743,8 @@ struct Writer {
     /// The bytes the records take now ([`record_bytes`] each), counted at open and kept up
     /// to date by every change (a failed commit poisons the store, so it never drifts).
     records_bytes: u64,
+    /// The upload records' counts, kept the same way.
+    uploads: uploads::Counted,
 }
 
 impl Writer {
@@ -876,12 +830,8 @@ impl Writer {
                         self.finish(&mut records, &mut expiry, name, claim, json.as_deref())?;
                         WriteOutcome::IdempotencyFinish
                     }
-                    WriteRequest::Upload { name, json, .. } => {
-                        match json {
-                            Some(json) => drop(uploads.insert(name.as_str(), json.as_str())?),
-                            None => drop(uploads.remove(name.as_str())?),
-                        }
-                        WriteOutcome::Upload
+                    WriteRequest::Upload { name, json, limits, .. } => {
+                        WriteOutcome::Upload(self.uploads.write(&mut uploads, name, json.as_deref(), limits)?)
                     }
                 };
                 outcomes.push(outcome);
@@ -1091,6 +1041,7 @@ fn decode(json: &[u8]) -> Result<IdempotencyRecord, StoreError> {
 
 mod listing;
 mod place;
+mod uploads;
 pub mod witness;
 
 #[cfg(test)]

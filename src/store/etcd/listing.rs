@@ -6,14 +6,13 @@ use std::ops::Bound;
 use async_trait::async_trait;
 use etcd_client::{GetOptions, TxnOp};
 
-use super::{EtcdStore, FENCES, LEASES, RECORDS, corrupt, read_bounded};
+use super::{EtcdStore, FENCES, LEASES, RECORDS, RECORDS_END, corrupt, read_bounded};
 use crate::fence::{
     FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ResourceKey,
     StoreError, listing_start, replica_age,
 };
 
 /// The first key after every idempotency record's.
-const RECORDS_END: &str = "fg/k0";
 /// The replicas seen, one key each (`fg/r/<id>`): when it last said it was up (its wall clock,
 /// ms).
 const REPLICAS: &str = "fg/r/";

@@ -47,13 +47,18 @@ use crate::metrics;
 
 mod listing;
 mod records;
+mod uploads;
 
 const FENCES: &str = "fg/f/";
 const LEASES: &str = "fg/l/";
 const INFLIGHT: &str = "fg/i/";
 const RECORDS: &str = "fg/k/";
+/// The end of the range of [`RECORDS`].
+const RECORDS_END: &str = "fg/k0";
 const UPLOADS: &str = "fg/u/";
 const WITHDRAWN: &str = "fg/w/";
+/// The counts of the upload records (`uploads.rs`).
+const TALLY: &str = "fg/n/";
 /// The end of the range of [`UPLOADS`] (`/` + 1 is `0`).
 const UPLOADS_END: &str = "fg/u0";
 
@@ -190,6 +195,9 @@ pub struct EtcdStore {
     history: Arc<History>,
     timeout: Duration,
     shared: Shared<EtcdCalls>,
+    /// `store.idempotency_records_max`: live records in all, beyond which a claim is refused
+    /// (so route traffic cannot fill etcd's quota, which would refuse every write).
+    records_max: std::sync::atomic::AtomicU64,
 }
 
 /// The registry's calls on etcd.
@@ -227,10 +235,18 @@ impl EtcdStore {
                 replica_id,
                 leases: Mutex::new(HashMap::new()),
             })),
+            records_max: std::sync::atomic::AtomicU64::new(crate::store::IDEMPOTENCY_RECORDS_MAX as u64),
         };
         store.ping().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         tokio::spawn(watch_fences(client, store.shared.announcements()));
         Ok(store)
+    }
+
+    /// Bounds the idempotency records (`store.idempotency_records_max`): a claim that finds as
+    /// many live ones is refused. Counted before the claim, not in its transaction: claims
+    /// racing each other may pass it by as many as run at once.
+    pub fn set_idempotency_records_max(&self, max: usize) {
+        self.records_max.store(max as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Runs `txn` within the store's timeout (`read_only`: see [`txn_on`]).

@@ -99,6 +99,12 @@ impl IdempotencyStore for EtcdStore {
             if let Some(existing) = decode_record(&read)?.filter(|r| !r.is_expired(now_ms)) {
                 break IdempotencyBegin::Existing(existing);
             }
+            if granted.is_none()
+                && self.records_kept().await? >= self.records_max.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                crate::metrics::idempotency_records_full();
+                break IdempotencyBegin::Full;
+            }
             // etcd drops the record when its retention is up.
             let lease = match granted {
                 Some(id) => id,
@@ -160,40 +166,15 @@ impl IdempotencyStore for EtcdStore {
     }
 }
 
-#[async_trait]
-impl UploadStore for EtcdStore {
-    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
-        let json = serde_json::to_vec(record).expect("an upload record serialises");
-        let put = TxnOp::put(upload_key(&record.bucket, &record.upload_id), json, None);
-        self.commit(vec![], vec![put]).await.map(|_| ())
-    }
-
-    async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
-        let read = self.read(&[&upload_key(bucket, upload_id)]).await?.remove(0);
-        read.value.as_deref().map(|v| serde_json::from_slice(v).map_err(|_| corrupt("upload record"))).transpose()
-    }
-
-    async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
-        self.commit(vec![], vec![TxnOp::delete(upload_key(bucket, upload_id), None)]).await.map(|_| ())
-    }
-
-    async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
-        let limit = limit.max(1);
-        let from = format!("{UPLOADS}{}", cursor.unwrap_or_default());
-        let range = || {
-            let (mut kv, from) = (self.client.kv_client(), from.clone());
-            let options =
-                GetOptions::new().with_range(UPLOADS_END).with_limit(i64::try_from(limit + 1).unwrap_or(i64::MAX));
-            async move { kv.get(from, Some(options)).await }
+impl EtcdStore {
+    /// How many idempotency records etcd keeps (it drops each when its retention is up).
+    async fn records_kept(&self) -> Result<u64, StoreError> {
+        let count = || {
+            let mut kv = self.client.kv_client();
+            let options = GetOptions::new().with_range(RECORDS_END).with_count_only();
+            async move { kv.get(RECORDS, Some(options)).await }
         };
-        let resp = read_bounded(self.timeout, range).await?;
-        let mut records = resp
-            .kvs()
-            .iter()
-            .map(|kv| serde_json::from_slice(kv.value()).map_err(|_| corrupt("upload record")))
-            .collect::<Result<Vec<UploadRecord>, _>>()?;
-        let next = (records.len() > limit).then(|| records.pop().expect("one past the page").storage_name());
-        Ok(UploadPage { records, next })
+        Ok(u64::try_from(read_bounded(self.timeout, count).await?.count()).unwrap_or(0))
     }
 }
 

@@ -99,13 +99,24 @@ const LUA_RENEW: &str = include_str!("lua/renew.lua");
 /// a grant {..., fence the store had or '', repaired 0|1}.
 const LUA_LEASE: &str = include_str!("lua/lease.lua");
 
-/// KEYS: record. ARGV: claim, record JSON, ttl_ms. Claims the key unless a record is there
-/// (Redis drops it when its time is up); returns that record's JSON, or nil once claimed.
+/// KEYS: record. ARGV: claim, record JSON, ttl_ms, Redis's memory share for records
+/// (numerator, denominator). Claims the key unless a record is there (Redis drops it when its
+/// time is up); returns that record's JSON, nil once claimed, or "\nfull" when Redis is past
+/// the share (nothing claimed).
 const LUA_IDEMPOTENCY_BEGIN: &str = include_str!("lua/idempotency_begin.lua");
 
 /// KEYS: record. ARGV: claim, record JSON or '' (remove). Only the claimant's record changes;
 /// HSET keeps the key's expiry. Returns 1 if it changed.
 const LUA_IDEMPOTENCY_FINISH: &str = include_str!("lua/idempotency_finish.lua");
+
+/// The helpers of the scripts that keep records for callers (Redis's memory share for
+/// records, what an upload record counts against, counting it), before each of them:
+/// `idempotency_begin.lua`, `upload_put.lua`, `upload_remove.lua`, `upload_recount.lua`.
+const LUA_RECORDS: &str = include_str!("lua/records.lua");
+
+fn records_script(body: &str) -> Script {
+    Script::new(&format!("{LUA_RECORDS}{body}"))
+}
 
 /// `store.wait_replicas`: how many Redis replicas must confirm a change before it counts.
 #[derive(Debug, Clone, Copy)]
@@ -190,6 +201,8 @@ pub struct RedisStore {
     lease: Script,
     idempotency_begin: Script,
     idempotency_finish: Script,
+    upload_put: Script,
+    upload_remove: Script,
     /// Slot 0's epoch gate alone: readiness (`ping`).
     slot_gate: Script,
     changes: Arc<Changes>,
@@ -254,18 +267,22 @@ impl RedisStore {
         };
         let shared = Shared::start(Arc::new(calls));
         tokio::spawn(listen_for_announcements(urls[0].clone(), shared.announcements()));
-        Ok(Self {
+        let store = Self {
             connection,
             epochs,
             quiet_ms: millis(quiet),
             advance: script(LUA_ADVANCE),
             lease: script(LUA_LEASE),
-            idempotency_begin: script(LUA_IDEMPOTENCY_BEGIN),
+            idempotency_begin: records_script(LUA_IDEMPOTENCY_BEGIN),
             idempotency_finish: script(LUA_IDEMPOTENCY_FINISH),
+            upload_put: records_script(include_str!("lua/upload_put.lua")),
+            upload_remove: records_script(include_str!("lua/upload_remove.lua")),
             slot_gate: script(LUA_SLOT_GATE),
             changes,
             shared,
-        })
+        };
+        store.count_uploads().await?;
+        Ok(store)
     }
 
     /// Marks every slot of a new store with one epoch (`fencegate init-store`), so that its

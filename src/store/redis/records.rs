@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::fence::{
-    IdempotencyBegin, IdempotencyStore, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore, UploadPage, UploadRecord,
-    UploadStore,
+    Full, IdempotencyBegin, IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeaseRecord, LeaseStore,
+    MEMORY_FOR_RECORDS, RecordLimits, UploadPage, UploadRecord, UploadStore,
 };
 
 #[async_trait]
@@ -144,9 +144,15 @@ impl IdempotencyStore for RedisStore {
         let ttl_ms = claim.expires_at_ms.saturating_sub(now_ms).max(1);
         let mut inv = self.idempotency_begin.key(idempotency_key(key));
         inv.arg(&claim.claim).arg(encode_record(claim)).arg(ttl_ms);
+        inv.arg(MEMORY_FOR_RECORDS.0).arg(MEMORY_FOR_RECORDS.1);
         let existing: Option<String> = self.connection.invoke(&inv).await?;
         match existing {
             None => Ok(IdempotencyBegin::Claimed),
+            Some(full) if full == "\nfull" => {
+                crate::metrics::idempotency_records_full();
+                crate::metrics::records_refused("idempotency", Full::Memory.label());
+                Ok(IdempotencyBegin::Full)
+            }
             Some(json) => Ok(IdempotencyBegin::Existing(decode_record(&json)?)),
         }
     }
@@ -177,13 +183,33 @@ impl IdempotencyStore for RedisStore {
 /// The hash of multipart uploads made with a token.
 pub(super) const UPLOADS_KEY: &str = "fg:uploads";
 
+impl RedisStore {
+    /// Counts the upload records of a store written before fencegate counted them (once: the
+    /// script blocks Redis for as long as it reads them, about 10 µs a record).
+    pub(super) async fn count_uploads(&self) -> Result<(), StoreError> {
+        let script = records_script(include_str!("lua/upload_recount.lua"));
+        let counted: i64 = self.connection.invoke(&script.key(UPLOADS_KEY)).await?;
+        if counted > 0 {
+            tracing::info!(counted, "counted the upload records kept before");
+        }
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl UploadStore for RedisStore {
-    async fn upload_put(&self, record: &UploadRecord) -> Result<(), StoreError> {
-        let json = serde_json::to_string(record).expect("an upload record serialises");
-        let cmd = redis::cmd("HSET").arg(UPLOADS_KEY).arg(record.storage_name()).arg(json).to_owned();
-        let _added: i64 = self.connection.query(&cmd).await?;
-        Ok(())
+    async fn upload_put(&self, record: &UploadRecord, limits: &RecordLimits) -> Result<Keep, StoreError> {
+        let mut inv = self.upload_put.key(UPLOADS_KEY);
+        inv.arg(record.storage_name()).arg(record.to_json());
+        inv.arg(limits.per_caller).arg(limits.per_resource).arg(limits.count).arg(limits.bytes);
+        inv.arg(MEMORY_FOR_RECORDS.0).arg(MEMORY_FOR_RECORDS.1);
+        let answer: String = self.connection.invoke(&inv).await?;
+        match answer.as_str() {
+            "kept" => Ok(Keep::Kept),
+            bound => Full::named(bound, limits)
+                .map(Keep::Full)
+                .ok_or_else(|| StoreError::Backend(format!("upload_put.lua answered {bound:?}").into())),
+        }
     }
 
     async fn upload_get(&self, bucket: &str, upload_id: &str) -> Result<Option<UploadRecord>, StoreError> {
@@ -193,18 +219,21 @@ impl UploadStore for RedisStore {
     }
 
     async fn upload_remove(&self, bucket: &str, upload_id: &str) -> Result<(), StoreError> {
-        let cmd = redis::cmd("HDEL").arg(UPLOADS_KEY).arg(UploadRecord::name(bucket, upload_id)).to_owned();
-        let _removed: i64 = self.connection.query(&cmd).await?;
+        let mut inv = self.upload_remove.key(UPLOADS_KEY);
+        inv.arg(UploadRecord::name(bucket, upload_id));
+        let _removed: i64 = self.connection.invoke(&inv).await?;
         Ok(())
     }
 
-    /// HSCAN: its cursor is Redis's, and a walk may see a record twice, never miss one.
+    /// HSCAN: its cursor is Redis's, and a walk may see a record twice, never miss one. The
+    /// counts kept in the same hash (fields that start with a newline) are no records.
     async fn uploads(&self, cursor: Option<String>, limit: usize) -> Result<UploadPage, StoreError> {
         let cursor = cursor.unwrap_or_else(|| "0".into());
         let cmd = redis::cmd("HSCAN").arg(UPLOADS_KEY).arg(&cursor).arg("COUNT").arg(limit.max(1)).to_owned();
         let (next, fields): (String, Vec<String>) = self.connection.query(&cmd).await?;
         let records = fields
             .chunks_exact(2)
+            .filter(|pair| !pair[0].starts_with('\n'))
             .map(|pair| serde_json::from_str(&pair[1]).map_err(|e| StoreError::Backend(Box::new(e))))
             .collect::<Result<Vec<UploadRecord>, _>>()?;
         Ok(UploadPage { records, next: (next != "0").then_some(next) })
