@@ -985,16 +985,18 @@ def test_a_newer_token_registered_mid_run_exits_75_and_says_so(gate, background)
     assert "fencegate-lease: released" not in bg.err(), bg.err()
 
 
-@pytest.mark.parametrize("ends", ["command-ends", "lease-lost"])
+@pytest.mark.parametrize("ends", ["command-ends", "lease-lost", "fencegate-lease-killed"])
 def test_a_process_that_left_the_commands_group_is_stopped_too(gate, background, ends):
     """The command starts a process in a session of its own (`setsid`), out of its process group,
     and its shell ends at once (the process is an orphan): when the command ends, or when the
-    lease is lost, `fencegate-lease` stops it as well and names it. Before: it kept running with
-    the lease's credentials."""
+    lease is lost, `fencegate-lease` stops it as well and names it; when `fencegate-lease` itself
+    is killed (SIGKILL: the orphan goes to init), its watchdog stops it. Before: it kept running
+    with the lease's credentials (and, after the SIGKILL, the watchdog stopped only the group)."""
     fg = gate
     marker = f"{31 + len(ends)}.{os.getpid() % 1000:03d}"  # a sleep of its own, to find it by
     # Lost: a renewal every second finds the newer token while the command still runs.
-    ttl_ms, runs_s = ("60000", "1.5") if ends == "command-ends" else ("3000", "20")
+    ttl_ms, runs_s = {"command-ends": ("60000", "1.5"), "lease-lost": ("3000", "20"),
+                      "fencegate-lease-killed": ("60000", "20")}[ends]
     command = ["sh", "-c", f"setsid sleep {marker} </dev/null >/dev/null 2>&1 & sleep {runs_s}"]
     bg = background(lease_cmd("job:escaped-" + ends, "--ttl-ms", ttl_ms, "--grace-ms", "1000", command=command),
                     tool_env(fg), "escaped")
@@ -1012,6 +1014,15 @@ def test_a_process_that_left_the_commands_group_is_stopped_too(gate, background,
         return found
 
     escaped = wait_until(sleepers, timeout=5, what="the escaped sleep")
+    if ends == "fencegate-lease-killed":
+        time.sleep(0.5)  # the watchdog notes what is below fencegate-lease every 100 ms
+        os.kill(bg.proc.pid, signal.SIGKILL)
+        bg.proc.wait(timeout=5)
+        gone = wait_until(lambda: not (set(escaped) & set(sleepers())) or None, timeout=10,
+                          what="the escaped sleep to be stopped by the watchdog")
+        assert gone, sleepers()
+        wait_until(lambda: "outside its group" in bg.err(), timeout=5, what="the watchdog to name it")
+        return
     if ends == "lease-lost":
         assert fg.put_fence("job:escaped-" + ends, int(acquired.group(2)) + 1).status_code == 200
     rc = bg.wait(timeout=30)
@@ -1021,3 +1032,25 @@ def test_a_process_that_left_the_commands_group_is_stopped_too(gate, background,
                       what="the escaped sleep to be stopped")
     assert gone, sleepers()
     assert "outside its group" in bg.err() and "sleep" in bg.err(), bg.err()
+
+
+def test_a_watchdog_whose_parent_is_not_the_run_it_names_stops_nothing_else():
+    """The watchdog notes what is below `fencegate-lease run` only while that very process (pid
+    and start time, passed by `run`) is its parent. Before: it noted whatever was below its
+    parent at the time, so one whose `run` had already died (its parent init or an outer
+    subreaper) killed that parent's other children."""
+    neighbour = subprocess.Popen(["sleep", "300"])
+    try:
+        stat = Path(f"/proc/{neighbour.pid}/stat").read_text()
+        started = stat[stat.rfind(")") + 2:].split()[19]
+        # It names the neighbour as its run: its parent (this test) is not that process.
+        watchdog = subprocess.run([str(lease_bin()), "--access-key-id", "k", "--secret-access-key", "s", "__watch",
+                                   "999999", "100", str(neighbour.pid), started],
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
+        assert watchdog.returncode == 0, watchdog.stderr
+        time.sleep(0.3)
+        assert neighbour.poll() is None, f"the watchdog stopped a process it does not watch: {watchdog.stderr}"
+        assert "outside its group" not in watchdog.stderr, watchdog.stderr
+    finally:
+        neighbour.kill()
+        neighbour.wait()

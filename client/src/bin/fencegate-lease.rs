@@ -106,11 +106,12 @@ enum Command {
     Renew { name: String, lease_id: String },
     /// Release lease NAME held with LEASE_ID.
     Release { name: String, lease_id: String },
-    /// Internal: the watchdog `run` starts beside COMMAND. When `run` ends without saying so
-    /// (killed with SIGKILL), its end of the watchdog's stdin closes, and the watchdog stops
-    /// COMMAND's process group, as `run` would have.
+    /// Internal: the watchdog `run` (process RUN_PID, started at RUN_STARTED) starts beside
+    /// COMMAND. When `run` ends without saying so (killed with SIGKILL), its end of the
+    /// watchdog's stdin closes, and the watchdog stops COMMAND's process group and what had
+    /// left it, as `run` would have.
     #[command(name = "__watch", hide = true)]
-    Watch { group: i32, grace_ms: u64 },
+    Watch { group: i32, grace_ms: u64, run_pid: u32, run_started: u64 },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -139,7 +140,9 @@ async fn main() -> ExitCode {
             Ok(()) => 0,
             Err(error) => failed(&error),
         },
-        Command::Watch { group, grace_ms } => watch(Pid::from_raw(group), Duration::from_millis(grace_ms)).await,
+        Command::Watch { group, grace_ms, run_pid, run_started } => {
+            watch(Pid::from_raw(group), Duration::from_millis(grace_ms), (run_pid, run_started)).await
+        }
     };
     ExitCode::from(code)
 }
@@ -206,13 +209,16 @@ async fn run(client: &LeaseClient, cli: &Cli, args: &AcquireArgs, grace: Duratio
     supervise_and_end(&mut child, lease, grace, watchdog).await
 }
 
-/// Starts `fencegate-lease __watch GROUP GRACE_MS` with a pipe as its stdin.
+/// Starts `fencegate-lease __watch GROUP GRACE_MS RUN_PID RUN_STARTED` with a pipe as its stdin.
 fn spawn_watchdog(group: u32, grace: Duration) -> Option<Child> {
     let exe = std::env::current_exe().ok()?;
+    let me = std::process::id();
     let spawned = tokio::process::Command::new(exe)
         .arg("__watch")
         .arg(group.to_string())
         .arg(grace.as_millis().to_string())
+        .arg(me.to_string())
+        .arg(start_time(me)?.to_string())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .kill_on_drop(false)
@@ -228,10 +234,10 @@ fn spawn_watchdog(group: u32, grace: Duration) -> Option<Child> {
     }
 }
 
-/// The watchdog: waits until its stdin closes (fencegate-lease ended), then stops `group`
-/// (SIGTERM, SIGKILL after `grace`). Signals that would end it first are ignored: it ends
-/// with fencegate-lease, or when fencegate-lease stops it.
-async fn watch(group: Pid, grace: Duration) -> u8 {
+/// The watchdog: waits until its stdin closes (fencegate-lease, `run`, ended), then stops
+/// `group` (SIGTERM, SIGKILL after `grace`) and what had left it. Signals that would end it
+/// first are ignored: it ends with fencegate-lease, or when fencegate-lease stops it.
+async fn watch(group: Pid, grace: Duration, run: (u32, u64)) -> u8 {
     use tokio::io::AsyncReadExt;
     // 0 is the caller's own group and 1 would be every process it may signal: never a
     // command's group (`run` gives the command a group of its own, its id the command's pid).
@@ -240,9 +246,36 @@ async fn watch(group: Pid, grace: Duration) -> u8 {
         return EXIT_USAGE;
     }
     let _ignored = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
+    // What left the group stays below `run` (the subreaper) only while `run` lives: once it is
+    // killed, those processes go to init. So they are noted while it lives, each with its
+    // start time (a pid reused by then is not theirs), and only while `run` is still this
+    // watchdog's parent and the very process that started it: never another's descendants.
+    let (run_pid, run_started) = run;
+    let run_is_parent = || std::os::unix::process::parent_id() == run_pid && start_time(run_pid) == Some(run_started);
+    let mut noted: Vec<(u32, u64, String)> = Vec::new();
     let mut stdin = tokio::io::stdin();
     let mut buf = [0u8; 64];
-    while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+    let mut snapshot = tokio::time::interval(WATCH_SNAPSHOT_EVERY);
+    loop {
+        tokio::select! {
+            biased;
+            read = stdin.read(&mut buf) => if !matches!(read, Ok(n) if n > 0) { break },
+            _ = snapshot.tick() => {
+                if !run_is_parent() {
+                    // `run` ended: its stdin end is closed, and the read above says so next.
+                    continue;
+                }
+                let me = std::process::id();
+                let below = descendants(run_pid).into_iter().filter(|(pid, _)| *pid != me);
+                let seen: Vec<_> =
+                    below.filter_map(|(pid, name)| start_time(pid).map(|started| (pid, started, name))).collect();
+                // Read once more: what was seen belongs to `run` only if it still ran after.
+                if run_is_parent() {
+                    noted = seen;
+                }
+            }
+        }
+    }
     if killpg(group, Signal::SIGTERM).is_ok() {
         eprintln!("fencegate-lease: ended without stopping its command; stopping it");
         let until = Instant::now() + grace;
@@ -251,7 +284,44 @@ async fn watch(group: Pid, grace: Duration) -> u8 {
         }
         let _ = killpg(group, Signal::SIGKILL);
     }
+    // Then what had left the group, and what it started since.
+    let alive = || {
+        let mut alive: Vec<(u32, String)> = Vec::new();
+        for (pid, started, name) in &noted {
+            if start_time(*pid) == Some(*started) {
+                alive.push((*pid, name.clone()));
+                alive.extend(descendants(*pid));
+            }
+        }
+        alive
+    };
+    let found = alive();
+    if !found.is_empty() {
+        let named: Vec<String> = found.iter().map(|(pid, name)| format!("{pid} ({name})")).collect();
+        eprintln!("fencegate-lease: stopping what the command left outside its group: {}", named.join(", "));
+        for signal in [Signal::SIGTERM, Signal::SIGKILL] {
+            for (pid, _) in alive() {
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), signal);
+            }
+            let until = Instant::now() + grace;
+            while signal == Signal::SIGTERM && Instant::now() < until && !alive().is_empty() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
     0
+}
+
+/// How often the watchdog notes what is below fencegate-lease: a process that leaves the
+/// command's group less than this before fencegate-lease is killed may be missed.
+const WATCH_SNAPSHOT_EVERY: Duration = Duration::from_millis(100);
+
+/// When `pid` started (clock ticks after boot, /proc/PID/stat's 22nd field), if it lives.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    // Fields from the 3rd (state) on: the start time is the 22nd field, the 20th here.
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Waits for the command (or the loss of the lease), releases, and says how `run` exits. The
