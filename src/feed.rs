@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 use tokio::sync::Notify;
 
+use crate::fence::{Clock, SystemClock};
 use crate::fence::{FenceToken, ResourceKey};
-use crate::lease::{Clock, SystemClock};
 
 /// Accepted events kept for a watcher that has not read them; beyond, they are dropped and
 /// counted.

@@ -32,6 +32,7 @@ pub mod config;
 pub mod feed;
 pub mod fence;
 pub mod gateway;
+pub mod jobs;
 pub mod lease;
 pub mod logs;
 pub mod metrics;

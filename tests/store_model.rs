@@ -10,8 +10,8 @@ use std::collections::HashMap;
 
 use fencegate::fence::{
     AdvanceOutcome, FenceStore, FenceToken, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome, IdempotencyRecord,
-    IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeaseStore, ListingStore, RecordLimits, ResourceKey, Store,
-    UploadRecord, UploadStore,
+    IdempotencyStore, Keep, LeaseCommand, LeaseOutcome, LeaseStore, ListingStore, RecordLimits, ReplicaList,
+    ResourceKey, Store, UploadRecord, UploadStore,
 };
 use fencegate::store::{EmbeddedStore, MemoryStore, RedisStore};
 use proptest::prelude::*;

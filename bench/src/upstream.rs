@@ -12,7 +12,7 @@
 //! upload does not cost 1 GiB of memory here; reading such an object back streams filler bytes
 //! of the right length.
 //!
-//! `Mode::RejectAll` turns it into the rejection ceiling of SPEC §10: a bare hyper server that
+//! `Mode::RejectAll` turns it into the rejection ceiling of docs/benchmarks.md: a bare hyper server that
 //! answers 409 to everything without reading the body.
 
 use std::collections::{BTreeSet, HashMap};

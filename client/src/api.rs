@@ -20,7 +20,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
-use crate::lease::{Lease, LeaseOptions};
 use crate::metrics;
 
 /// Where the lease endpoints live on fencegate's main listener.
@@ -60,7 +59,7 @@ pub struct Grant {
 }
 
 /// Temporary S3 credentials bound to a lease: every request signed with them is a write with
-/// the lease's token on its resource (SPEC section 9). Hand them to any S3 tool with
+/// the lease's token on its resource (docs/leases.md). Hand them to any S3 tool with
 /// fencegate as its endpoint; no header needed.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 pub struct LeaseCredentials {
@@ -196,27 +195,6 @@ impl LeaseClient {
         self
     }
 
-    /// Acquires `name` for `holder` and keeps it renewed in the background every `ttl / 3`.
-    /// Fails with [`LeaseError::Held`] if someone holds it.
-    pub async fn acquire(&self, name: &str, holder: &str, ttl: Duration) -> Result<Lease, LeaseError> {
-        self.acquire_with(name, holder, ttl, LeaseOptions::default()).await
-    }
-
-    /// [`Self::acquire`] with explicit renewal timing.
-    pub async fn acquire_with(
-        &self,
-        name: &str,
-        holder: &str,
-        ttl: Duration,
-        options: LeaseOptions,
-    ) -> Result<Lease, LeaseError> {
-        let timing = options.timing(ttl)?;
-        // The local deadline counts from when the request left, not from when the answer came.
-        let sent = tokio::time::Instant::now();
-        let grant = self.acquire_call(name, holder, ttl, options.credentials).await?;
-        Ok(Lease::start(std::sync::Arc::new(self.clone()), grant, sent, timing))
-    }
-
     /// One acquire call, no background renewal: `POST /_fencegate/v1/leases/{name}`.
     pub async fn try_acquire(&self, name: &str, holder: &str, ttl: Duration) -> Result<Grant, LeaseError> {
         self.acquire_call(name, holder, ttl, false).await
@@ -232,7 +210,7 @@ impl LeaseClient {
         self.acquire_call(name, holder, ttl, true).await
     }
 
-    async fn acquire_call(
+    pub(crate) async fn acquire_call(
         &self,
         name: &str,
         holder: &str,

@@ -112,6 +112,30 @@ impl std::fmt::Display for LostReason {
     }
 }
 
+/// Leases kept renewed: made by the client (`crate::api` holds its one-shot calls).
+impl LeaseClient {
+    /// Acquires `name` for `holder` and keeps it renewed in the background every `ttl / 3`.
+    /// Fails with [`LeaseError::Held`] if someone holds it.
+    pub async fn acquire(&self, name: &str, holder: &str, ttl: Duration) -> Result<Lease, LeaseError> {
+        self.acquire_with(name, holder, ttl, LeaseOptions::default()).await
+    }
+
+    /// [`Self::acquire`] with explicit renewal timing.
+    pub async fn acquire_with(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl: Duration,
+        options: LeaseOptions,
+    ) -> Result<Lease, LeaseError> {
+        let timing = options.timing(ttl)?;
+        // The local deadline counts from when the request left, not from when the answer came.
+        let sent = tokio::time::Instant::now();
+        let grant = self.acquire_call(name, holder, ttl, options.credentials).await?;
+        Ok(Lease::start(Arc::new(self.clone()), grant, sent, timing))
+    }
+}
+
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The two calls a held lease makes; fencegate over HTTP, or a script in the unit tests.

@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use crate::feed::Feed;
 use crate::fence::{AdmitError, FenceToken, Gate, Registered, ResourceKey};
-use crate::s3::reconcile::{Job, Reconciler};
+use crate::jobs::{Job, Reconciliations};
 use crate::upstream::health::UpstreamHealth;
 
 /// The cookie the console keeps its session in.
@@ -39,7 +39,7 @@ const REGISTRATION_BYTES_MAX: usize = 4096;
 pub struct Admin {
     gate: Arc<Gate>,
     feed: Arc<Feed>,
-    reconciler: Reconciler,
+    reconciler: Arc<dyn Reconciliations>,
     metrics: PrometheusHandle,
     /// `Bearer <token>` expected in `Authorization`, when configured.
     bearer: Option<String>,
@@ -157,7 +157,7 @@ impl Admin {
     pub fn new(
         gate: Arc<Gate>,
         feed: Arc<Feed>,
-        reconciler: Reconciler,
+        reconciler: Arc<dyn Reconciliations>,
         metrics: PrometheusHandle,
         tokens: Tokens,
         hosts: ServedHosts,
@@ -368,7 +368,7 @@ impl Admin {
     }
 
     /// `POST /v1/reconcile` `{"bucket", "prefix", "apply"}`: the scan's events as JSON lines,
-    /// as they come (`s3::reconcile`).
+    /// as they come (`crate::jobs`).
     async fn reconcile(&self, req: http::Request<Incoming>) -> AdminResponse {
         let Ok(body) = Limited::new(req.into_body(), REGISTRATION_BYTES_MAX).collect().await else {
             return problem(StatusCode::BAD_REQUEST, "InvalidRequest", "the body is not a small JSON object");

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::fence::{Clock, SystemClock};
 use crate::fence::{Gate, millis};
-use crate::lease::{Clock, SystemClock};
 
 /// How often a replica says it is up.
 pub const HEARTBEAT: Duration = Duration::from_secs(5);

@@ -7,8 +7,8 @@ use serde_json::json;
 
 use super::{AdminResponse, json_response, problem};
 use crate::feed::Feed;
+use crate::fence::{Clock, SystemClock};
 use crate::fence::{Gate, RESOURCE_BYTES_MAX, StoreError};
-use crate::lease::{Clock, SystemClock};
 use crate::upstream::health::Reach;
 
 /// A page of fences holds this many unless asked otherwise.

@@ -13,8 +13,9 @@ use crate::config::UpstreamBackend;
 use crate::config::{Config, ProbeMode, StoreBackend, StoreKind, ms};
 use crate::feed::Feed;
 use crate::fence::{BootHold, Gate, GateLimits, Hold, InflightBounds, Store};
+use crate::fence::{Clock, SystemClock};
 use crate::gateway::Gateway;
-use crate::lease::{Clock, LeaseService, RandomLeaseIds, SystemClock};
+use crate::lease::{LeaseService, RandomLeaseIds};
 use crate::net::server::{self, ConnectionLimits};
 use crate::net::threads::{CloseOnDrop, ServingThreads};
 use crate::store::{EmbeddedOptions, EmbeddedStore, RedisStore, Wait};
@@ -148,7 +149,7 @@ impl App {
         }
         gate.listen_for_store_events();
         let upstream = upstream::from_config(&config)?;
-        let upstream_health = Arc::new(match config.upstream.backend().map_err(at_fault)? {
+        let upstream_health = Arc::new(match config.upstream.backend().map_err(crate::config::at_fault)? {
             UpstreamBackend::Local { .. } => UpstreamHealth::in_process(),
             UpstreamBackend::S3(_) => {
                 UpstreamHealth::new(config.upstream.probe_bucket.clone(), ms(config.upstream.health_interval_ms))
@@ -287,15 +288,13 @@ impl App {
         Ok((s3, admin))
     }
 
-    /// Serves on bound listeners until `shutdown` resolves.
-    pub async fn serve(
-        self,
-        s3_listener: TcpListener,
-        admin_listener: TcpListener,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> anyhow::Result<()> {
-        let metrics = crate::metrics::install();
-        crate::metrics::register_store(self.gate.store_kind());
+    /// What answers on each listener: the main listener's router (the S3 front, the lease
+    /// endpoints and the API gateway) and the admin listener (at `admin_addr`).
+    fn handlers(
+        &self,
+        metrics: metrics_exporter_prometheus::PrometheusHandle,
+        admin_addr: SocketAddr,
+    ) -> anyhow::Result<(Arc<Router>, Arc<Admin>)> {
         let issuers = Arc::new(crate::lease::credentials::Issuers::from_config(&self.config));
         let leases = Arc::new(LeaseService::new(
             self.gate.clone(),
@@ -314,13 +313,12 @@ impl App {
             self.feed.clone(),
         )?;
         let router = Arc::new(Router::new(self.gateway.clone(), s3_service));
-        let s3_service = service_fn(move |req| router.clone().handle(req));
-        let hosts = ServedHosts::new(admin_listener.local_addr()?, self.config.server.admin_host_names.clone());
+        let hosts = ServedHosts::new(admin_addr, self.config.server.admin_host_names.clone());
         let admin = Arc::new(
             Admin::new(
                 self.gate.clone(),
                 self.feed.clone(),
-                reconciler,
+                Arc::new(reconciler),
                 metrics,
                 crate::admin::Tokens {
                     admin: self.config.server.admin_token.as_ref().map(|t| t.expose().to_owned()),
@@ -331,6 +329,20 @@ impl App {
             )
             .watching_upstream(self.upstream_health.clone()),
         );
+        Ok((router, admin))
+    }
+
+    /// Serves on bound listeners until `shutdown` resolves.
+    pub async fn serve(
+        self,
+        s3_listener: TcpListener,
+        admin_listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let metrics = crate::metrics::install();
+        crate::metrics::register_store(self.gate.store_kind());
+        let (router, admin) = self.handlers(metrics, admin_listener.local_addr()?)?;
+        let s3_service = service_fn(move |req| router.clone().handle(req));
         let admin_service = service_fn(move |req| admin.clone().handle(req));
 
         let server = &self.config.server;
@@ -417,7 +429,7 @@ impl App {
 /// wait out the quiet period of a store that lost its state (docs/design.md, section 6).
 /// Returns what was done, for the operator.
 pub async fn init_store(config: &Config) -> anyhow::Result<String> {
-    let StoreBackend::Redis { urls, .. } = config.store.backend().map_err(at_fault)? else {
+    let StoreBackend::Redis { urls, .. } = config.store.backend().map_err(crate::config::at_fault)? else {
         return Ok(format!(
             "store.kind = {:?}: nothing to initialise (only a Redis store carries epoch marks)",
             config.store.kind
@@ -441,7 +453,7 @@ pub async fn init_store(config: &Config) -> anyhow::Result<String> {
 /// witness saw later commits or another store (docs/design.md, section 5). Returns what was
 /// done, for the operator.
 pub fn accept_restored_store(config: &Config) -> anyhow::Result<String> {
-    let StoreBackend::Embedded { path } = config.store.backend().map_err(at_fault)? else {
+    let StoreBackend::Embedded { path } = config.store.backend().map_err(crate::config::at_fault)? else {
         anyhow::bail!(
             "--accept-restored: only an embedded store has a witness to write anew (store.kind = {:?})",
             config.store.kind
@@ -459,7 +471,7 @@ fn embedded_options(store: &crate::config::StoreConfig) -> EmbeddedOptions {
 async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let store = &config.store;
     let replica_id = || store.replica_id.clone().unwrap_or_else(default_replica_id);
-    Ok(match store.backend().map_err(at_fault)? {
+    Ok(match store.backend().map_err(crate::config::at_fault)? {
         StoreBackend::Embedded { path } => {
             let embedded = EmbeddedStore::open_with(path, &embedded_options(store))?;
             embedded.set_idempotency_records_max(store.idempotency_records_max, store.idempotency_records_bytes_max);
@@ -512,11 +524,6 @@ async fn refuse_unsynced_redis(urls: &[String], store: &crate::config::StoreConf
         "{}; refusing to start (set store.accept_unsynced_changes = true to accept the risk)",
         lapses.join("; ")
     )
-}
-
-/// A config key at fault, as an error (a config that passed validation has none).
-pub(crate) fn at_fault((key, reason): crate::config::Invalid) -> anyhow::Error {
-    anyhow::anyhow!("{key}: {reason}")
 }
 
 /// The longest a stop spends removing its replica from a shared store's list.

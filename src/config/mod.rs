@@ -20,6 +20,14 @@ mod validate;
 pub use backend::{S3Endpoint, StoreBackend, UpstreamBackend};
 pub use validate::Invalid;
 
+/// The start of every lease credential's access key id: no `[[credentials]]` id may have it.
+pub const LEASE_ACCESS_KEY_PREFIX: &str = "FGL";
+
+/// A config key at fault, as an error (a config that passed validation has none).
+pub fn at_fault((key, reason): Invalid) -> anyhow::Error {
+    anyhow::anyhow!("{key}: {reason}")
+}
+
 /// The environment prefix of every override.
 pub const ENV_PREFIX: &str = "FENCEGATE_";
 

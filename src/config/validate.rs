@@ -229,13 +229,13 @@ impl Config {
                     "access_key_id and secret_access_key must not be empty",
                 ));
             }
-            if c.access_key_id.starts_with(crate::lease::credentials::ACCESS_KEY_PREFIX) {
+            if c.access_key_id.starts_with(super::LEASE_ACCESS_KEY_PREFIX) {
                 return Err(invalid(
                     format!("credentials[{i}].access_key_id"),
                     format!(
                         "{:?}: ids starting with {:?} are lease credentials' (docs/leases.md)",
                         c.access_key_id,
-                        crate::lease::credentials::ACCESS_KEY_PREFIX
+                        super::LEASE_ACCESS_KEY_PREFIX
                     ),
                 ));
             }

@@ -1,5 +1,5 @@
-//! The bounds on the upload records a store keeps for callers (`docs/security.md`, "Bounded
-//! by design"): per caller (the access key that signed the creation), per resource and in all,
+//! The bounds on the upload records a store keeps for callers (`docs/security.md`,
+//! "Tenants"): per caller (the access key that signed the creation), per resource and in all,
 //! by count, and in all by bytes. A store checks them atomically with the record's write; a
 //! full store refuses the new record, never a fence operation (grants, registrations and
 //! advances do not pass here).

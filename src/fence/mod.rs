@@ -4,6 +4,7 @@
 
 mod bounds;
 mod budget;
+mod clock;
 mod decision;
 mod gate;
 mod idempotency;
@@ -17,6 +18,7 @@ mod write;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN, millis};
 pub use budget::{Full, Keep, MEMORY_FOR_RECORDS, Owner, RecordLimits, Tally};
+pub use clock::{Clock, SystemClock};
 pub use decision::{Decision, decide, stale_below};
 pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, InflightView, Permit, Registered};
 pub use idempotency::{
@@ -28,8 +30,8 @@ pub use lease::{
 };
 pub use store::{
     AdvanceOutcome, BootHold, FencePage, FenceStore, Hold, IdempotencyStore, LeasePage, LeaseStore, ListingStore, Page,
-    REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, SharedAdmit, SharedRegistry, Store,
-    StoreError, StoreEvent, UploadStore, listing_start, replica_age,
+    REPLICAS_FORGOTTEN_AFTER_MS, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ReplicaList, SharedAdmit, SharedRegistry,
+    Store, StoreError, StoreEvent, UploadStore, listing_start, replica_age,
 };
 pub use timed::{IdempotencyRecords, LISTING_TIMEOUT, Listings, TimedStore, UploadRecords};
 pub use token::{FenceToken, RESOURCE_BYTES_MAX, ResourceKey, ResourceKeyError, TokenParseError};

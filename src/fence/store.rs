@@ -270,7 +270,12 @@ pub trait ListingStore: Send + Sync + 'static {
     /// ones whose outcome is unknown). A page holds at most `limit` (at least 1), except on
     /// Redis, whose `SCAN` steps hold what they hold: `limit` bounds the keys walked there.
     async fn idempotency_records(&self, cursor: Option<String>, limit: usize) -> Result<RecordPage, StoreError>;
+}
 
+/// The replicas sharing a store, as they see each other (`/v1/status`): each notes itself
+/// while it runs and forgets itself when it stops. A store of one process keeps nothing.
+#[async_trait]
+pub trait ReplicaList: Send + Sync + 'static {
     /// Notes that replica `id` is up at its wall-clock `now_ms`, for the others' view
     /// (`/v1/status`). A store of one process keeps nothing.
     async fn replica_seen(&self, _id: &str, _now_ms: u64) -> Result<(), StoreError> {
@@ -322,9 +327,9 @@ pub const REPLICAS_LISTED_MAX: usize = 1000;
 
 /// A fence store as fencegate opens one: fences, leases, idempotency records and uploads in one
 /// place.
-pub trait Store: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore {}
+pub trait Store: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore + ReplicaList {}
 
-impl<T: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore> Store for T {}
+impl<T: FenceStore + LeaseStore + IdempotencyStore + UploadStore + ListingStore + ReplicaList> Store for T {}
 
 /// The answer of a shared store to "may this write go ahead?".
 #[derive(Debug, Clone, PartialEq, Eq)]

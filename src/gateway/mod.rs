@@ -41,12 +41,12 @@ use self::replay::Collected;
 use self::route::Route;
 use crate::config::{Config, RouteMode, millis, ms};
 use crate::feed::{Decision as FeedDecision, Feed};
+use crate::fence::Clock;
 use crate::fence::outcome::detached;
 use crate::fence::{
     AmbiguousCause, Decision, FenceToken, FencedWrite, Gate, IdempotencyBegin, IdempotencyKey, IdempotencyOutcome,
     IdempotencyRecord, IdempotencyRecords, Permit, ResourceKey, StoreError, WriteFailure, decide, fingerprint,
 };
-use crate::lease::Clock;
 use crate::metrics;
 use crate::net::body::{BodyFailure, ForwardBody};
 use crate::refusal::{Refusal, single_token};

@@ -27,7 +27,7 @@ use crate::config::{Config, Role};
 use crate::fence::{LeaseRecord, ResourceKey};
 
 /// Every lease credential's access key id starts with this (static ones may not).
-pub const ACCESS_KEY_PREFIX: &str = "FGL";
+pub const ACCESS_KEY_PREFIX: &str = crate::config::LEASE_ACCESS_KEY_PREFIX;
 /// Versioned, so that the format can change without misreading old tokens.
 const SESSION_TOKEN_PREFIX: &str = "fgl1.";
 /// Hex digits of the grant tag (128 bits of a SHA-256 of the lease id).

@@ -11,9 +11,8 @@ use futures_util::FutureExt;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use s3s::checksum::ChecksumHasher;
 use s3s::{Body, TrailingHeaders};
-use tokio_util::sync::WaitForCancellationFutureOwned;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::fence::Permit;
 use crate::metrics;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -29,6 +28,16 @@ pub enum BodyFailure {
     Client,
     #[error("the client body is larger than allowed")]
     TooLarge,
+}
+
+/// What a forwarded body asks of the write it carries (the fence's permit): the signal that
+/// cuts it off, and leave to hand its last byte over.
+pub trait Handover: Send + Sync + 'static {
+    /// Fires when the write must not reach the upstream whole.
+    fn cancellation(&self) -> &CancellationToken;
+    /// Marks the whole body as handed over; `false` if the write was cut off first (then the
+    /// body must not finish).
+    fn hand_over(&self) -> bool;
 }
 
 /// What the handler learns from the body after the upstream answered.
@@ -109,7 +118,7 @@ pub struct ForwardBody {
     inner: Body,
     /// Weak: the write's handler owns the permit and may release it (a cut-off write); a body
     /// whose permit is gone never completes.
-    permit: Option<Weak<Permit>>,
+    permit: Option<Weak<dyn Handover>>,
     cancelled: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     check: Option<TrailerCheck>,
     /// The last chunk, held back until the end of the body is known (so the write is marked
@@ -125,7 +134,7 @@ pub struct ForwardBody {
 impl ForwardBody {
     pub fn new(
         inner: Body,
-        permit: Option<Arc<Permit>>,
+        permit: Option<Arc<dyn Handover>>,
         check: Option<TrailerCheck>,
         retain_bytes_max: usize,
     ) -> (Self, Arc<BodyReport>) {
@@ -182,7 +191,7 @@ impl ForwardBody {
             return self.fail(failure);
         }
         if let Some(permit) = &self.permit
-            && !permit.upgrade().is_some_and(|permit| permit.mark_body_sent())
+            && !permit.upgrade().is_some_and(|permit| permit.hand_over())
         {
             return self.fail(BodyFailure::Cancelled);
         }

@@ -6,7 +6,7 @@ use http::HeaderMap;
 use super::error::FrontError;
 
 /// S3's limit on a key's length, in bytes.
-pub(super) const KEY_BYTES_MAX: usize = 1024;
+const KEY_BYTES_MAX: usize = 1024;
 
 /// Keys no upstream may see, wherever they are named (the path, a DeleteObjects body): dot
 /// segments (another object than the one named, once a client or a store normalises the path),
@@ -16,7 +16,7 @@ pub(super) fn check_key(key: &str) -> Result<(), FrontError> {
         return Err(FrontError::UnsafeKey);
     }
     if key.len() > KEY_BYTES_MAX {
-        return Err(FrontError::KeyTooLong);
+        return Err(FrontError::KeyTooLong { max: KEY_BYTES_MAX });
     }
     Ok(())
 }

@@ -81,8 +81,8 @@ pub enum FrontError {
     LeaseTokenMismatch { presented: FenceToken, lease: FenceToken },
     #[error("a request signed with a lease credential names resource {presented:?}, not its lease's {lease:?}")]
     LeaseResourceMismatch { presented: String, lease: String },
-    #[error("the key is longer than S3 allows ({max} bytes)", max = super::checks::KEY_BYTES_MAX)]
-    KeyTooLong,
+    #[error("the key is longer than S3 allows ({max} bytes)")]
+    KeyTooLong { max: usize },
     #[error("{0} is not supported through fencegate yet")]
     NotSupported(&'static str),
     #[error("malformed XML body: {0}")]
@@ -164,7 +164,7 @@ impl FrontError {
             Self::PreconditionRace => (S::SERVICE_UNAVAILABLE, "SlowDown"),
             Self::TooLarge { .. } => (S::BAD_REQUEST, "EntityTooLarge"),
             Self::UnsafeKey | Self::NonAsciiMetadata(_) => (S::BAD_REQUEST, "InvalidArgument"),
-            Self::KeyTooLong => (S::BAD_REQUEST, "KeyTooLongError"),
+            Self::KeyTooLong { .. } => (S::BAD_REQUEST, "KeyTooLongError"),
             Self::ClientPrecondition => (S::PRECONDITION_FAILED, "PreconditionFailed"),
             Self::OutOfScope(_) | Self::OutsideLease { .. } => (S::FORBIDDEN, "AccessDenied"),
             Self::LeaseExpired => (S::FORBIDDEN, "ExpiredToken"),

@@ -25,7 +25,6 @@ use http::{HeaderMap, Method, Version};
 use s3s::route::S3Route;
 use s3s::{Body, S3Request};
 
-use super::service::{BucketNames, FencegateRoute};
 use crate::aws::amz::X_AMZ_SECURITY_TOKEN;
 use crate::aws::sigv4::{EMPTY_PAYLOAD_SHA256, HeaderSignature, UNSIGNED_PAYLOAD, Verifier};
 use crate::lease::LeaseService;
@@ -36,7 +35,7 @@ use crate::lease::credentials::{ACCESS_KEY_PREFIX, Claims, CredentialError, Issu
 pub(super) struct LeanPath {
     pub(super) verifier: Verifier,
     pub(super) issuers: Arc<Issuers>,
-    pub(super) route: FencegateRoute,
+    pub(super) route: Arc<dyn S3Route>,
 }
 
 /// The claims of the lease credential whose signature the lean path verified, handed to the
@@ -229,6 +228,15 @@ fn plain_payload(method: &Method, headers: &HeaderMap) -> bool {
         Some(v) if v == UNSIGNED_PAYLOAD.as_bytes() => length.is_some() || *method != Method::PUT,
         Some(v) if v == EMPTY_PAYLOAD_SHA256.as_bytes() => length.is_none_or(|n| n == 0),
         _ => false,
+    }
+}
+
+/// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
+pub(super) struct BucketNames;
+
+impl s3s::validation::NameValidation for BucketNames {
+    fn validate_bucket_name(&self, name: &str) -> bool {
+        name == crate::lease::PSEUDO_BUCKET || s3s::path::check_bucket_name(name)
     }
 }
 

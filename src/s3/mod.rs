@@ -102,7 +102,7 @@ pub struct Front {
     lessees: std::collections::HashSet<String>,
     /// The clock leases expire by (the lease service's), for requests signed with a lease
     /// credential.
-    clock: Arc<dyn crate::lease::Clock>,
+    clock: Arc<dyn crate::fence::Clock>,
     /// How long after its creation an upload takes parts and its completion: then the sweep
     /// aborts it (`fencing.abort_uploads_after_ms`), with none of them in flight.
     uploads_open_for: Duration,
@@ -187,7 +187,7 @@ impl Front {
                 .filter(|c| !c.buckets.is_empty())
                 .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
                 .collect(),
-            clock: Arc::new(crate::lease::SystemClock),
+            clock: Arc::new(crate::fence::SystemClock),
             uploads_open_for: crate::config::ms(
                 config.fencing.abort_uploads_after_ms.saturating_sub(config.upload_completion_ms()),
             ),
@@ -498,7 +498,7 @@ impl Front {
         }
     }
 
-    /// A restricted credential names only resources inside its buckets (SPEC section 11): a
+    /// A restricted credential names only resources inside its buckets (docs/security.md, "Tenants"): a
     /// `Fencing-Resource` naming another tenant's resource would let it raise that fence.
     fn check_resource_scope(&self, scoped: Option<&str>, resource: &ResourceKey) -> Result<(), FrontError> {
         match scoped.and_then(|key| self.scopes.get(key)) {

@@ -32,7 +32,7 @@ use futures_util::StreamExt;
 use http::{HeaderMap, Method, StatusCode};
 use http_body_util::BodyExt;
 use s3s::Body;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use super::Front;
@@ -40,6 +40,7 @@ use super::objects::{self, ObjectState};
 use crate::fence::{
     AmbiguousCause, FenceToken, IdempotencyOutcome, ResourceKey, StoreError, UploadRecord, stale_below,
 };
+use crate::jobs::{Action, Event, Finding, Job, Reconciliations, Summary};
 use crate::logs::with_causes;
 use crate::net::percent::encode_key;
 
@@ -53,100 +54,6 @@ const FENCES_REMEMBERED_MAX: usize = 10_000;
 const TOLD_REMEMBERED_MAX: usize = 100_000;
 /// A listing page's body at most.
 const LISTING_BYTES_MAX: usize = 16 * 1024 * 1024;
-
-/// What to reconcile: the gateway's records always, and a bucket when one is named.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Job {
-    #[serde(default)]
-    pub bucket: Option<String>,
-    #[serde(default)]
-    pub prefix: String,
-    #[serde(default)]
-    pub apply: bool,
-}
-
-impl Job {
-    /// A bucket name as S3 could have one (the rest is the upstream's to refuse): a name with a
-    /// `/` or nothing in it would list the buckets, or read an object, as if it were a listing.
-    pub fn check(&self) -> Result<(), String> {
-        let Some(bucket) = &self.bucket else {
-            return match self.prefix.is_empty() {
-                true => Ok(()),
-                false => Err("a prefix is a key prefix in a bucket: name the bucket".into()),
-            };
-        };
-        let fits = (1..=255).contains(&bucket.len())
-            && bucket.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
-        if fits { Ok(()) } else { Err(format!("{bucket:?} is not a bucket name")) }
-    }
-}
-
-/// What the scan tells, in order: progress now and then, findings as found, then `done` (or
-/// `failed`).
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum Event {
-    Progress { records: u64, objects: u64, uploads: u64 },
-    Finding(Finding),
-    Done(Summary),
-    Failed { error: String },
-}
-
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Finding {
-    /// An incomplete multipart upload made under a token below its resource's fence.
-    StaleUpload { key: String, upload_id: String, resource: String, token: u64, fence: u64, action: Action },
-    /// An object of a fenced resource with no stamp: written around fencegate.
-    Unstamped { key: String, resource: String, fence: Option<u64> },
-    /// An object stamped above its resource's fence: the store lost an advance.
-    StampAboveFence { key: String, resource: String, stamp: u64, fence: Option<u64>, action: Action },
-    /// A gateway request that may or may not have executed at the API: look it up there by
-    /// `upstream_key`. A retry with its token gets "outcome unknown" until `expires_in_ms`.
-    UnknownOutcome {
-        resource: String,
-        /// The route's prefix (`routes[].prefix`); empty for a record written before it was kept.
-        route: String,
-        upstream_key: String,
-        token: u64,
-        fence: Option<u64>,
-        cause: AmbiguousCause,
-        /// When the request claimed the record (wall clock, ms); 0 if not kept.
-        claimed_at_ms: u64,
-        expires_in_ms: u64,
-    },
-    /// A gateway record the store keeps that cannot be read (written by another version, or
-    /// by hand): its outcome is unknown to fencegate too.
-    UnreadableRecord { name: String, error: String },
-}
-
-/// What `apply` did about a finding.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    /// Reported only.
-    None,
-    Aborted,
-    Raised,
-    /// `apply` tried and failed: why.
-    Failed(String),
-}
-
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Summary {
-    /// Live idempotency records read.
-    pub records: u64,
-    /// Of those, claims still within their window (a live fencegate may still be sending
-    /// them): not findings yet, but a scan soon after a crash is not clean for their sake.
-    pub in_flight: u64,
-    pub objects: u64,
-    pub uploads: u64,
-    pub findings: u64,
-    /// Objects outside every rule whose own name has no fence: their resource is unknown.
-    pub unattributed: u64,
-    pub applied: u64,
-}
 
 impl Front {
     /// Runs `job`, telling `events` what it finds; stops early when nobody listens any more.
@@ -500,10 +407,10 @@ impl Reconciler {
     pub(super) fn new(front: Arc<Front>, records: bool) -> Self {
         Self { front, records, one: Arc::new(tokio::sync::Semaphore::new(1)) }
     }
+}
 
-    /// The events of `job`, run on a task of its own; `None` while another runs. Dropping the
-    /// receiver stops the scan at its next event.
-    pub fn start(&self, job: Job) -> Option<mpsc::Receiver<Event>> {
+impl Reconciliations for Reconciler {
+    fn start(&self, job: Job) -> Option<mpsc::Receiver<Event>> {
         let permit = self.one.clone().try_acquire_owned().ok()?;
         let (events, received) = mpsc::channel(64);
         let (front, records) = (self.front.clone(), self.records);

@@ -52,13 +52,13 @@ pub fn service(
         Arc::new(lean::LeanPath {
             verifier: crate::aws::sigv4::Verifier::new(fixed.clone()),
             issuers: issuers.clone(),
-            route: route.clone(),
+            route: Arc::new(route.clone()),
         })
     });
     let mut builder = S3ServiceBuilder::new(NoOperations);
     builder.set_auth(auth::Credentials { fixed, issuers });
     builder.set_route(route);
-    builder.set_validation(BucketNames);
+    builder.set_validation(lean::BucketNames);
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
@@ -107,22 +107,13 @@ impl s3s::S3 for NoOperations {}
 
 /// Every authenticated request: lease endpoints to the lease service, the rest to the S3 front.
 #[derive(Clone)]
-pub(super) struct FencegateRoute {
+struct FencegateRoute {
     pub(super) front: Arc<Front>,
     pub(super) leases: Arc<LeaseService>,
     /// The issuers (`role = "issuer"`), whose secrets make lease credentials.
     pub(super) issuers: Arc<Issuers>,
     /// `server.sigv2`: whether SigV2 signatures are accepted at all.
     pub(super) sigv2: bool,
-}
-
-/// S3's bucket naming rules, plus the pseudo-bucket of the lease endpoints.
-pub(super) struct BucketNames;
-
-impl s3s::validation::NameValidation for BucketNames {
-    fn validate_bucket_name(&self, name: &str) -> bool {
-        name == crate::lease::PSEUDO_BUCKET || s3s::path::check_bucket_name(name)
-    }
 }
 
 #[async_trait::async_trait]

@@ -1,4 +1,4 @@
-//! What the signature of a verified request covers (SPEC section 11): the signature the S3
+//! What the signature of a verified request covers (docs/security.md, "Signatures"): the signature the S3
 //! library chose, told the way it chooses (a form's, else SigV2 by query then by header, else
 //! SigV4 by query then by header), and the rules that follow from it.
 //!

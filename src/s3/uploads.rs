@@ -1,4 +1,4 @@
-//! No upload left behind (SPEC section 12). Every multipart upload created with a token is
+//! No upload left behind (docs/design.md, "Uploads left behind"). Every multipart upload created with a token is
 //! recorded in the fence store, with that token and its creator, before the client learns its
 //! id; a newer token that sends a part or the completion of it takes it over (the record gets
 //! its token before the step is forwarded). The token and signer of the record may abort it

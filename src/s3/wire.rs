@@ -71,7 +71,7 @@ impl WireContract {
 }
 
 impl WireContract {
-    /// The fencing headers count only if the signature covers them (SPEC section 11): on a
+    /// The fencing headers count only if the signature covers them (docs/security.md, "Signatures"): on a
     /// presigned URL whoever holds it adds headers at will, and a header-signed request
     /// captured on its way can be sent again with an unsigned header added. SigV2 covers
     /// `x-amz-*` headers only.

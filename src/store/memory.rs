@@ -199,6 +199,8 @@ impl UploadStore for MemoryStore {
     }
 }
 
+impl crate::fence::ReplicaList for MemoryStore {}
+
 #[async_trait]
 impl ListingStore for MemoryStore {
     async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {

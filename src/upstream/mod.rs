@@ -109,7 +109,7 @@ pub trait Upstream: Send + Sync + 'static {
 
 /// Builds the upstream named by the config.
 pub fn from_config(config: &Config) -> anyhow::Result<Arc<dyn Upstream>> {
-    Ok(match config.upstream.backend().map_err(crate::app::at_fault)? {
+    Ok(match config.upstream.backend().map_err(crate::config::at_fault)? {
         UpstreamBackend::Local { path } => Arc::new(LocalUpstream::open(path)?),
         UpstreamBackend::S3(endpoint) => {
             Arc::new(S3Upstream::new(&config.upstream, endpoint, config.server.serving_threads())?)

@@ -1,5 +1,5 @@
-"""Proves G3 at its bounds (SPEC.md section 3, "At its bounds"; docs/design.md section 3a): the
-faults are put at the bound, not inside it. The one timing assumption: an upstream commits a
+"""Proves G3 at its bounds (docs/design.md section 3a): the faults are put at the bound, not
+inside it. The one timing assumption: an upstream commits a
 request it received whole within D (`fencing.inflight_deadline_ms`) of receiving it, or never.
 Here every late commit lands at D minus 50 ms after the upstream received the request.
 

@@ -1,4 +1,4 @@
-"""The operator's view on the admin listener (SPEC section 12), on the embedded and the Redis
+"""The operator's view on the admin listener (docs/operations.md, "The console"), on the embedded and the Redis
 store: who may read and who may raise (the console's cookie reads only, and only JSON opens a
 session), the fences in pages, the live leases without their ids, the writes in flight with a
 newer token waiting behind them, and the live feed of decisions (`/v1/events`), which names the

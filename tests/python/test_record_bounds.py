@@ -1,10 +1,11 @@
-"""What fencegate keeps in the fence store for a caller is bounded and expires (SPEC section 7;
-docs/security.md, "Bounded by design"): the upload record of every multipart upload made with a
-token counts per caller (the access key that created it), per resource and in all, by count and
-bytes (`store.upload_records_*`), and on Redis stops at three quarters of `maxmemory`. A creation
-past a bound is aborted at the upstream and answered 503 `SlowDown`; lease grants, registrations
-and fence advances never pass there, so they keep working in a full store. Every upload is
-aborted `fencing.abort_uploads_after_ms` after its creation.
+"""What fencegate keeps in the fence store for a caller is bounded and expires (docs/security.md,
+"Tenants"; docs/operations.md, "Sizing the fence store"): the upload record of every multipart
+upload made with a token counts per caller (the access key that signed its creation), per
+resource and in all, by count and bytes (`store.upload_records_*`), and on Redis stops at three
+quarters of `maxmemory`. A creation past a bound is aborted at the upstream and answered 503
+`SlowDown`; lease grants, registrations and fence advances never pass there, so they keep
+working in a full store. Every upload is aborted `fencing.abort_uploads_after_ms` after its
+creation.
 
 Before: 8,102 CreateMultipartUpload requests from one writer key filled a 24 MB Redis; lease
 grants, registrations and advances then got 503, and still did after the attacker stopped.

@@ -453,7 +453,7 @@ def test_stale_holder_upload_cannot_complete_new_holder_completes(surface):
         Bucket=bucket, Key=key, UploadId=b_id, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": b1["ETag"]}]})
     assert body_at_upstream(s, bucket, key) == b"B" * 1024
     assert stamp_at_upstream(s, bucket, key) == "12"
-    # The stale holder may still clean up its own upload (SPEC section 12), which commits
+    # The stale holder may still clean up its own upload (docs/design.md, "Uploads left behind"), which commits
     # nothing; then it is gone for the new holder too.
     assert outcome(lambda: a.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=a_id))[0] == 204
     assert outcome(lambda: b.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=a_id))[0] == 404

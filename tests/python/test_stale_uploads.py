@@ -1,4 +1,4 @@
-"""No multipart upload of a superseded token is left behind (SPEC section 12).
+"""No multipart upload of a superseded token is left behind (docs/design.md, "Uploads left behind").
 
 Before: a worker whose token went stale mid-upload could not abort its own upload (409: the
 abort is a fenced write), a writer without a token got 428, and nothing else aborted it: every

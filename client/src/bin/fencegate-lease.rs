@@ -1,4 +1,4 @@
-//! `fencegate-lease`: unmodified S3 tools fenced by a lease (SPEC section 9).
+//! `fencegate-lease`: unmodified S3 tools fenced by a lease (docs/leases.md).
 //!
 //! ```text
 //! fencegate-lease run NAME [--ttl-ms N] -- COMMAND [ARGS...]

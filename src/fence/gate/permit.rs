@@ -38,6 +38,17 @@ impl Drop for RemoteTicket {
     }
 }
 
+/// A forwarded body is handed over only while its write may still go (`mark_body_sent`).
+impl crate::net::body::Handover for Permit {
+    fn cancellation(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    fn hand_over(&self) -> bool {
+        self.mark_body_sent()
+    }
+}
+
 impl Permit {
     pub fn token(&self) -> FenceToken {
         self.token

@@ -12,6 +12,9 @@ use crate::fence::{
     listing_start,
 };
 
+/// One process: no list of replicas.
+impl crate::fence::ReplicaList for EmbeddedStore {}
+
 #[async_trait]
 impl ListingStore for EmbeddedStore {
     async fn fences(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<FencePage, StoreError> {

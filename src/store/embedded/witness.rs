@@ -1,5 +1,5 @@
 //! The store's witness: a record outside the store file of the last commit made to it, so that
-//! a store that went back in time is found before it admits anything (SPEC section 3, G3
+//! a store that went back in time is found before it admits anything (docs/design.md section 5, G3
 //! "Across restarts, restores and defaults"; `docs/design.md`, section 5).
 //!
 //! Every commit adds one to the store's generation (in the same transaction), then writes the

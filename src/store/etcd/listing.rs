@@ -8,8 +8,8 @@ use etcd_client::{GetOptions, TxnOp};
 
 use super::{EtcdStore, FENCES, LEASES, RECORDS, RECORDS_END, corrupt, read_bounded};
 use crate::fence::{
-    FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ResourceKey,
-    StoreError, listing_start, replica_age,
+    FencePage, FenceToken, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ReplicaList,
+    ResourceKey, StoreError, listing_start, replica_age,
 };
 
 /// The first key after every idempotency record's.
@@ -65,7 +65,11 @@ impl ListingStore for EtcdStore {
         }
         Ok(page)
     }
+}
 
+/// Each replica's id and when it last said it was up (its wall clock, ms).
+#[async_trait]
+impl ReplicaList for EtcdStore {
     async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
         let put = TxnOp::put(format!("{REPLICAS}{id}"), now_ms.to_string(), None);
         self.commit(vec![], vec![put]).await.map(|_| ())

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use super::records::{lease_fields, lease_of_fields};
 use super::{RedisStore, key, parse_token};
 use crate::fence::{
-    FencePage, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ResourceKey, StoreError,
-    replica_age,
+    FencePage, LeasePage, ListingStore, Page, REPLICAS_LISTED_MAX, RecordPage, ReplicaAge, ReplicaList, ResourceKey,
+    StoreError, replica_age,
 };
 
 /// Keys asked for per `SCAN` step.
@@ -97,7 +97,11 @@ impl ListingStore for RedisStore {
         }
         Ok(page)
     }
+}
 
+/// Each replica's id and when it last said it was up (its wall clock, ms).
+#[async_trait]
+impl ReplicaList for RedisStore {
     async fn replica_seen(&self, id: &str, now_ms: u64) -> Result<(), StoreError> {
         let _: i64 = self.connection.query(redis::cmd("HSET").arg(REPLICAS_KEY).arg(id).arg(now_ms)).await?;
         Ok(())
