@@ -23,11 +23,76 @@ pub struct Job {
     pub bucket: Option<String>,
     #[serde(default)]
     pub prefix: String,
-    #[serde(default)]
-    pub apply: bool,
+    /// What to fix, by kind of finding (none: report only). `true` is refused: raising
+    /// fences to stamps, which nothing authenticates, must be asked for by name.
+    #[serde(default, deserialize_with = "apply_kinds")]
+    pub apply: Vec<ApplyKind>,
+}
+
+/// A kind of finding `apply` fixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApplyKind {
+    /// Abort the incomplete uploads of superseded tokens.
+    StaleUpload,
+    /// Raise a fence to the stamp of an object stamped above it (the store lost an advance).
+    /// A stamp is not authenticated: whoever can write the upstream directly can forge one.
+    RaiseFence,
+}
+
+impl ApplyKind {
+    pub const ALL: [Self; 2] = [Self::StaleUpload, Self::RaiseFence];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::StaleUpload => "stale_upload",
+            Self::RaiseFence => "raise_fence",
+        }
+    }
+
+    /// The kinds a comma-separated list names (`stale_upload,raise_fence`).
+    pub fn parse_list(list: &str) -> Result<Vec<Self>, String> {
+        let mut kinds = Vec::new();
+        for name in list.split(',').map(str::trim) {
+            let Some(kind) = Self::ALL.into_iter().find(|k| k.name() == name) else {
+                return Err(format!("{name:?} is no kind of finding to apply: {}", Self::names()));
+            };
+            if !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        Ok(kinds)
+    }
+
+    /// Every kind, for a message.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+}
+
+/// `apply`: a list of kinds, or `false` (none); `true` is refused, naming the kinds.
+fn apply_kinds<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Vec<ApplyKind>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Apply {
+        Flag(bool),
+        Kinds(Vec<ApplyKind>),
+    }
+    match Apply::deserialize(de)? {
+        Apply::Flag(false) => Ok(Vec::new()),
+        Apply::Flag(true) => Err(serde::de::Error::custom(format!(
+            "name what to apply ({}): raising fences to stamps, which nothing authenticates, is never implied",
+            ApplyKind::names()
+        ))),
+        Apply::Kinds(kinds) => Ok(kinds),
+    }
 }
 
 impl Job {
+    pub fn applies(&self, kind: ApplyKind) -> bool {
+        self.apply.contains(&kind)
+    }
+
     /// A bucket name as S3 could have one (the rest is the upstream's to refuse): a name with a
     /// `/` or nothing in it would list the buckets, or read an object, as if it were a listing.
     pub fn check(&self) -> Result<(), String> {

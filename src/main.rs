@@ -71,9 +71,11 @@ enum Command {
         /// Only keys that start with this (in the bucket).
         #[arg(long, default_value = "", requires = "bucket")]
         prefix: String,
-        /// Abort those uploads and raise lost fences to their stamps (never lowers one).
-        #[arg(long)]
-        apply: bool,
+        /// Fix the findings of these kinds, comma-separated: `stale_upload` aborts the uploads
+        /// of superseded tokens, `raise_fence` raises lost fences to their objects' stamps
+        /// (never lowers one; stamps are not authenticated). Named, never implied.
+        #[arg(long, value_name = "KINDS", num_args = 0..=1, default_missing_value = "")]
+        apply: Option<String>,
         /// JSON lines on stdout (a finding per line, then the summary) instead of a table.
         #[arg(long)]
         json: bool,
@@ -110,6 +112,20 @@ fn main() -> ExitCode {
         }),
         Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))).map(done),
         Command::Reconcile { config, bucket, prefix, apply, json } => {
+            let apply = match apply.as_deref().map(fencegate::jobs::ApplyKind::parse_list).transpose() {
+                Ok(kinds) => kinds.unwrap_or_default(),
+                Err(_) if apply.as_deref() == Some("") => {
+                    eprintln!(
+                        "error: --apply needs the kinds of findings to fix: --apply={}",
+                        fencegate::jobs::ApplyKind::names().replace(", ", ",")
+                    );
+                    return ExitCode::from(2);
+                }
+                Err(error) => {
+                    eprintln!("error: --apply: {error}");
+                    return ExitCode::from(2);
+                }
+            };
             let ask = reconcile::Ask { bucket, prefix, apply, json };
             // 1 says "found something" to cron and CI; an error is 2, not to be taken for it.
             match load(&config).and_then(|c| runtime()?.block_on(reconcile::reconcile(&c, &ask))) {

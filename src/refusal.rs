@@ -27,6 +27,15 @@ pub enum Refusal {
     ResourceMismatch { bound: String, presented: String },
     #[error("fencing token {presented} is older than the current fence {current}")]
     Stale { presented: FenceToken, current: FenceToken },
+    /// The object's stamp refused it (G4), not the resource's fence, which admitted it: the
+    /// object was last written with `stamp`, under a resource its writer named, or under a
+    /// fence the store has since lost.
+    #[error(
+        "fencing token {presented} is older than this object's stamp {stamp}, the token that last wrote it \
+         (the resource's fence admitted {presented}: the object was written under another resource, or under \
+         a fence the store lost)"
+    )]
+    StaleByStamp { presented: FenceToken, stamp: FenceToken },
     #[error(
         "fencing token {presented} is above the fence, and here only registrations and lease grants raise it (advance = \"registration\")"
     )]
@@ -99,7 +108,7 @@ impl Refusal {
             | Self::RepeatedToken(_)
             | Self::InvalidResource(_)
             | Self::ResourceMismatch { .. } => StatusCode::BAD_REQUEST,
-            Self::Stale { .. } | Self::Unregistered { .. } => StatusCode::CONFLICT,
+            Self::Stale { .. } | Self::StaleByStamp { .. } | Self::Unregistered { .. } => StatusCode::CONFLICT,
             Self::StoreUnavailable(_)
             | Self::DrainTimeout { .. }
             | Self::TooManyInflight { .. }
@@ -115,7 +124,7 @@ impl Refusal {
             Self::InvalidToken(_) | Self::RepeatedToken(_) => "InvalidFencingToken",
             Self::InvalidResource(_) => "InvalidFencingResource",
             Self::ResourceMismatch { .. } => "FencingResourceMismatch",
-            Self::Stale { .. } => "FencingTokenStale",
+            Self::Stale { .. } | Self::StaleByStamp { .. } => "FencingTokenStale",
             Self::Unregistered { .. } => "FencingTokenUnregistered",
             Self::StoreUnavailable(_) => "FenceStoreUnavailable",
             Self::DrainTimeout { .. } => "FencingDrainTimeout",
@@ -139,7 +148,7 @@ impl Refusal {
             Self::MissingToken => "missing_token",
             Self::InvalidToken(_) | Self::RepeatedToken(_) => "invalid_token",
             Self::InvalidResource(_) | Self::ResourceMismatch { .. } => "invalid_resource",
-            Self::Stale { .. } => "stale",
+            Self::Stale { .. } | Self::StaleByStamp { .. } => "stale",
             Self::Unregistered { .. } => "unregistered",
             Self::StoreUnavailable(_) => "store_unavailable",
             Self::DrainTimeout { .. } => "drain_timeout",
@@ -166,7 +175,10 @@ impl Refusal {
     /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
     pub fn current_fence(&self) -> Option<FenceToken> {
         match self {
-            Self::Stale { current, .. } | Self::Unregistered { current: Some(current), .. } => Some(*current),
+            // The token a write must be newer than to land on this object.
+            Self::Stale { current, .. }
+            | Self::StaleByStamp { stamp: current, .. }
+            | Self::Unregistered { current: Some(current), .. } => Some(*current),
             _ => None,
         }
     }

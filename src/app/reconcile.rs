@@ -18,7 +18,8 @@ use crate::config::Config;
 pub struct Ask {
     pub bucket: Option<String>,
     pub prefix: String,
-    pub apply: bool,
+    /// The kinds of findings to fix.
+    pub apply: Vec<crate::jobs::ApplyKind>,
     /// JSON lines on stdout (one per finding, then the summary) instead of a table.
     pub json: bool,
 }
@@ -38,6 +39,12 @@ pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
     })?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
+    if ask.apply.contains(&crate::jobs::ApplyKind::RaiseFence) {
+        eprintln!(
+            "fencegate reconcile: raising fences to objects' stamps: a stamp is not authenticated, whoever can \
+             write the upstream directly can forge one (and lock a resource's older tokens out)"
+        );
+    }
     let body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": ask.apply });
     let mut req = http::Request::post("/v1/reconcile")
         .header(http::header::HOST, admin.to_string())
@@ -141,9 +148,17 @@ impl Output {
                 } else {
                     writeln!(
                         stdout,
-                        "{findings} found in {} gateway records, {} uploads and {} objects; {} applied; {} objects of unknown resource",
-                        event["records"], event["uploads"], event["objects"], event["applied"], event["unattributed"]
+                        "{findings} found in {} gateway records, {} uploads and {} objects; {} applied",
+                        event["records"], event["uploads"], event["objects"], event["applied"]
                     )?;
+                    if let Some(n) = event["unattributed"].as_u64().filter(|n| *n > 0) {
+                        writeln!(
+                            stdout,
+                            "{n} stamped objects outside every rule: their writers named their resource, which an \
+                             object does not record, so their stamps are not judged (add a [[fencing.rules]] entry \
+                             for their prefix to have them checked)"
+                        )?;
+                    }
                     if let Some(n) = event["in_flight"].as_u64().filter(|n| *n > 0) {
                         writeln!(
                             stdout,

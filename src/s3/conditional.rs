@@ -247,7 +247,7 @@ impl Front {
     ) -> Result<(), FrontError> {
         if let Some(newer) = state.newer_stamp(admitted.token) {
             tracing::warn!(object, stamp = newer.0, "object carries a newer token than the fence store knows");
-            return Err(Refusal::Stale { presented: admitted.token, current: newer }.into());
+            return Err(Refusal::StaleByStamp { presented: admitted.token, stamp: newer }.into());
         }
         Ok(())
     }

@@ -284,7 +284,7 @@ impl Front {
                 KeyOutcome::Error(error_entry(object, &code, &message))
             }
             Err(error) => {
-                if matches!(error, FrontError::Refused(Refusal::Stale { .. })) {
+                if matches!(error, FrontError::Refused(Refusal::Stale { .. } | Refusal::StaleByStamp { .. })) {
                     metrics::decision("stale");
                 }
                 KeyOutcome::Error(error_entry(object, error.code(), &error.to_string()))

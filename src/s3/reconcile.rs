@@ -4,12 +4,13 @@
 //! only here:
 //!
 //! - an incomplete multipart upload made under a token below its resource's fence (its
-//!   record, confirmed at the upstream); `apply` aborts it;
+//!   record, confirmed at the upstream); `apply` = `stale_upload` aborts it;
 //! - an object with no stamp whose resource is fenced (under a rule's prefix, or its own
 //!   `bucket/key` with a fence): written around fencegate;
 //! - an object stamped above its resource's fence, where a rule binds the key (so the resource
-//!   is known): the store lost an advance; `apply` raises the fence to the stamp (never lowers
-//!   one), as a registration does, but never to 2^64-1, which would lock the resource for good.
+//!   is known): the store lost an advance; `apply` = `raise_fence` raises the fence to the
+//!   stamp (never lowers one), as a registration does, but never to 2^64-1, which would lock
+//!   the resource for good.
 //!
 //! - an idempotency record of the API gateway whose outcome is unknown (the call timed out,
 //!   its connection broke, or the fencegate that sent it never recorded an answer): the API may
@@ -20,7 +21,8 @@
 //! A stamped object outside every rule may have been written under a resource its writer
 //! named (`Fencing-Resource`), which the object does not record: its stamp is counted as
 //! unattributed, never judged. A stamp is not authenticated: whoever can write the upstream
-//! directly can forge one, so `apply` is the operator's call on what the report shows.
+//! directly can forge one, so `raise_fence` is the operator's call on what the report shows, and
+//! never implied.
 //!
 //! The scan streams: one page of the listing at a time, heads read a few at once, findings
 //! sent as they are found, so its memory does not grow with the bucket.
@@ -40,7 +42,7 @@ use super::objects::{self, ObjectState};
 use crate::fence::{
     AmbiguousCause, FenceToken, IdempotencyOutcome, ResourceKey, StoreError, UploadRecord, stale_below,
 };
-use crate::jobs::{Action, Event, Finding, Job, Reconciliations, Summary};
+use crate::jobs::{Action, ApplyKind, Event, Finding, Job, Reconciliations, Summary};
 use crate::logs::with_causes;
 use crate::net::percent::encode_key;
 
@@ -207,7 +209,7 @@ impl Scan<'_> {
                 if !self.front.upload_exists(&record).await.map_err(ScanError::Failed)? {
                     continue;
                 }
-                let action = if self.job.apply {
+                let action = if self.job.applies(ApplyKind::StaleUpload) {
                     match self.abort(&record).await? {
                         Some(action) => action,
                         None => continue, // a newer token took it over meanwhile: not stale
@@ -298,7 +300,7 @@ impl Scan<'_> {
             Some(stamp) if fence.is_none_or(|fence| stamp > fence) => {
                 let action = if stamp == FenceToken(u64::MAX) {
                     Action::Failed("not raised: 2^64-1 would lock the resource for good".into())
-                } else if self.job.apply {
+                } else if self.job.applies(ApplyKind::RaiseFence) {
                     match self.front.gate.advance(&resource_key, stamp).await {
                         Ok(_) => {
                             self.fences.insert(resource_key, Some(stamp));

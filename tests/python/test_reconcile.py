@@ -1,4 +1,4 @@
-"""`fencegate reconcile` (SPEC section 12) against a running fencegate, on moto and on the local
+"""`fencegate reconcile` (docs/operations.md, "Reconciling") against a running fencegate, on moto and on the local
 upstream, on the embedded and the Redis store: a bucket written only through fencegate is
 clean (exit 0); an upload of a superseded token, an object written around fencegate under a
 fenced prefix, and an object stamped above a fence the store lost are found (exit 1), shown as a
@@ -94,7 +94,10 @@ def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, 
     assert [(f["kind"], f["upload_id"], f["token"], f["fence"], f["action"]) for f in found] == \
         [("stale_upload", upload, 5, 6, "none")]
 
-    applied = findings(reconcile(fg, "--json", "--apply"))
+    # Only the kinds named are fixed.
+    other = findings(reconcile(fg, "--json", "--apply=raise_fence"))
+    assert [(f["kind"], f["action"]) for f in other] == [("stale_upload", "none")]
+    applied = findings(reconcile(fg, "--json", "--apply=stale_upload"))
     assert [(f["kind"], f["action"]) for f in applied] == [("stale_upload", "aborted")]
     listed = fg.client().list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
     assert {u["UploadId"] for u in listed} == {live}, "only the live upload is left"
@@ -127,7 +130,13 @@ def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_serv
     done = json.loads(run.stdout.splitlines()[-1])
     assert (done["objects"], done["findings"], done["unattributed"]) == (5, 2, 2)
 
-    applied = findings(reconcile(fg, "--json", "--apply"))
+    uploads_only = findings(reconcile(fg, "--json", "--apply=stale_upload"))
+    assert {(f["kind"], f["action"]) for f in uploads_only if f["kind"] == "stamp_above_fence"} == \
+        {("stamp_above_fence", "none")}
+    assert fence(fg, RESOURCE) == 7, "raising a fence to a stamp is never implied"
+    run = reconcile(fg, "--json", "--apply=raise_fence")
+    assert "not authenticated" in run.stderr, run.stderr
+    applied = findings(run)
     assert {(f["kind"], f["action"]) for f in applied if f["kind"] == "stamp_above_fence"} == \
         {("stamp_above_fence", "raised")}
     assert fence(fg, RESOURCE) == 12, "the lost fence is raised to the stamp"
@@ -160,11 +169,27 @@ def test_a_fence_the_store_lost_is_raised_back_on_the_embedded_store(fencegate, 
     assert fence(fg, RESOURCE) == 3, "the restored store lost the advance to 8"
     time.sleep(2.2)  # the hold of an accepted copy, as after a crash
 
-    found = findings(reconcile(fg, "--json", "--apply"))
+    found = findings(reconcile(fg, "--json", "--apply=raise_fence"))
     assert [(f["kind"], f["stamp"], f["fence"], f["action"]) for f in found] == [("stamp_above_fence", 8, 3, "raised")]
     assert fence(fg, RESOURCE) == 8
     with pytest.raises(Exception):
         fg.client(token=5).put_object(Bucket=fg.bucket, Key="reports/r.csv", Body=b"stale")
+
+
+def test_apply_names_the_kinds_it_fixes(fencegate, moto_server):
+    """A bare `--apply` (which used to abort uploads and raise fences to stamps, which nothing
+    authenticates, at once) and an unknown kind are refused, naming the kinds; so is
+    `"apply": true` on the admin API. Nothing is scanned or changed."""
+    fg = start(fencegate, moto_server, "local")
+    for arg in ("--apply", "--apply=everything", "--apply=stale_upload,nope"):
+        run = reconcile(fg, "--json", arg)
+        assert run.returncode == 2, (arg, run.stdout, run.stderr)
+        assert "stale_upload" in run.stderr and "raise_fence" in run.stderr, run.stderr
+        assert run.stdout == "", run.stdout
+    r = fg.admin("POST", "/v1/reconcile", token=ADMIN_TOKEN, json={"bucket": fg.bucket, "apply": True})
+    assert r.status_code == 400 and "raise_fence" in r.json()["detail"], r.text
+    r = fg.admin("POST", "/v1/reconcile", token=ADMIN_TOKEN, json={"bucket": fg.bucket, "apply": False})
+    assert r.status_code == 200, r.text
 
 
 def test_reconcile_needs_the_admin_token_and_a_running_fencegate(fencegate, moto_server):
@@ -189,7 +214,7 @@ def test_a_stamp_reconcile_cannot_attribute_or_that_would_lock_is_never_raised(f
     fg.client(token=7).put_object(Bucket=fg.bucket, Key="reports/ok.csv", Body=b"7")
     moto_server.client().put_object(Bucket=fg.bucket, Key="reports/forged.csv", Body=b"!",
                                     Metadata={"fencing-token": str(2 ** 64 - 1)})
-    run = reconcile(fg, "--json", "--apply")
+    run = reconcile(fg, "--json", "--apply=raise_fence")
     found = findings(run)
     assert [(f["kind"], f["key"], f["action"]) for f in found] == [
         ("stamp_above_fence", "reports/forged.csv", {"failed": "not raised: 2^64-1 would lock the resource for good"})]
@@ -211,7 +236,7 @@ def test_an_upload_taken_over_while_the_scan_ran_is_not_aborted(held_s3):
 
     def scan():
         r = requests.post(fg.admin_url + "/v1/reconcile", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                          json={"bucket": env.bucket, "apply": True}, timeout=120)
+                          json={"bucket": env.bucket, "apply": ["stale_upload"]}, timeout=120)
         out["lines"] = [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
     t = threading.Thread(target=scan)
@@ -235,7 +260,8 @@ def test_reconcile_refuses_what_is_no_bucket_and_pages_of_other_sites(fencegate,
         assert r.status_code == 400, bucket
     # A page of another site may post without asking first ("simple" request): refused.
     for cross in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
-        r = requests.post(fg.admin_url + "/v1/reconcile", data=json.dumps({"bucket": fg.bucket, "apply": True}),
+        r = requests.post(fg.admin_url + "/v1/reconcile",
+                          data=json.dumps({"bucket": fg.bucket, "apply": ["stale_upload"]}),
                           headers={**bearer, "Content-Type": "text/plain", **cross}, timeout=10)
         assert r.status_code == 403 and r.json()["title"] == "CrossSiteRequest", cross
     own = {"Origin": fg.admin_url, "Sec-Fetch-Site": "same-origin"}
@@ -312,7 +338,7 @@ def test_gateway_requests_of_unknown_outcome_are_found(fencegate, api, store, re
     assert sent_key in run.stdout and "ask the API (timeout)" in run.stdout, run.stdout
     assert "1 found in 2 gateway records" in run.stdout, run.stdout
     assert "gateway records" in run.stderr, "progress goes to stderr"
-    found = findings(reconcile_records(fg, "--json", "--apply"))
+    found = findings(reconcile_records(fg, "--json", "--apply=stale_upload,raise_fence"))
     assert [(f["kind"], f["resource"], f["upstream_key"], f["token"], f["route"], f["cause"]) for f in found] == \
         [("unknown_outcome", "payment:2", sent_key, 5, "/pay/", "timeout")]
     assert found[0]["fence"] == 5 and 0 < found[0]["expires_in_ms"] <= 24 * 3600 * 1000, found

@@ -8,13 +8,24 @@ import time
 import pytest
 from botocore.exceptions import ClientError
 
-from fencegate_testlib import code_of, read_object, status_of, unique
+from fencegate_testlib import code_of, header_of, read_object, status_of, unique
 
 
 def assert_stale(exc_info):
     exc = exc_info.value
     assert status_of(exc) == 409, exc.response
     assert code_of(exc) == "FencingTokenStale", exc.response
+
+
+def assert_refused_by_stamp(exc_info, presented: int, stamp: int):
+    """The stamp refused it, and the answer says so: not "the current fence", which an on-call
+    engineer would look up on the resource and not find (the resource's fence admitted it)."""
+    exc = exc_info.value
+    assert_stale(exc_info)
+    message = exc.response["Error"]["Message"]
+    assert f"older than this object's stamp {stamp}" in message and "current fence" not in message, message
+    assert f"the resource's fence admitted {presented}" in message, message
+    assert header_of(exc, "Fencing-Token-Current") == str(stamp), exc.response
 
 
 def test_lost_fence_store_local_upstream(fg):
@@ -32,7 +43,7 @@ def test_lost_fence_store_local_upstream(fg):
 
     with pytest.raises(ClientError) as exc_info:
         fg.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"A's stale data")
-    assert_stale(exc_info)
+    assert_refused_by_stamp(exc_info, presented=11, stamp=12)
     assert read_object(fg.client(), bucket, "k") == b"B's data"
 
 
@@ -49,7 +60,7 @@ def test_two_replicas_share_one_s3_upstream(fencegate, moto_server):
     # replica_1 has fence 11 and a cached ETag from A's write; the object moved on under it.
     with pytest.raises(ClientError) as exc_info:
         replica_1.client(token=11).put_object(Bucket=bucket, Key="k", Body=b"A again")
-    assert_stale(exc_info)
+    assert_refused_by_stamp(exc_info, presented=11, stamp=12)
     assert read_object(moto, bucket, "k") == b"B's data"
     assert moto.head_object(Bucket=bucket, Key="k")["Metadata"].get("fencing-token") == "12"
 
