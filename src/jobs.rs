@@ -70,13 +70,13 @@ impl ApplyKind {
     }
 }
 
-/// `apply`: a list of kinds, or `false` (none); `true` is refused, naming the kinds.
+/// `apply`: a list of kinds, or `false` or `[]` (none); `true` is refused, naming the kinds.
 fn apply_kinds<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Vec<ApplyKind>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Apply {
         Flag(bool),
-        Kinds(Vec<ApplyKind>),
+        Kinds(Vec<String>),
     }
     match Apply::deserialize(de)? {
         Apply::Flag(false) => Ok(Vec::new()),
@@ -84,7 +84,8 @@ fn apply_kinds<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Vec<ApplyKind>
             "name what to apply ({}): raising fences to stamps, which nothing authenticates, is never implied",
             ApplyKind::names()
         ))),
-        Apply::Kinds(kinds) => Ok(kinds),
+        Apply::Kinds(names) if names.is_empty() => Ok(Vec::new()),
+        Apply::Kinds(names) => ApplyKind::parse_list(&names.join(",")).map_err(serde::de::Error::custom),
     }
 }
 
@@ -172,4 +173,32 @@ pub struct Summary {
     /// Objects outside every rule whose own name has no fence: their resource is unknown.
     pub unattributed: u64,
     pub applied: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apply_names_its_kinds_and_never_implies_raising_a_fence() {
+        assert_eq!(ApplyKind::parse_list("stale_upload").unwrap(), vec![ApplyKind::StaleUpload]);
+        assert_eq!(
+            ApplyKind::parse_list("raise_fence, stale_upload,raise_fence").unwrap(),
+            vec![ApplyKind::RaiseFence, ApplyKind::StaleUpload]
+        );
+        for bad in ["", "everything", "stale_upload,", "Stale_Upload"] {
+            let error = ApplyKind::parse_list(bad).unwrap_err();
+            assert!(error.contains("stale_upload") && error.contains("raise_fence"), "{bad:?}: {error}");
+        }
+        let job = |json: &str| serde_json::from_str::<Job>(json);
+        assert!(job(r#"{"bucket": "b"}"#).unwrap().apply.is_empty());
+        assert!(job(r#"{"bucket": "b", "apply": false}"#).unwrap().apply.is_empty());
+        let named = job(r#"{"bucket": "b", "apply": ["raise_fence"]}"#).unwrap();
+        assert!(named.applies(ApplyKind::RaiseFence) && !named.applies(ApplyKind::StaleUpload));
+        let implied = job(r#"{"bucket": "b", "apply": true}"#).unwrap_err().to_string();
+        assert!(implied.contains("raise_fence") && implied.contains("never implied"), "{implied}");
+        let unknown = job(r#"{"bucket": "b", "apply": ["all"]}"#).unwrap_err().to_string();
+        assert!(unknown.contains("\"all\" is no kind") && unknown.contains("stale_upload"), "{unknown}");
+        assert!(job(r#"{"bucket": "b", "apply": []}"#).unwrap().apply.is_empty());
+    }
 }

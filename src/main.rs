@@ -116,8 +116,10 @@ fn main() -> ExitCode {
                 Ok(kinds) => kinds.unwrap_or_default(),
                 Err(_) if apply.as_deref() == Some("") => {
                     eprintln!(
-                        "error: --apply needs the kinds of findings to fix: --apply={}",
-                        fencegate::jobs::ApplyKind::names().replace(", ", ",")
+                        "error: --apply needs the kinds of findings to fix, comma-separated:\n  \
+                         stale_upload  abort the incomplete uploads of superseded tokens\n  \
+                         raise_fence   raise lost fences to their objects' stamps, which are not \
+                         authenticated: whoever can write the upstream directly can forge one"
                     );
                     return ExitCode::from(2);
                 }

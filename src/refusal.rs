@@ -172,6 +172,15 @@ impl Refusal {
         }
     }
 
+    /// The resource's fence, when the refusal named it (the feed's `fence`; never an
+    /// object's stamp, which is no fence of the resource).
+    pub fn fence(&self) -> Option<FenceToken> {
+        match self {
+            Self::StaleByStamp { .. } => None,
+            other => other.current_fence(),
+        }
+    }
+
     /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
     pub fn current_fence(&self) -> Option<FenceToken> {
         match self {
@@ -215,6 +224,19 @@ mod tests {
         assert_eq!((stale.retry_after_s(), busy.retry_after_s(), store.retry_after_s()), (None, Some(1), Some(1)));
         let quiet = Refusal::StoreUnavailable(StoreError::Recovering { retry_after_ms: 41_250 });
         assert_eq!((quiet.status(), quiet.retry_after_s()), (StatusCode::SERVICE_UNAVAILABLE, Some(42)));
+    }
+
+    /// An object's stamp is what a write must pass there (`Fencing-Token-Current`), never
+    /// shown as the resource's fence, which admitted the write.
+    #[test]
+    fn a_stamp_is_told_as_the_bar_and_never_as_the_fence() {
+        let by_stamp = Refusal::StaleByStamp { presented: FenceToken(3), stamp: FenceToken(4) };
+        assert_eq!((by_stamp.status(), by_stamp.code()), (StatusCode::CONFLICT, "FencingTokenStale"));
+        assert_eq!((by_stamp.current_fence(), by_stamp.fence()), (Some(FenceToken(4)), None));
+        let message = by_stamp.to_string();
+        assert!(message.contains("this object's stamp 4") && !message.contains("current fence"), "{message}");
+        let stale = Refusal::Stale { presented: FenceToken(3), current: FenceToken(9) };
+        assert_eq!(stale.fence(), Some(FenceToken(9)));
     }
 
     #[test]

@@ -45,7 +45,9 @@ pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
              write the upstream directly can forge one (and lock a resource's older tokens out)"
         );
     }
-    let body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": ask.apply });
+    // Nothing to apply is sent as `false`, which a fencegate of any version reads.
+    let apply = if ask.apply.is_empty() { serde_json::json!(false) } else { serde_json::json!(ask.apply) };
+    let body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": apply });
     let mut req = http::Request::post("/v1/reconcile")
         .header(http::header::HOST, admin.to_string())
         .header(http::header::CONTENT_TYPE, "application/json")

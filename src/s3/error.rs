@@ -188,6 +188,15 @@ impl FrontError {
         }
     }
 
+    /// The resource's fence, when the refusal named it: what the feed shows as `fence` (an
+    /// object's stamp that refused a write is not one).
+    pub fn fence(&self) -> Option<FenceToken> {
+        match self {
+            Self::Refused(refusal) => refusal.fence(),
+            other => other.current_fence(),
+        }
+    }
+
     /// The fence a refused writer is told (`Fencing-Token-Current`), when it is known.
     pub fn current_fence(&self) -> Option<FenceToken> {
         match self {

@@ -247,7 +247,7 @@ impl Front {
                     metrics::lease_read_refused();
                 }
                 span.record("error", error.code());
-                decision.refused(error.decision(), error.code(), error.current_fence(), !lease_read, &error);
+                decision.refused(error.decision(), error.code(), error.fence(), !lease_read, &error);
                 // Rendered here rather than returned as an error, which s3s would log again.
                 Ok(client_response(error.into_response(request_id.text().as_str())))
             }

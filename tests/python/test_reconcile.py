@@ -1,10 +1,11 @@
-"""`fencegate reconcile` (docs/operations.md, "Reconciling") against a running fencegate, on moto and on the local
-upstream, on the embedded and the Redis store: a bucket written only through fencegate is
-clean (exit 0); an upload of a superseded token, an object written around fencegate under a
-fenced prefix, and an object stamped above a fence the store lost are found (exit 1), shown as a
-table or as JSON lines, with progress on stderr; `--apply` aborts the upload and raises the lost
-fence to the stamp, after which the same scan finds only what it cannot repair (the object
-written around fencegate)."""
+"""`fencegate reconcile` (docs/operations.md, "Reconciling") against a running fencegate, on moto
+and on the local upstream, on the embedded and the Redis store: a bucket written only through
+fencegate is clean (exit 0); an upload of a superseded token, an object written around
+fencegate under a fenced prefix, and an object stamped above a fence the store lost are found
+(exit 1), shown as a table or as JSON lines, with progress on stderr; `--apply=stale_upload`
+aborts the upload and `--apply=raise_fence` raises the lost fence to the stamp (each only when
+named), after which the same scan finds only what it cannot repair (the object written around
+fencegate)."""
 
 from __future__ import annotations
 

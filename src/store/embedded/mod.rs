@@ -232,7 +232,7 @@ impl EmbeddedStore {
     /// none). It gets a new id, so that no copy set aside before (another descendant of the
     /// same store) passes its witness again; the witness is written anew; and the store is
     /// left as after a crash, so that the next start holds writes for D. Its fences may be
-    /// below tokens used after the copy was made: `reconcile --apply` raises them to the
+    /// below tokens used after the copy was made: `reconcile --apply=raise_fence` raises them to the
     /// upstream's stamps; registrations and grants made after the copy are lost.
     pub fn accept_as_newest(dir: &Path, options: &Options) -> Result<Accepted, OpenError> {
         let located = locate(dir, options)?;
@@ -439,7 +439,7 @@ impl std::fmt::Display for Accepted {
                 "there was no store at {path}: made a new, empty one (every fence, lease and record it had is gone) \
                  with a new witness {witness}; the next start holds writes for fencing.inflight_deadline_ms, as \
                  after a crash. Raise the fences of resources with objects to the upstream's stamps with \
-                 `fencegate reconcile --bucket BUCKET --apply` once fencegate runs"
+                 `fencegate reconcile --bucket BUCKET --apply=raise_fence` once fencegate runs"
             );
         }
         match self.witnessed {
@@ -454,7 +454,7 @@ impl std::fmt::Display for Accepted {
             f,
             "; the next start holds writes for fencing.inflight_deadline_ms, as after a crash. Its fences may be \
              below tokens used since the copy was made: once fencegate runs, raise them to the upstream's stamps \
-             with `fencegate reconcile --bucket BUCKET --apply`"
+             with `fencegate reconcile --bucket BUCKET --apply=raise_fence`"
         )
     }
 }
