@@ -25,6 +25,35 @@ impl Default for RecordLimits {
     }
 }
 
+/// What is kept now against the bounds a new record would count on: its caller's records, its
+/// resource's, all of them, and their bytes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Kept {
+    pub caller: u64,
+    pub resource: u64,
+    pub count: u64,
+    pub bytes: u64,
+}
+
+impl RecordLimits {
+    /// The bound a new record of `bytes` would break on top of `kept`, if any: the caller's,
+    /// the resource's, the count in all, the bytes in all, in that order (the Redis script,
+    /// `upload_put.lua`, checks them in the same order).
+    pub fn refuses(&self, kept: Kept, bytes: u64) -> Option<Full> {
+        if kept.caller >= self.per_caller {
+            Some(Full::Caller(self.per_caller))
+        } else if kept.resource >= self.per_resource {
+            Some(Full::Resource(self.per_resource))
+        } else if kept.count >= self.count {
+            Some(Full::Count(self.count))
+        } else if kept.bytes.saturating_add(bytes) > self.bytes {
+            Some(Full::Bytes(self.bytes))
+        } else {
+            None
+        }
+    }
+}
+
 /// Which bound refused a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Full {
@@ -134,19 +163,13 @@ impl Tally {
 
     fn room(&self, new: &Owner, limits: &RecordLimits) -> Result<(), Full> {
         let of = |map: &HashMap<String, u64>, name: &str| map.get(name).copied().unwrap_or(0);
-        if of(&self.callers, &new.caller) >= limits.per_caller {
-            return Err(Full::Caller(limits.per_caller));
-        }
-        if of(&self.resources, &new.resource) >= limits.per_resource {
-            return Err(Full::Resource(limits.per_resource));
-        }
-        if self.count >= limits.count {
-            return Err(Full::Count(limits.count));
-        }
-        if self.bytes.saturating_add(new.bytes) > limits.bytes {
-            return Err(Full::Bytes(limits.bytes));
-        }
-        Ok(())
+        let kept = Kept {
+            caller: of(&self.callers, &new.caller),
+            resource: of(&self.resources, &new.resource),
+            count: self.count,
+            bytes: self.bytes,
+        };
+        limits.refuses(kept, new.bytes).map_or(Ok(()), Err)
     }
 }
 

@@ -17,7 +17,7 @@ mod uploads;
 mod write;
 
 pub use bounds::{BootInstant, CLOCK_RATE_DRIFT_MAX, InflightBounds, SHARED_INFLIGHT_DEADLINE_MS_MIN, millis};
-pub use budget::{Full, Keep, MEMORY_FOR_RECORDS, Owner, RecordLimits, Tally};
+pub use budget::{Full, Keep, Kept, MEMORY_FOR_RECORDS, Owner, RecordLimits, Tally};
 pub use clock::{Clock, SystemClock};
 pub use decision::{Decision, decide, stale_below};
 pub use gate::{AdmitError, CallerId, CutOff, Gate, GateLimits, InflightView, Permit, Registered};

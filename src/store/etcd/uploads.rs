@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::fence::{Full, Keep, Owner, RecordLimits};
+use crate::fence::{Keep, Kept, Owner, RecordLimits};
 
 fn all_key() -> String {
     format!("{TALLY}all")
@@ -65,20 +65,15 @@ impl EtcdStore {
         let reads = self.read(&keys).await?;
         let counts: BTreeMap<&str, &Read> = keys.iter().copied().zip(reads.iter()).collect();
         let (count, bytes) = count_and_bytes(counts[all.as_str()]);
-        let limit = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         if let (Some((_, owner)), None) = (&new, &old) {
-            let full = if number(counts[caller_key(&owner.caller).as_str()]) >= limit(limits.per_caller) {
-                Some(Full::Caller(limits.per_caller))
-            } else if number(counts[resource_key(&owner.resource).as_str()]) >= limit(limits.per_resource) {
-                Some(Full::Resource(limits.per_resource))
-            } else if count >= limit(limits.count) {
-                Some(Full::Count(limits.count))
-            } else if bytes.saturating_add(limit(owner.bytes)) > limit(limits.bytes) {
-                Some(Full::Bytes(limits.bytes))
-            } else {
-                None
+            let at_least_0 = |n: i64| u64::try_from(n).unwrap_or(0);
+            let kept = Kept {
+                caller: at_least_0(number(counts[caller_key(&owner.caller).as_str()])),
+                resource: at_least_0(number(counts[resource_key(&owner.resource).as_str()])),
+                count: at_least_0(count),
+                bytes: at_least_0(bytes),
             };
-            if let Some(full) = full {
+            if let Some(full) = limits.refuses(kept, owner.bytes) {
                 return Ok(Some(Keep::Full(full)));
             }
         }
