@@ -1,6 +1,6 @@
 //! The operator's jobs as the admin listener sees them: what a reconciliation is asked
 //! (`Job`), what it tells as it goes (`Event`, `Finding`, `Summary`), and who runs one
-//! (`Reconciliations`, the S3 front's scan in `s3::reconcile`). The admin listener and
+//! (`Reconciliations`, the scan in `upkeep::reconcile`). The admin listener and
 //! `fencegate reconcile` speak this vocabulary and know nothing of the front.
 
 use serde::{Deserialize, Serialize};

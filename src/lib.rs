@@ -6,12 +6,16 @@
 //!   ([`fence::FenceStore`], [`fence::LeaseStore`], [`fence::IdempotencyStore`]), every store
 //!   call timed once ([`fence::TimedStore`]), and the [`fence::Gate`] that orders writes.
 //! - [`store`]: the fence stores (`embedded`: redb).
-//! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked; fencing and forwarding here).
+//! - [`s3`]: the S3 front end (s3s for SigV4 and aws-chunked). `s3/mod.rs` is a request's flow
+//!   from authorisation to answer; `s3/ops/` holds each fenced operation as a command over a
+//!   narrow context; `s3/hop.rs` is the bounded call to the upstream.
 //! - [`gateway`]: the HTTP API front end: `[[routes]]` to third-party APIs behind the same gate
 //!   (idempotency keys and records, conditional requests).
 //! - [`upstream`]: where writes land (`local` directory, `s3` endpoint) and the start-up probe.
 //! - [`lease`]: the lease service; a grant fences its resource in the same store step.
 //! - [`admin`]: the admin listener (health, metrics, fences).
+//! - [`jobs`]: what an operator's reconciliation is asked and tells; [`upkeep`] runs it, and
+//!   sweeps the upload records, over a narrow context of its own.
 //! - [`net`]: HTTP plumbing with nothing of fencing in it: accept loops, connection limits and
 //!   graceful shutdown, the serving threads (one runtime and one upstream pool each), the one
 //!   outbound HTTP client, the forwarded write's body (streamed, cut off when a newer token
@@ -40,6 +44,7 @@ pub mod net;
 pub mod refusal;
 pub mod s3;
 pub mod store;
+pub mod upkeep;
 pub mod upstream;
 
 mod app;

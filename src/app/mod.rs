@@ -288,6 +288,20 @@ impl App {
         Ok((s3, admin))
     }
 
+    /// The operator's jobs: the sweep of upload records, started here for as long as the
+    /// process runs, and the reconciliations the admin listener starts.
+    fn upkeep(&self) -> anyhow::Result<crate::upkeep::Reconciler> {
+        let config = &self.config;
+        let hop = crate::s3::Hop::new(self.upstream.clone(), ms(config.upstream.request_timeout_ms));
+        let wire = crate::s3::WireContract::new(&config.fencing)?;
+        let upkeep = Arc::new(crate::upkeep::Upkeep::new(self.gate.clone(), hop, wire, self.clock.clone()));
+        let after = Some(config.fencing.abort_stale_uploads_after_ms).filter(|ms| *ms > 0).map(ms);
+        tokio::spawn(upkeep.clone().sweep_uploads(after, ms(config.fencing.abort_uploads_after_ms)));
+        // The gateway's records are read only where a route keeps them (on a Redis Cluster they
+        // cannot be listed, which would fail every bucket's reconciliation).
+        let keeps_records = config.routes.iter().any(|r| r.mode == crate::config::RouteMode::IdempotencyKey);
+        Ok(crate::upkeep::Reconciler::new(upkeep, keeps_records))
+    }
     /// What answers on each listener: the main listener's router (the S3 front, the lease
     /// endpoints and the API gateway) and the admin listener (at `admin_addr`).
     fn handlers(
@@ -303,7 +317,7 @@ impl App {
             self.config.leases.ttl_ms_max,
             issuers.clone(),
         ));
-        let (s3_service, reconciler) = crate::s3::service(
+        let s3_service = crate::s3::service(
             &self.config,
             self.gate.clone(),
             self.upstream.clone(),
@@ -312,6 +326,7 @@ impl App {
             self.enforcement,
             self.feed.clone(),
         )?;
+        let reconciler = self.upkeep()?;
         let router = Arc::new(Router::new(self.gateway.clone(), s3_service));
         let hosts = ServedHosts::new(admin_addr, self.config.server.admin_host_names.clone());
         let admin = Arc::new(

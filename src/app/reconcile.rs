@@ -1,5 +1,5 @@
 //! `fencegate reconcile`: asks a running fencegate (its admin listener, as the config names
-//! it) to compare its upstream with its fences (`POST /v1/reconcile`, `s3::reconcile`), shows
+//! it) to compare its upstream with its fences (`POST /v1/reconcile`, `upkeep::reconcile`), shows
 //! what it finds as it finds it, and exits non-zero when it found anything, so that cron and
 //! CI can run it.
 
@@ -113,67 +113,74 @@ impl Output {
                 );
             }
             Some("finding") if self.json => writeln!(stdout, "{event}")?,
-            Some("finding") => {
-                if !self.header_shown {
-                    writeln!(
-                        stdout,
-                        "{:<20} {:<52} {:<30} {:>8} {:>8}  ACTION",
-                        "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE"
-                    )?;
-                    self.header_shown = true;
-                }
-                let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
-                // A gateway record's key is the one the API was sent, to look it up there.
-                let key = event.get("key").or_else(|| event.get("upstream_key")).or_else(|| event.get("name"));
-                let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
-                writeln!(
-                    stdout,
-                    "{:<20} {:<52} {:<30} {:>8} {:>8}  {}",
-                    event["kind"].as_str().unwrap_or("?"),
-                    shown(key.and_then(Value::as_str).unwrap_or("")),
-                    shown(event["resource"].as_str().unwrap_or("")),
-                    show(token),
-                    show(event["fence"].as_u64()),
-                    shown(&match (event["cause"].as_str(), event["error"].as_str()) {
-                        (Some(cause), _) => {
-                            format!("ask the API ({cause}) behind {}", event["route"].as_str().unwrap_or("?"))
-                        }
-                        (None, Some(error)) => format!("unreadable: {error}"),
-                        (None, None) => action(&event["action"]),
-                    }),
-                )?;
-            }
-            Some("done") => {
-                let findings = event["findings"].as_u64().unwrap_or(0);
-                if self.json {
-                    writeln!(stdout, "{event}")?;
-                } else {
-                    writeln!(
-                        stdout,
-                        "{findings} found in {} gateway records, {} uploads and {} objects; {} applied",
-                        event["records"], event["uploads"], event["objects"], event["applied"]
-                    )?;
-                    if let Some(n) = event["unattributed"].as_u64().filter(|n| *n > 0) {
-                        writeln!(
-                            stdout,
-                            "{n} stamped objects outside every rule: their writers named their resource, which an \
-                             object does not record, so their stamps are not judged (add a [[fencing.rules]] entry \
-                             for their prefix to have them checked)"
-                        )?;
-                    }
-                    if let Some(n) = event["in_flight"].as_u64().filter(|n| *n > 0) {
-                        writeln!(
-                            stdout,
-                            "{n} gateway requests still within their claim's window: run again once it closed to know their outcome"
-                        )?;
-                    }
-                }
-                return Ok(Some(if findings == 0 { Outcome::Clean } else { Outcome::Found }));
-            }
+            Some("finding") => self.finding(&mut stdout, event)?,
+            Some("done") => return Ok(Some(self.done(&mut stdout, event)?)),
             Some("failed") => anyhow::bail!("the reconciliation failed: {}", event["error"].as_str().unwrap_or("?")),
             _ => {}
         }
         Ok(None)
+    }
+
+    /// One finding, as a line of the table (its header first) or of JSON.
+    fn finding(&mut self, stdout: &mut impl Write, event: &Value) -> anyhow::Result<()> {
+        if !self.header_shown {
+            writeln!(
+                stdout,
+                "{:<20} {:<52} {:<30} {:>8} {:>8}  ACTION",
+                "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE"
+            )?;
+            self.header_shown = true;
+        }
+        let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
+        // A gateway record's key is the one the API was sent, to look it up there.
+        let key = event.get("key").or_else(|| event.get("upstream_key")).or_else(|| event.get("name"));
+        let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
+        writeln!(
+            stdout,
+            "{:<20} {:<52} {:<30} {:>8} {:>8}  {}",
+            event["kind"].as_str().unwrap_or("?"),
+            shown(key.and_then(Value::as_str).unwrap_or("")),
+            shown(event["resource"].as_str().unwrap_or("")),
+            show(token),
+            show(event["fence"].as_u64()),
+            shown(&match (event["cause"].as_str(), event["error"].as_str()) {
+                (Some(cause), _) => {
+                    format!("ask the API ({cause}) behind {}", event["route"].as_str().unwrap_or("?"))
+                }
+                (None, Some(error)) => format!("unreadable: {error}"),
+                (None, None) => action(&event["action"]),
+            }),
+        )?;
+        Ok(())
+    }
+
+    /// The scan's summary, and what it came to.
+    fn done(&self, stdout: &mut impl Write, event: &Value) -> anyhow::Result<Outcome> {
+        let findings = event["findings"].as_u64().unwrap_or(0);
+        if self.json {
+            writeln!(stdout, "{event}")?;
+        } else {
+            writeln!(
+                stdout,
+                "{findings} found in {} gateway records, {} uploads and {} objects; {} applied",
+                event["records"], event["uploads"], event["objects"], event["applied"]
+            )?;
+            if let Some(n) = event["unattributed"].as_u64().filter(|n| *n > 0) {
+                writeln!(
+                    stdout,
+                    "{n} stamped objects outside every rule: their writers named their resource, which an \
+                     object does not record, so their stamps are not judged (add a [[fencing.rules]] entry \
+                     for their prefix to have them checked)"
+                )?;
+            }
+            if let Some(n) = event["in_flight"].as_u64().filter(|n| *n > 0) {
+                writeln!(
+                    stdout,
+                    "{n} gateway requests still within their claim's window: run again once it closed to know their outcome"
+                )?;
+            }
+        }
+        Ok(if findings == 0 { Outcome::Clean } else { Outcome::Found })
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use hyper::body::Incoming;
 
 use crate::gateway::Gateway;
-use crate::net::server;
+use crate::net::request_body;
 
 pub struct Router {
     gateway: Arc<Gateway>,
@@ -36,12 +36,12 @@ impl Router {
         let content_length =
             req.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         let (parts, body) = req.into_parts();
-        let (body, polled) = server::RequestBody::new(body, expect_continue);
+        let (body, polled) = request_body::RequestBody::new(body, expect_continue);
         let req = http::Request::from_parts(parts, s3s::Body::http_body_unsync(body));
         let mut resp = self.s3.call(req).await?;
         // A rejection answered before the body was read leaves the body unread on the
         // connection: it is closed rather than read through.
-        if server::answered_early(expect_continue, polled.load(Ordering::Relaxed), content_length) {
+        if request_body::answered_early(expect_continue, polled.load(Ordering::Relaxed), content_length) {
             resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
         }
         Ok(resp)

@@ -41,25 +41,7 @@ impl Config {
                     .to_owned(),
             );
         }
-        for r in &self.routes {
-            if r.advance == AdvancePolicy::Write {
-                risks.push(format!(
-                    "routes {:?}: advance = \"write\" lets callers fencegate does not authenticate raise the fence",
-                    r.prefix
-                ));
-            }
-            if r.mode == RouteMode::IdempotencyKey
-                && r.caller_headers.is_empty()
-                && r.caller_header.eq_ignore_ascii_case("authorization")
-            {
-                risks.push(format!(
-                    "routes {:?}: callers are told apart by Authorization alone (routes.caller_headers is not set); \
-                     if the API takes its key in another header (X-Api-Key, a cookie), one caller can be answered \
-                     with another's recorded response",
-                    r.prefix
-                ));
-            }
-        }
+        risks.extend(self.routes.iter().flat_map(route_risks));
         if self.store.kind != StoreKind::Embedded
             && self.upstream.request_timeout_ms > self.fencing.inflight_deadline_ms
         {
@@ -359,4 +341,27 @@ fn check_log_level(level: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// What a route's settings risk.
+fn route_risks(r: &RouteConfig) -> Vec<String> {
+    let mut risks = Vec::new();
+    if r.advance == AdvancePolicy::Write {
+        risks.push(format!(
+            "routes {:?}: advance = \"write\" lets callers fencegate does not authenticate raise the fence",
+            r.prefix
+        ));
+    }
+    if r.mode == RouteMode::IdempotencyKey
+        && r.caller_headers.is_empty()
+        && r.caller_header.eq_ignore_ascii_case("authorization")
+    {
+        risks.push(format!(
+            "routes {:?}: callers are told apart by Authorization alone (routes.caller_headers is not set); \
+             if the API takes its key in another header (X-Api-Key, a cookie), one caller can be answered \
+             with another's recorded response",
+            r.prefix
+        ));
+    }
+    risks
 }

@@ -38,7 +38,7 @@ pub use self::replay::REPLAYED_HEADER;
 use self::client::{ApiClient, SendError};
 use self::etags::ResourceEtags;
 use self::replay::Collected;
-use self::route::Route;
+use self::route::{BufferHold, Route};
 use crate::config::{Config, RouteMode, millis, ms};
 use crate::feed::{Decision as FeedDecision, Feed};
 use crate::fence::Clock;
@@ -264,6 +264,29 @@ impl Gateway {
         Ok(client_response(resp))
     }
 
+    /// The request's body, held whole until the call ends: bounded per route across requests,
+    /// and per caller within the route; what its length announces is held (the most a body may
+    /// be without one), and it must arrive within the route's request timeout. The share is the
+    /// peer's (its address), not the caller headers': fencegate does not authenticate a route's
+    /// callers, and made-up `Authorization` values would each get a share of their own. Behind a
+    /// proxy every caller is the proxy's.
+    async fn held_body(
+        &self,
+        route: &Route,
+        parts: &http::request::Parts,
+        caller: &str,
+        body: Incoming,
+    ) -> Result<(Bytes, BufferHold), GatewayError> {
+        let reserve = content_length(&parts.headers)
+            .map_or(route.body_bytes_max, |n| usize::try_from(n).unwrap_or(usize::MAX).min(route.body_bytes_max));
+        let share = parts.extensions.get::<crate::net::server::Peer>().map_or_else(|| caller.to_owned(), |p| p.share());
+        let buffered = route.hold_buffer(&share, reserve).ok_or(GatewayError::BufferFull)?;
+        match tokio::time::timeout(route.request_timeout, read_body(body, reserve)).await {
+            Ok(body) => Ok((body?, buffered)),
+            Err(_) => Err(GatewayError::BodyReadTimeout { after_ms: millis(route.request_timeout) }),
+        }
+    }
+
     /// `idempotency-key`: see the module documentation and the README.
     async fn idempotent(
         self: Arc<Self>,
@@ -296,20 +319,7 @@ impl Gateway {
                 return Err(Refusal::Stale { presented: token, current }.into());
             }
         }
-        // The body is held whole until the call ends: bounded per route across requests, and
-        // per caller within the route; what its length announces is held (the most a body may
-        // be without one), and it must arrive within the route's request timeout.
-        let reserve = content_length(&parts.headers)
-            .map_or(route.body_bytes_max, |n| usize::try_from(n).unwrap_or(usize::MAX).min(route.body_bytes_max));
-        // The share is the peer's (its address), not the caller headers': fencegate does not
-        // authenticate a route's callers, and made-up `Authorization` values would each get
-        // a share of their own. Behind a proxy every caller is the proxy's.
-        let share = parts.extensions.get::<crate::net::server::Peer>().map_or_else(|| caller.clone(), |p| p.share());
-        let _buffered = route.hold_buffer(&share, reserve).ok_or(GatewayError::BufferFull)?;
-        let body = match tokio::time::timeout(route.request_timeout, read_body(body, reserve)).await {
-            Ok(body) => body?,
-            Err(_) => return Err(GatewayError::BodyReadTimeout { after_ms: millis(route.request_timeout) }),
-        };
+        let (body, _buffered) = self.held_body(route, &parts, &caller, body).await?;
         let path_and_query = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
         let fingerprint = fingerprint(&[parts.method.as_str().as_bytes(), path_and_query.as_bytes(), &body]);
         let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());

@@ -251,6 +251,33 @@ impl LeaseService {
         }
     }
 
+    /// A grant of the lease on `name`.
+    async fn acquire(
+        &self,
+        name: &ResourceKey,
+        req: AcquireBody,
+        caller: &Caller,
+        now_ms: u64,
+    ) -> Result<S3Response<Body>, LeaseError> {
+        if req.holder.is_empty() || req.holder.len() > HOLDER_BYTES_MAX {
+            return Err(LeaseError::BadRequest(format!("holder must be 1 to {HOLDER_BYTES_MAX} bytes")));
+        }
+        if req.ttl_ms == 0 || req.ttl_ms > self.ttl_ms_max {
+            return Err(LeaseError::BadRequest(format!("ttl_ms must be 1 to {} (leases.ttl_ms_max)", self.ttl_ms_max)));
+        }
+        let command =
+            LeaseCommand::Acquire { holder: req.holder, ttl_ms: req.ttl_ms, lease_id: self.ids.next(), floor: None };
+        match self.apply(name, command, now_ms).await? {
+            LeaseOutcome::Granted(lease) => {
+                metrics::lease_event("granted");
+                tracing::info!(lease = name.as_str(), holder = lease.holder, token = lease.token.0, "lease granted");
+                let credentials = self.credentials(req.credentials, caller, name, &lease);
+                Ok(lease_json(StatusCode::CREATED, name, &lease, credentials))
+            }
+            other => Err(refusal(other)),
+        }
+    }
+
     async fn dispatch(
         &self,
         method: &Method,
@@ -272,38 +299,7 @@ impl LeaseService {
             return Err(LeaseError::NotLessee);
         }
         match (method, renew) {
-            (&Method::POST, false) => {
-                let req: AcquireBody = read_json(body).await?;
-                if req.holder.is_empty() || req.holder.len() > HOLDER_BYTES_MAX {
-                    return Err(LeaseError::BadRequest(format!("holder must be 1 to {HOLDER_BYTES_MAX} bytes")));
-                }
-                if req.ttl_ms == 0 || req.ttl_ms > self.ttl_ms_max {
-                    return Err(LeaseError::BadRequest(format!(
-                        "ttl_ms must be 1 to {} (leases.ttl_ms_max)",
-                        self.ttl_ms_max
-                    )));
-                }
-                let command = LeaseCommand::Acquire {
-                    holder: req.holder,
-                    ttl_ms: req.ttl_ms,
-                    lease_id: self.ids.next(),
-                    floor: None,
-                };
-                match self.apply(&name, command, now_ms).await? {
-                    LeaseOutcome::Granted(lease) => {
-                        metrics::lease_event("granted");
-                        tracing::info!(
-                            lease = name.as_str(),
-                            holder = lease.holder,
-                            token = lease.token.0,
-                            "lease granted"
-                        );
-                        let credentials = self.credentials(req.credentials, caller, &name, &lease);
-                        Ok(lease_json(StatusCode::CREATED, &name, &lease, credentials))
-                    }
-                    other => Err(refusal(other)),
-                }
-            }
+            (&Method::POST, false) => self.acquire(&name, read_json(body).await?, caller, now_ms).await,
             (&Method::POST, true) => {
                 let req: LeaseIdBody = read_json(body).await?;
                 caller.owns(&req.lease_id)?;

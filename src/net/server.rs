@@ -94,29 +94,9 @@ pub async fn run<S, B>(
     let builder = Arc::new(builder(&limits, threads.clone()));
     tokio::pin!(shutdown);
     loop {
-        let (stream, peer) = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
-        };
+        let Some((stream, peer)) = accept(&listener, shutdown.as_mut()).await else { break };
         let Some(permit) = free_slot(&permits, &open, evict_after, shutdown.as_mut()).await else {
             return drain(listener, graceful, drain_for).await;
-        };
-        let _ = stream.set_nodelay(true);
-        // Taken off this runtime's reactor, to be registered with the serving thread's.
-        let stream = match stream.into_std() {
-            Ok(stream) => stream,
-            Err(error) => {
-                tracing::debug!(%peer, %error, "accepted connection lost before it was served");
-                continue;
-            }
         };
         let (builder, service, tls, watcher) = (builder.clone(), service.clone(), tls.clone(), graceful.watcher());
         let requests = open.insert();
@@ -143,14 +123,12 @@ pub async fn run<S, B>(
                 // Boxed: the handshake's and a TLS connection's futures are about twice a plain
                 // connection's, and every connection's task, plain or not, would hold them.
                 Some(acceptor) => {
+                    let handshake = acceptor.accept(tracked);
                     Box::pin(async move {
-                        match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tracked)).await {
-                            Ok(Ok(stream)) => {
-                                serve(&builder, TokioIo::new(stream), service, watcher, idle, unused, peer).await;
-                            }
-                            Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
-                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                        }
+                        let Some(stream) = handshaken(handshake, limits.header_read_timeout, peer).await else {
+                            return;
+                        };
+                        serve(&builder, TokioIo::new(stream), service, watcher, idle, unused, peer).await;
                     })
                     .await
                 }
@@ -159,6 +137,55 @@ pub async fn run<S, B>(
         spawn(threads.as_deref(), connection);
     }
     drain(listener, graceful, drain_for).await;
+}
+
+/// The next connection, or `None` once `shutdown` resolved, taken off this runtime's reactor
+/// to be registered with the serving thread's. An accept that fails (out of file descriptors
+/// and the like) is tried again after a pause instead of spinning.
+async fn accept(
+    listener: &TcpListener,
+    mut shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Option<(std::net::TcpStream, std::net::SocketAddr)> {
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => return None,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        match stream.into_std() {
+            Ok(stream) => return Some((stream, peer)),
+            Err(error) => tracing::debug!(%peer, %error, "accepted connection lost before it was served"),
+        }
+    }
+}
+
+/// A TLS connection once its handshake is done, within `timeout`.
+async fn handshaken<S>(
+    handshake: tokio_rustls::Accept<S>,
+    timeout: Duration,
+    peer: std::net::SocketAddr,
+) -> Option<tokio_rustls::server::TlsStream<S>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match tokio::time::timeout(timeout, handshake).await {
+        Ok(Ok(stream)) => Some(stream),
+        Ok(Err(error)) => {
+            tracing::debug!(%peer, %error, "TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "TLS handshake timed out");
+            None
+        }
+    }
 }
 
 /// The HTTP/1 and HTTP/2 settings of a listener's connections.
@@ -596,111 +623,6 @@ impl AsyncWrite for Tracked {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
-}
-
-/// At most this much of a refused request's body is read and discarded after the answer.
-const LINGER_BYTES_MAX: u64 = 16 * 1024 * 1024;
-/// For at most this long.
-const LINGER_TIME: Duration = Duration::from_secs(5);
-/// Frames of an already arrived remainder read in place before a task takes over.
-const LINGER_INLINE_FRAMES_MAX: usize = 16;
-
-/// A request body that closes its connection gently when the request is answered before the
-/// body was read (a refused write).
-///
-/// A client that sent no `Expect: 100-continue` is writing its body while the answer comes
-/// back; closing the connection at once makes it fail with a broken pipe before it reads the
-/// answer. So the rest of the body is read and discarded in the background (bounded by
-/// [`LINGER_BYTES_MAX`] and [`LINGER_TIME`]) while the answer is sent. A client that asked
-/// `Expect: 100-continue` and was never told to continue is not drained: it never sends the
-/// body, and its connection is closed (see [`answered_early`]).
-pub struct RequestBody {
-    inner: Option<Incoming>,
-    expect_continue: bool,
-    polled: Arc<std::sync::atomic::AtomicBool>,
-    finished: bool,
-}
-
-impl RequestBody {
-    /// Wraps a request's body; the flag tells later whether anything polled it.
-    pub fn new(inner: Incoming, expect_continue: bool) -> (Self, Arc<std::sync::atomic::AtomicBool>) {
-        let polled = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        (Self { inner: Some(inner), expect_continue, polled: polled.clone(), finished: false }, polled)
-    }
-}
-
-impl http_body::Body for RequestBody {
-    type Data = bytes::Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, hyper::Error>>> {
-        self.polled.store(true, Ordering::Relaxed);
-        let Some(inner) = self.inner.as_mut() else { return Poll::Ready(None) };
-        let polled = Pin::new(inner).poll_frame(cx);
-        if let Poll::Ready(None | Some(Err(_))) = &polled {
-            self.finished = true;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(http_body::Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.as_ref().map(http_body::Body::size_hint).unwrap_or_default()
-    }
-}
-
-impl Drop for RequestBody {
-    fn drop(&mut self) {
-        let Some(inner) = self.inner.take() else { return };
-        let untouched_expect = self.expect_continue && !self.polled.load(Ordering::Relaxed);
-        // Even a small remainder is drained here: hyper reads only what has already arrived and
-        // closes the connection on the rest, so a client still sending it got a broken pipe
-        // instead of the answer (seen in CI with a 2 KB aws-chunked upload refused with 428).
-        if self.finished || untouched_expect || http_body::Body::is_end_stream(&inner) {
-            return;
-        }
-        // What has already arrived is read here (the common case of a small refused body); a
-        // task is spawned only for a remainder still on its way.
-        let mut inner = inner;
-        for _ in 0..LINGER_INLINE_FRAMES_MAX {
-            use futures_util::FutureExt;
-            use http_body_util::BodyExt;
-            match inner.frame().now_or_never() {
-                Some(Some(Ok(_))) => continue,
-                Some(None | Some(Err(_))) => return,
-                None => break,
-            }
-        }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                use http_body_util::BodyExt;
-                let mut inner = inner;
-                let mut read = 0u64;
-                let _ = tokio::time::timeout(LINGER_TIME, async {
-                    while read < LINGER_BYTES_MAX {
-                        match inner.frame().await {
-                            Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len() as u64),
-                            _ => break,
-                        }
-                    }
-                })
-                .await;
-            });
-        }
-    }
-}
-
-/// Whether an answer went out to an `Expect: 100-continue` request without the client being
-/// told to continue (or with nothing to continue): then the connection is closed after the
-/// answer, since some clients (botocore) misread the next response on it.
-pub fn answered_early(expect_continue: bool, polled: bool, content_length: Option<u64>) -> bool {
-    expect_continue && (!polled || content_length == Some(0))
 }
 
 #[cfg(test)]

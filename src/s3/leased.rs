@@ -29,14 +29,14 @@ impl Front {
     ) -> Result<LeaseStanding, FrontError> {
         let resource = ResourceKey::new(&claims.resource).map_err(Refusal::InvalidResource)?;
         let write = !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS);
-        let stored = self.gate.lease_record(&resource).await.map_err(Refusal::StoreUnavailable)?;
-        let now_ms = self.clock.now_ms();
+        let stored = self.ctx.gate.lease_record(&resource).await.map_err(Refusal::StoreUnavailable)?;
+        let now_ms = self.ctx.clock.now_ms();
         let stands = stored.as_ref().is_some_and(|l| claims.names(l) && l.is_live(now_ms));
         let token = FenceToken(claims.token);
         if !stands {
             if write
                 && let Some(current) = crate::fence::stale_below(
-                    self.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?,
+                    self.ctx.gate.fence(&resource).await.map_err(Refusal::StoreUnavailable)?,
                     token,
                 )
             {
@@ -53,12 +53,12 @@ impl Front {
                 what: "a bucket or service operation".into(),
             });
         }
-        if let Some(presented) = self.wire.token(headers)?
+        if let Some(presented) = self.ctx.wire.token(headers)?
             && presented != token
         {
             return Err(FrontError::LeaseTokenMismatch { presented, lease: token });
         }
-        if let Some(presented) = headers.get(&self.wire.resource_header)
+        if let Some(presented) = headers.get(&self.ctx.wire.resource_header)
             && presented.as_bytes() != claims.resource.as_bytes()
         {
             let presented = String::from_utf8_lossy(presented.as_bytes()).into_owned();
@@ -77,7 +77,7 @@ impl Front {
     /// Whether `bucket/key` belongs to the lease's resource by the rules (or is it, for a
     /// per-object lease), whatever the request's own `Fencing-Resource` says.
     pub(super) fn within_lease(&self, lease: &ResourceKey, bucket: &str, key: &str) -> Result<(), FrontError> {
-        match self.wire.resource(&HeaderMap::new(), bucket, key) {
+        match self.ctx.wire.resource(&HeaderMap::new(), bucket, key) {
             Ok(resource) if resource == *lease => Ok(()),
             _ => Err(FrontError::OutsideLease { lease: lease.as_str().to_owned(), what: format!("{bucket}/{key}") }),
         }

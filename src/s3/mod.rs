@@ -1,60 +1,52 @@
 //! The S3 front end. s3s verifies the signature (header or presigned, every
 //! `x-amz-content-sha256` mode) and decodes `aws-chunked` bodies, or the lean path
 //! (`lean.rs`) verifies the common request shapes itself; a catch-all route (`service.rs`) then
-//! hands every authenticated request to the front here, which classifies it, fences writes
-//! through the gate, and forwards on raw HTTP to the upstream (`forward.rs`).
+//! hands every authenticated request to the [`Front`] here.
 //!
-//! The map: `mod.rs` takes a request from classification to admission; `put.rs`, `copy.rs`,
-//! `delete.rs` and `multipart.rs` are the fenced writes, each around the one conditional write
-//! of `conditional.rs`; `delete_objects.rs` fences each key of a batch on its own resource and
-//! stamp; `uploads.rs` keeps no multipart upload of a superseded token behind; `objects.rs` is what fencegate knows of an object; `checks.rs`, `scopes.rs` and `leased.rs` decide what a request may do; `wire.rs`
-//! reads the token and resource; `error.rs` is every refusal, rendered as S3 XML.
+//! The flow of a request reads top to bottom in this file: authorise (`scopes.rs`,
+//! `leased.rs`, `checks.rs`), classify (`classify.rs`), read the token (`wire.rs`), parse the
+//! fenced write into a command (`ops::FencedOp`), name its resource, refuse it early when the
+//! fence already says stale, admit it through the gate (`crate::fence`), apply it (`ops/`), and
+//! answer; every refusal is an [`FrontError`], rendered as S3 XML in `error.rs`. Reads and
+//! everything else unfenced go through the bounded hop of `hop.rs`; `objects.rs` is what
+//! fencegate knows of an object.
 
 mod auth;
 mod checks;
 mod classify;
-mod conditional;
-mod copy;
-mod delete;
-mod delete_objects;
 mod error;
-mod forward;
+mod hop;
 mod lean;
 mod leased;
-mod multipart;
 mod objects;
-mod put;
-pub mod reconcile;
+mod ops;
 mod scopes;
 mod service;
 mod signed;
-mod uploads;
 mod wire;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use http_body_util::BodyExt;
+use http::{HeaderMap, Method};
 use s3s::{Body, S3Request, S3Response, S3Result};
 use tracing::{Instrument, field};
 
 pub use self::auth::Service;
 pub use self::classify::{Op, Target, classify, target};
 pub use self::error::FrontError;
+pub use self::hop::{Hop, error_of};
+pub use self::objects::ObjectState;
+pub use self::ops::{abort_upload, forget_upload};
 pub use self::service::service;
 pub use self::wire::{METADATA_TOKEN_HEADER, WireContract};
 pub use crate::refusal::CURRENT_TOKEN_HEADER;
 
 use self::checks::check_headers;
-use self::conditional::Cached;
-use self::copy::copies_onto_itself_unchanged;
-use self::forward::{client_response, forwarded_query, upstream_headers};
-use self::multipart::COMPLETE_REQUEST_BYTES_MAX;
-use self::objects::EtagCache;
+use self::hop::{client_response, forwarded_query, upstream_headers};
+use self::ops::{Batch, Ctx, FencedOp, Limits};
 use self::scopes::Scopes;
-use self::uploads::upload_of;
 use crate::config::Config;
 use crate::feed::{Decision, Feed};
 use crate::fence::outcome::detached;
@@ -67,45 +59,26 @@ use crate::upstream::{Enforcement, Upstream};
 /// The methods of the S3 API; methods compare case-sensitively, so `put` is not among them.
 const S3_METHODS: &[Method] = &[Method::GET, Method::HEAD, Method::PUT, Method::POST, Method::DELETE, Method::OPTIONS];
 
-/// The S3 front's state.
+/// The S3 front: its policy, and the context its operations run over.
 pub struct Front {
-    gate: Arc<Gate>,
+    /// What every fenced operation runs over (`ops::Ctx`).
+    ctx: Ctx,
     /// Where each request's decision is told (`crate::feed`).
     feed: Arc<Feed>,
-    upstream: Arc<dyn Upstream>,
-    wire: WireContract,
+    /// `fencing.require_token`.
     require_token: bool,
+    /// `server.domain`: virtual-hosted addressing under it.
     domain: Option<String>,
-    body_bytes_max: u64,
-    retry_body_bytes_max: usize,
-    /// Bounds a read, and the whole of an admitted write (`upstream.request_timeout_ms`).
-    request_timeout: Duration,
-    /// How long a write whose outcome is unknown stays in flight (`fencing.inflight_deadline_ms`).
-    unknown_outcome_hold: Duration,
-    etags: EtagCache,
     request_ids: RequestIds,
-    /// CopyObject as a read of the source and a conditional PUT (see [`service`]).
-    copy_by_read_and_put: bool,
     /// Whether a write may raise a fence (`fencing.advance`).
     writes_advance: bool,
     /// `fencing.show_stamp`.
     show_stamp: bool,
-    /// What the upstream judges (the probe): a write whose precondition it ignores starts from
-    /// a fresh read of the object, never from the ETag cache, since that read is then the only
-    /// check of the object's stamp (G4); an upload id it does not tie to its key is checked
-    /// against the key before each multipart step.
-    judged: Enforcement,
     /// Access keys restricted to some buckets or prefixes (`[[credentials]] buckets`).
     scopes: std::collections::HashMap<String, Scopes>,
     /// Access keys with `role = "lessee"`: their writes never raise a fence, whatever
     /// `fencing.advance` says (a lease grant moves it by one; a write could move it to 2^64-1).
     lessees: std::collections::HashSet<String>,
-    /// The clock leases expire by (the lease service's), for requests signed with a lease
-    /// credential.
-    clock: Arc<dyn crate::fence::Clock>,
-    /// How long after its creation an upload takes parts and its completion: then the sweep
-    /// aborts it (`fencing.abort_uploads_after_ms`), with none of them in flight.
-    uploads_open_for: Duration,
 }
 
 /// What the handler knows of a request after classification.
@@ -149,49 +122,55 @@ impl Request {
     }
 }
 
-/// A write that the gate admitted (`fence::write`).
-type Admitted = FencedWrite;
-
 impl Front {
-    fn new(config: &Config, gate: Arc<Gate>, upstream: Arc<dyn Upstream>, feed: Arc<Feed>) -> anyhow::Result<Self> {
-        let wire = WireContract {
-            token_header: HeaderName::from_bytes(config.fencing.token_header.as_bytes())?,
-            resource_header: HeaderName::from_bytes(config.fencing.resource_header.as_bytes())?,
-            rules: config.fencing.rules.clone(),
+    /// `clock`: the one leases expire by (the lease service's); `judged`: what the upstream
+    /// judges; `copy_by_read_and_put`: CopyObject as a read and a conditional PUT.
+    fn new(
+        config: &Config,
+        gate: Arc<Gate>,
+        upstream: Arc<dyn Upstream>,
+        feed: Arc<Feed>,
+        clock: Arc<dyn crate::fence::Clock>,
+        judged: Enforcement,
+        copy_by_read_and_put: bool,
+    ) -> anyhow::Result<Self> {
+        let ctx = Ctx {
+            gate,
+            hop: Hop::new(upstream, crate::config::ms(config.upstream.request_timeout_ms)),
+            wire: WireContract::new(&config.fencing)?,
+            etags: objects::EtagCache::new(config.fencing.etag_cache_entries_max),
+            limits: Limits {
+                body_bytes_max: config.server.body_bytes_max,
+                retry_body_bytes_max: config.fencing.retry_body_bytes_max,
+                unknown_outcome_hold: crate::config::ms(config.fencing.inflight_deadline_ms),
+                uploads_open_for: crate::config::ms(
+                    config.fencing.abort_uploads_after_ms.saturating_sub(config.upload_completion_ms()),
+                ),
+            },
+            judged,
+            copy_by_read_and_put,
+            clock,
         };
         Ok(Self {
-            gate,
-            upstream,
-            wire,
+            ctx,
+            feed,
             require_token: config.fencing.require_token,
             domain: config.server.domain.clone(),
-            body_bytes_max: config.server.body_bytes_max,
-            retry_body_bytes_max: config.fencing.retry_body_bytes_max,
-            request_timeout: crate::config::ms(config.upstream.request_timeout_ms),
-            unknown_outcome_hold: crate::config::ms(config.fencing.inflight_deadline_ms),
-            etags: EtagCache::new(config.fencing.etag_cache_entries_max),
             request_ids: RequestIds::new(),
-            copy_by_read_and_put: false,
-            judged: Enforcement::NONE,
-            show_stamp: config.fencing.show_stamp,
             writes_advance: config.fencing.advance.writes_advance(),
-            lessees: config
-                .credentials
-                .iter()
-                .filter(|c| c.role == crate::config::Role::Lessee)
-                .map(|c| c.access_key_id.clone())
-                .collect(),
+            show_stamp: config.fencing.show_stamp,
             scopes: config
                 .credentials
                 .iter()
                 .filter(|c| !c.buckets.is_empty())
                 .map(|c| (c.access_key_id.clone(), Scopes::new(&c.buckets)))
                 .collect(),
-            clock: Arc::new(crate::fence::SystemClock),
-            uploads_open_for: crate::config::ms(
-                config.fencing.abort_uploads_after_ms.saturating_sub(config.upload_completion_ms()),
-            ),
-            feed,
+            lessees: config
+                .credentials
+                .iter()
+                .filter(|c| c.role == crate::config::Role::Lessee)
+                .map(|c| c.access_key_id.clone())
+                .collect(),
         })
     }
 
@@ -272,7 +251,7 @@ impl Front {
             // unfenced: an upstream may treat `put` as PUT.
             return Err(FrontError::MethodNotAllowed(req.method.to_string()));
         }
-        self.wire.check_signed(&signature, &req.headers)?;
+        self.ctx.wire.check_signed(&signature, &req.headers)?;
         let target = target(&req.uri, &req.headers, self.domain.as_deref())?;
         if let Some(key) = target.key.as_deref() {
             checks::check_key(key)?;
@@ -293,8 +272,10 @@ impl Front {
         }
         if op == Op::AbortMultipartUpload
             && let Some(signer) = signer
-            && let Some(resp) =
-                self.abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers, decision).await?
+            && let Some(resp) = self
+                .ctx
+                .abort_own_upload(&target, req.uri.query(), lease.as_ref(), signer, &req.headers, decision)
+                .await?
         {
             return Ok(resp);
         }
@@ -302,22 +283,14 @@ impl Front {
             Some(claims) => Some(self.lease_standing(claims, &req.method, op, &target, &req.headers).await?),
             None => None,
         };
-        let signed = Signed {
-            may_advance: self.writes_advance
-                && !signature.is_sigv2()
-                && !signer.is_some_and(|key| self.lessees.contains(key)),
-            scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
-            // Kept only where it is recorded: an upload's creator (no allocation per write).
-            signer: signer.filter(|_| op.is_multipart_step()).map(str::to_owned),
-            presigned: signature.is_presigned(),
-        };
+        let signed = self.signed(signer, &signature, op);
         let request = self.request_of(req, target, signed)?;
         if !op.is_fenced_write() {
             return self.pass_through(request).await;
         }
         let presented = match &lease {
             Some(lease) => Some(lease.token),
-            None => self.wire.token(&request.headers)?,
+            None => self.ctx.wire.token(&request.headers)?,
         };
         if stamp_in_query_disagrees(&request.query, presented) {
             return Err(FrontError::StampInQuery);
@@ -332,13 +305,26 @@ impl Front {
         self.route_write(op, request, token, lease.map(|l| l.resource), decision).await
     }
 
+    /// What `signer` (the access key, the issuer's for a lease credential) may do with `op`.
+    fn signed(&self, signer: Option<&str>, signature: &signed::Signature, op: Op) -> Signed {
+        Signed {
+            may_advance: self.writes_advance
+                && !signature.is_sigv2()
+                && !signer.is_some_and(|key| self.lessees.contains(key)),
+            scoped: signer.filter(|key| self.scopes.contains_key(*key)).map(str::to_owned),
+            // Kept only where it is recorded: an upload's creator (no allocation per write).
+            signer: signer.filter(|_| op.is_multipart_step()).map(str::to_owned),
+            presigned: signature.is_presigned(),
+        }
+    }
+
     /// The request as the front carries it on: its body bounded by `server.body_bytes_max`.
     fn request_of(&self, req: S3Request<Body>, target: Target, signed: Signed) -> Result<Request, FrontError> {
         let content_length = content_length(&req.headers);
         if let Some(bytes) = content_length
-            && bytes > self.body_bytes_max
+            && bytes > self.ctx.limits.body_bytes_max
         {
-            return Err(FrontError::TooLarge { bytes, max: self.body_bytes_max });
+            return Err(FrontError::TooLarge { bytes, max: self.ctx.limits.body_bytes_max });
         }
         let body = if announced_exactly(&req.headers) {
             req.input
@@ -347,7 +333,7 @@ impl Front {
             // aws-chunked body may not keep): the body is cut at the limit as it streams.
             Body::http_body(http_body_util::Limited::new(
                 req.input,
-                usize::try_from(self.body_bytes_max).unwrap_or(usize::MAX),
+                usize::try_from(self.ctx.limits.body_bytes_max).unwrap_or(usize::MAX),
             ))
         };
         Ok(Request {
@@ -376,9 +362,9 @@ impl Front {
         })
     }
 
-    /// A fenced write with its token: checked as far as can be without the gate, then
-    /// admitted and written on a task of its own (`detached`). `lease`: the resource of the
-    /// lease it was signed under.
+    /// A fenced write with its token: parsed into its command, checked as far as can be
+    /// without the gate, then admitted and applied on a task of its own (`detached`). `lease`:
+    /// the resource of the lease it was signed under.
     async fn route_write(
         self: Arc<Self>,
         op: Op,
@@ -388,121 +374,69 @@ impl Front {
         decision: &Arc<Decision>,
     ) -> Result<S3Response<Body>, FrontError> {
         if op == Op::DeleteObjects {
+            let lease = lease.as_ref();
+            let batch =
+                Batch::parse(request, |request, bucket, key| self.key_resource(request, lease, bucket, key)).await?;
             let (front, decision) = (Arc::clone(&self), decision.clone());
-            let deletes = async move { front.delete_objects(request, token, lease, &decision).await };
+            let deletes = async move { front.ctx.delete_objects(batch, token, &decision).await };
             return detached(Box::pin(deletes.instrument(tracing::Span::current()))).await;
         }
-        // A fenced multipart step: its upload must be the key's (an unchecked one, without a
-        // token, is fenced on nothing and passes as it is).
-        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload | Op::AbortMultipartUpload)
-            && !self.judged.upload_ids_tied_to_keys
-        {
-            self.check_upload_key(&request.target, Some(request.query.trim_start_matches('?'))).await?;
-        }
-        if op == Op::PostObject {
-            return Err(FrontError::NotSupported("POST Object (a browser form upload)"));
-        }
-        let (Some(bucket), Some(key)) = (&request.target.bucket, &request.target.key) else {
+        let mut command = FencedOp::parse(op, request)?;
+        let target = &command.request().target;
+        let (Some(bucket), Some(key)) = (&target.bucket, &target.key) else {
             return Err(FrontError::NotSupported("a write without an object key"));
         };
-        let resource = self.wire.resource(&request.headers, bucket, key)?;
-        self.check_resource_scope(request.scoped.as_deref(), &resource)?;
-        let mut request = request;
-        if op == Op::CompleteMultipartUpload {
-            self.read_parts_list(&mut request, &resource, token).await?;
-        }
+        let resource = self.ctx.wire.resource(&command.request().headers, bucket, key)?;
+        self.check_resource_scope(command.request().scoped.as_deref(), &resource)?;
+        command.prepare(&self.ctx, &resource, token).await?;
         decision.write(&resource, token);
-        if op == Op::CopyObject && copies_onto_itself_unchanged(&request.target, &request.headers) {
-            // fencegate's stamp would make it a change; S3 refuses it, and so does fencegate.
-            return Err(FrontError::SelfCopyUnchanged);
-        }
         // A token below the fence this replica knows is refused here, without a task.
-        self.gate.refuse_known_stale(&resource, token)?;
+        self.ctx.gate.refuse_known_stale(&resource, token)?;
         let (front, decision) = (Arc::clone(&self), decision.clone());
         let span = decision.span().clone();
-        let write = async move { front.admit_and_write(op, request, resource, token, &decision).await };
+        let write = async move { front.admit_and_apply(command, resource, token, &decision).await };
         detached(Box::pin(write.instrument(span))).await
     }
 
-    /// A CompleteMultipartUpload's parts list, read before admission: a client that sends it
-    /// slowly must not hold a write that is past cancelling (its body is complete once read).
-    /// A stale completion is refused before its body is read.
-    async fn read_parts_list(
+    /// Admission and the command it admits (detached: see [`Front::route`]).
+    async fn admit_and_apply(
         &self,
-        request: &mut Request,
-        resource: &ResourceKey,
-        token: FenceToken,
-    ) -> Result<(), FrontError> {
-        let fence = self.gate.fence(resource).await.map_err(Refusal::StoreUnavailable)?;
-        if let Some(current) = crate::fence::stale_below(fence, token) {
-            return Err(Refusal::Stale { presented: token, current }.into());
-        }
-        let parts = http_body_util::Limited::new(std::mem::take(&mut request.body), COMPLETE_REQUEST_BYTES_MAX)
-            .collect()
-            .await
-            .map_err(|_| FrontError::IncompleteBody)?
-            .to_bytes();
-        request.body = Body::from(parts);
-        Ok(())
-    }
-
-    /// Admission and the write it admits (detached: see [`Front::route`]).
-    async fn admit_and_write(
-        &self,
-        op: Op,
-        request: Request,
+        command: FencedOp,
         resource: ResourceKey,
         token: FenceToken,
         decision: &Decision,
     ) -> Result<S3Response<Body>, FrontError> {
-        let permit = self.gate.admit_write(&resource, token, request.may_advance, request.caller).await?;
+        let request = command.request();
+        let permit = self.ctx.gate.admit_write(&resource, token, request.may_advance, request.caller).await?;
         decision.let_through("accepted");
-        let admitted = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
-        if matches!(op, Op::UploadPart | Op::UploadPartCopy | Op::CompleteMultipartUpload) {
-            self.take_over_upload(&request, &admitted).await?;
+        let admitted =
+            FencedWrite::new(permit, resource, self.ctx.hop.request_timeout(), self.ctx.limits.unknown_outcome_hold);
+        command.apply(&self.ctx, admitted).await
+    }
+
+    /// The resource of one key of a DeleteObjects, or why it is refused: its name, the lease
+    /// the request was signed under, its resource by the rules and the credential's scope.
+    fn key_resource(
+        &self,
+        request: &Request,
+        lease: Option<&ResourceKey>,
+        bucket: &str,
+        key: &str,
+    ) -> Result<ResourceKey, FrontError> {
+        checks::check_key(key)?;
+        if let Some(lease) = lease {
+            self.within_lease(lease, bucket, key)?;
         }
-        match op {
-            Op::PutObject => self.put_object(request, admitted).await,
-            // Boxed: the largest of these futures, which would make every write's as large.
-            Op::CopyObject => Box::pin(self.copy_object(request, admitted)).await,
-            Op::DeleteObject => self.delete_object(request, admitted).await,
-            Op::CompleteMultipartUpload | Op::AbortMultipartUpload => {
-                let upload = upload_of(&request);
-                let resp = match op {
-                    Op::CompleteMultipartUpload => self.complete_multipart(request, admitted).await?,
-                    _ => self.forward_admitted(request, admitted).await?,
-                };
-                // An upload completed or aborted through fencegate is not left behind.
-                if resp.status.is_none_or(|s| s.is_success())
-                    && let Some((bucket, upload_id)) = upload
-                {
-                    self.forget_upload(&bucket, &upload_id).await;
-                }
-                Ok(resp)
-            }
-            Op::CreateMultipartUpload => {
-                let mut request = request;
-                stamp(&mut request.headers, token);
-                self.create_multipart(request, admitted).await
-            }
-            Op::ObjectSubresourceWrite => {
-                // Tagging, ACL, retention, legal hold change the object: refused by a newer
-                // stamp like any other write (G4).
-                let object =
-                    request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
-                // The upstream judges no precondition on them: only a fresh read sees the stamp.
-                self.object_state(&request.target, &object, Cached::Never, &admitted).await?;
-                self.forward_admitted(request, admitted).await
-            }
-            _ => self.forward_admitted(request, admitted).await,
-        }
+        let resource = self.ctx.wire.resource(&request.headers, bucket, key)?;
+        self.check_resource_scope(request.scoped.as_deref(), &resource)?;
+        Ok(resource)
     }
 
     /// A restricted credential names only resources inside its buckets (docs/security.md, "Tenants"): a
     /// `Fencing-Resource` naming another tenant's resource would let it raise that fence.
     fn check_resource_scope(&self, scoped: Option<&str>, resource: &ResourceKey) -> Result<(), FrontError> {
         match scoped.and_then(|key| self.scopes.get(key)) {
-            Some(scopes) if !scopes.covers_resource(resource, &self.wire.rules) => {
+            Some(scopes) if !scopes.covers_resource(resource, &self.ctx.wire.rules) => {
                 Err(FrontError::OutOfScope(format!("resource {}", resource.as_str())))
             }
             _ => Ok(()),
@@ -512,9 +446,9 @@ impl Front {
     /// Reads, listings, bucket operations, and unchecked writes: forwarded as they are.
     async fn pass_through(&self, request: Request) -> Result<S3Response<Body>, FrontError> {
         let path = request.path_and_query();
-        let headers = upstream_headers(&request.headers, &self.wire);
+        let headers = upstream_headers(&request.headers, &self.ctx.wire);
         let reads_object = matches!(request.method, Method::GET | Method::HEAD);
-        let mut resp = self.send("pass_through", request.method, &path, headers, request.body).await?;
+        let mut resp = self.ctx.hop.send("pass_through", request.method, &path, headers, request.body).await?;
         if reads_object && !self.show_stamp {
             resp.headers_mut().remove(wire::METADATA_TOKEN);
         }
@@ -539,11 +473,6 @@ fn announced_exactly(headers: &HeaderMap) -> bool {
             .get_all(http::header::CONTENT_ENCODING)
             .iter()
             .any(|v| v.as_bytes().windows(11).any(|w| w.eq_ignore_ascii_case(b"aws-chunked")))
-}
-
-/// The stamp every object write carries (G4).
-fn stamp(headers: &mut HeaderMap, token: FenceToken) {
-    headers.insert(wire::METADATA_TOKEN, HeaderValue::from(token.0));
 }
 
 /// Request ids: unique per process (a random boot prefix and a counter), cheap to make.

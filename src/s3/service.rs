@@ -11,7 +11,6 @@ use s3s::service::S3ServiceBuilder;
 use s3s::{Body, S3Request, S3Response, S3Result};
 
 use super::auth::{self, Service};
-use super::reconcile::Reconciler;
 use super::signed::Signature;
 use super::{Front, FrontError, lean};
 use crate::config::Config;
@@ -22,7 +21,8 @@ use crate::lease::credentials::{ACCESS_KEY_PREFIX, Issuers};
 use crate::upstream::{Enforcement, Upstream};
 
 /// Builds the S3 service: authentication from `[[credentials]]` and lease credentials, virtual
-/// hosts from `server.domain`, and fencegate's handler behind it.
+/// hosts from `server.domain`, and fencegate's handler behind it. `enforcement`: what the
+/// start-up probe found the upstream judges (`None`: not probed).
 pub fn service(
     config: &Config,
     gate: Arc<Gate>,
@@ -31,20 +31,16 @@ pub fn service(
     issuers: Arc<Issuers>,
     enforcement: Option<Enforcement>,
     feed: Arc<Feed>,
-) -> anyhow::Result<(Service, Reconciler)> {
+) -> anyhow::Result<Service> {
     let fixed: std::collections::HashMap<String, String> =
         config.credentials.iter().map(|c| (c.access_key_id.clone(), c.secret_access_key.expose().to_owned())).collect();
-    let mut front = Front::new(config, gate, upstream, feed)?;
-    front.clock = leases.clock();
     // Across replicas a copy must be refused per object when it lands late (G4); on an upstream
     // that ignores `If-Match` on copies, it is made as a read and a conditional PUT instead.
-    front.copy_by_read_and_put = front.gate.is_shared() && enforcement.is_some_and(|e| !e.copy_object);
+    let copy_by_read_and_put = gate.is_shared() && enforcement.is_some_and(|e| !e.copy_object);
     // Unprobed, a remote upstream is trusted to judge nothing.
-    front.judged = enforcement.unwrap_or_else(|| front.upstream.enforcement_without_probe());
+    let judged = enforcement.unwrap_or_else(|| upstream.enforcement_without_probe());
+    let front = Front::new(config, gate, upstream, feed, leases.clock(), judged, copy_by_read_and_put)?;
     let route_front = Arc::new(front);
-    let after = Some(config.fencing.abort_stale_uploads_after_ms).filter(|ms| *ms > 0).map(crate::config::ms);
-    let expire_after = crate::config::ms(config.fencing.abort_uploads_after_ms);
-    tokio::spawn(route_front.clone().sweep_uploads(after, expire_after));
     let route =
         FencegateRoute { front: route_front.clone(), leases, issuers: issuers.clone(), sigv2: config.server.sigv2 };
     // Virtual-hosted addressing is the library's to parse: with `server.domain`, no lean path.
@@ -62,13 +58,9 @@ pub fn service(
     if let Some(domain) = &config.server.domain {
         builder.set_host(VirtualHosts { domain: domain.to_ascii_lowercase() });
     }
-    // The gateway's records are read only where a route keeps them (on a Redis Cluster they
-    // cannot be listed, which would fail every bucket's reconciliation).
-    let keeps_records = config.routes.iter().any(|r| r.mode == crate::config::RouteMode::IdempotencyKey);
-    let reconciler = Reconciler::new(route_front.clone(), keeps_records);
     let service =
         auth::Service { inner: builder.build(), lean, front: route_front, region: config.upstream.region.clone() };
-    Ok((service, reconciler))
+    Ok(service)
 }
 
 /// Virtual-hosted addressing under `server.domain`: `bucket.<domain>[:port]` names the bucket;
@@ -166,7 +158,7 @@ impl S3Route for FencegateRoute {
                 .front
                 .scopes
                 .get(&access_key)
-                .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.wire.rules.clone() });
+                .map(|s| crate::lease::FenceScope { entries: s.0.clone(), rules: self.front.ctx.wire.rules.clone() });
             let caller = crate::lease::Caller {
                 access_key,
                 issuer,

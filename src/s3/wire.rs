@@ -5,7 +5,7 @@ use http::{HeaderMap, HeaderName};
 
 use super::error::FrontError;
 use super::signed::Signature;
-use crate::config::RuleConfig;
+use crate::config::{FencingConfig, RuleConfig};
 use crate::fence::{FenceToken, ResourceKey};
 use crate::refusal::{Refusal, single_token};
 
@@ -24,6 +24,15 @@ pub struct WireContract {
 }
 
 impl WireContract {
+    /// The contract `[fencing]` sets: its header names and its rules.
+    pub fn new(fencing: &FencingConfig) -> anyhow::Result<Self> {
+        Ok(Self {
+            token_header: HeaderName::from_bytes(fencing.token_header.as_bytes())?,
+            resource_header: HeaderName::from_bytes(fencing.resource_header.as_bytes())?,
+            rules: fencing.rules.clone(),
+        })
+    }
+
     /// The presented token: the token header, or the object metadata, or both if they agree.
     pub fn token(&self, headers: &HeaderMap) -> Result<Option<FenceToken>, FrontError> {
         let header = single_token(headers, &self.token_header, "fencing token")?;
@@ -34,8 +43,6 @@ impl WireContract {
         }
     }
 
-    /// The resource a write to `bucket/key` belongs to: the rule that binds the key (a
-    /// disagreeing header is refused), else the header, else the object itself.
     /// The resource the most specific rule binds `bucket`/`key` to, if one does.
     pub fn rule_resource(&self, bucket: &str, key: &str) -> Option<&str> {
         self.rules
@@ -45,6 +52,8 @@ impl WireContract {
             .map(|r| r.resource.as_str())
     }
 
+    /// The resource a write to `bucket/key` belongs to: the rule that binds the key (a
+    /// disagreeing header is refused), else the header, else the object itself.
     pub fn resource(&self, headers: &HeaderMap, bucket: &str, key: &str) -> Result<ResourceKey, FrontError> {
         let presented = match headers.get(&self.resource_header) {
             Some(v) => Some(

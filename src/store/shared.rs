@@ -80,6 +80,25 @@ pub trait RegistryCalls: Send + Sync + 'static {
     async fn withdraw(&self, withdrawal: &Withdrawal) -> Result<(), StoreError>;
 }
 
+/// What a [`RegistryCalls::check`] read means: the store's `fence`, and whether the member
+/// is still `registered`. `None` when only the full admission can tell (no fence, one below
+/// this replica's `floor` to repair, a token that would advance it, a registration gone).
+pub fn checked(
+    fence: Option<FenceToken>,
+    token: FenceToken,
+    floor: Option<FenceToken>,
+    registered: bool,
+) -> Option<SharedAdmit> {
+    let fence = fence?;
+    if floor.is_some_and(|floor| fence < floor) {
+        return None;
+    }
+    if token < fence {
+        return Some(SharedAdmit::Stale { current: fence });
+    }
+    (fence == token && registered).then_some(SharedAdmit::Admitted { advanced: false, repaired_from: None })
+}
+
 /// This replica's registrations on a shared store, with the tasks that keep them.
 pub struct Shared<C: RegistryCalls> {
     calls: Arc<C>,
@@ -326,5 +345,25 @@ async fn renew_registrations<C: RegistryCalls>(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A check admits only what the full admission would admit without writing: the token is
+    /// the fence, the member is registered, and the store is not below this replica's mark.
+    #[test]
+    fn a_check_admits_only_a_registered_token_at_the_fence() {
+        let t = FenceToken;
+        let admitted = Some(SharedAdmit::Admitted { advanced: false, repaired_from: None });
+        assert_eq!(checked(Some(t(5)), t(5), None, true), admitted);
+        assert!(checked(Some(t(5)), t(5), None, false).is_none(), "a registration gone");
+        assert!(checked(Some(t(5)), t(6), None, true).is_none(), "a token that would advance");
+        assert!(checked(None, t(5), None, true).is_none(), "no fence");
+        assert!(checked(Some(t(5)), t(5), Some(t(6)), true).is_none(), "a store below the mark");
+        assert_eq!(checked(Some(t(5)), t(4), None, true), Some(SharedAdmit::Stale { current: t(5) }));
+        assert!(checked(Some(t(5)), t(4), Some(t(6)), true).is_none(), "below the mark first: repaired");
     }
 }

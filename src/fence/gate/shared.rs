@@ -25,14 +25,7 @@ impl Gate {
         self.refuse_below_mark(slot, resource, token)?;
         // Registered locally first, so that an announced advance can cancel it while the
         // store is being asked.
-        let mut permit = match register {
-            Some(caller) => {
-                let mut state = slot.state();
-                self.check_budget(&state, caller)?;
-                Some(self.track_inflight(slot, &mut state, token, caller)?)
-            }
-            None => None,
-        };
+        let mut permit = register.map(|caller| self.register_locally(slot, token, caller)).transpose()?;
         let mut backoff = Duration::from_millis(1);
         let mut waiting = None;
         loop {
@@ -59,9 +52,7 @@ impl Gate {
                         rollback_repaired(resource, had, floor);
                     }
                     if advanced {
-                        metrics::advanced();
-                        slot.raise_fence(token);
-                        slot.state().cancel_unsent_older(token);
+                        advanced_while_older_inflight(slot, token);
                     }
                     if Instant::now() >= deadline {
                         return Err(AdmitError::DrainTimeout { waited_ms: millis(started.elapsed()) });
@@ -86,6 +77,19 @@ impl Gate {
                 }
             }
         }
+    }
+
+    /// A write registered on this replica's slot before the store is asked, within its caller's
+    /// budget.
+    fn register_locally(
+        &self,
+        slot: &Arc<Slot>,
+        token: FenceToken,
+        caller: Option<CallerId>,
+    ) -> Result<Permit, AdmitError> {
+        let mut state = slot.state();
+        self.check_budget(&state, caller)?;
+        self.track_inflight(slot, &mut state, token, caller)
     }
 
     /// Acts on what a shared store reports by itself: an advance announced by another replica
@@ -156,4 +160,12 @@ impl Gate {
             }
         });
     }
+}
+
+/// The store advanced the fence to `token` while an older write is still in flight: older
+/// writes not yet sent here are cut off at once.
+fn advanced_while_older_inflight(slot: &Slot, token: FenceToken) {
+    metrics::advanced();
+    slot.raise_fence(token);
+    slot.state().cancel_unsent_older(token);
 }

@@ -1,4 +1,5 @@
 use super::place::PlaceError;
+use super::writer::record_bytes;
 use super::*;
 use crate::fence::IdempotencyOutcome;
 use redb::ReadableTableMetadata;

@@ -3,6 +3,33 @@
 
 use super::*;
 
+/// The transaction step that writes a lease as `write` says.
+fn lease_write(write: &LeaseWrite, lkey: &str) -> Option<TxnOp> {
+    match write {
+        LeaseWrite::Keep => None,
+        LeaseWrite::Put(record) => {
+            let json = serde_json::to_vec(record).expect("a lease record serialises");
+            Some(TxnOp::put(lkey, json, None))
+        }
+        LeaseWrite::Delete => Some(TxnOp::delete(lkey, None)),
+    }
+}
+
+/// A grant over a store whose fence was below this replica's mark (`floor`): told loudly.
+fn granted_above_floor(resource: &ResourceKey, stored: Option<FenceToken>, floor: FenceToken) {
+    if stored.is_some_and(|s| s >= floor) {
+        return;
+    }
+    metrics::store_rollback_repaired();
+    tracing::error!(
+        resource = resource.as_str(),
+        store_had = stored.map(|t| t.0),
+        floor = floor.0,
+        "FENCE STORE ROLLBACK: etcd's fence was below this replica's mark at a lease grant \
+         (restored from an older backup?); granted above the mark"
+    );
+}
+
 #[async_trait]
 impl LeaseStore for EtcdStore {
     async fn lease(
@@ -49,27 +76,12 @@ impl LeaseStore for EtcdStore {
             if let Some(new) = transition.fence {
                 ops.push(TxnOp::put(fkey.as_str(), new.0.to_string(), None));
             }
-            match &transition.lease {
-                LeaseWrite::Keep => {}
-                LeaseWrite::Put(record) => {
-                    let json = serde_json::to_vec(record).expect("a lease record serialises");
-                    ops.push(TxnOp::put(lkey.as_str(), json, None));
-                }
-                LeaseWrite::Delete => ops.push(TxnOp::delete(lkey.as_str(), None)),
-            }
+            ops.extend(lease_write(&transition.lease, &lkey));
             if ops.is_empty() || self.commit(when, ops).await? {
                 if let (LeaseOutcome::Granted(_), LeaseCommand::Acquire { floor: Some(floor), .. }) =
                     (&transition.outcome, &command)
-                    && stored.is_none_or(|s| s < *floor)
                 {
-                    metrics::store_rollback_repaired();
-                    tracing::error!(
-                        resource = resource.as_str(),
-                        store_had = stored.map(|t| t.0),
-                        floor = floor.0,
-                        "FENCE STORE ROLLBACK: etcd's fence was below this replica's mark at a lease grant \
-                         (restored from an older backup?); granted above the mark"
-                    );
+                    granted_above_floor(resource, stored, *floor);
                 }
                 return Ok(transition.outcome);
             }

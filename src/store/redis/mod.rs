@@ -330,17 +330,8 @@ impl RegistryCalls for RedisCalls {
             .arg(key(resource, "inflight"))
             .arg(member_of(&self.replica_id, member));
         let (fence, deadline): (Option<String>, Option<String>) = self.connection.pipeline(&pipe).await?;
-        let Some(fence) = parse_token(fence.as_deref().unwrap_or(""))? else { return Ok(None) };
-        if floor.is_some_and(|floor| fence < floor) {
-            return Ok(None); // the store fell below what this replica has seen: repair
-        }
-        if token < fence {
-            return Ok(Some(SharedAdmit::Stale { current: fence }));
-        }
-        if fence != token || deadline.is_none() {
-            return Ok(None);
-        }
-        Ok(Some(SharedAdmit::Admitted { advanced: false, repaired_from: None }))
+        let fence = parse_token(fence.as_deref().unwrap_or(""))?;
+        Ok(crate::store::shared::checked(fence, token, floor, deadline.is_some()))
     }
 
     async fn register(

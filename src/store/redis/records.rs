@@ -51,61 +51,75 @@ impl LeaseStore for RedisStore {
                 }
                 Err(e) => {
                     if op == "acquire" {
-                        // A grant answered 503 must not hold the lease until its TTL: nobody
-                        // knows its id. Released at once (best effort: it may not replicate
-                        // either, and then only expiry frees it).
-                        let mut release = self.lease.key(key(resource, "fence"));
-                        release.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
-                        release.key(key(resource, "withdrawn"));
-                        release
-                            .arg("withdraw")
-                            .arg(&lease_id)
-                            .arg("")
-                            .arg(crate::fence::WITHDRAWN_GRANT_TTL_MS)
-                            .arg(ANNOUNCE_CHANNEL)
-                            .arg(resource.as_str());
-                        release.arg("");
-                        let _: Result<Vec<Value>, StoreError> = self.connection.invoke(&release).await;
+                        self.release_unanswered_grant(resource, &marked, &lease_id).await;
                     }
                     return Err(e);
                 }
             }
         };
-        let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
-        if let Some(had) = reply.get(6).map(as_string).filter(|_| field(0) == "granted" && field(7) == "1") {
-            metrics::store_rollback_repaired();
-            tracing::error!(
-                resource = resource.as_str(),
-                store_had = had,
-                floor = floor.map(|t| t.0),
-                "FENCE STORE ROLLBACK: the store's fence was below this replica's mark at a lease grant; granted above the mark"
-            );
-        }
-        let number = |i: usize| field(i).parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
-        let record = || -> Result<LeaseRecord, StoreError> {
-            Ok(LeaseRecord {
-                holder: field(1),
-                lease_id: field(2),
-                token: parse_token(&field(3))?.ok_or_else(|| StoreError::Backend("lease without a token".into()))?,
-                ttl_ms: number(4)?,
-                expires_at_ms: number(5)?,
-            })
-        };
-        Ok(match field(0).as_str() {
-            "granted" => LeaseOutcome::Granted(record()?),
-            "renewed" => LeaseOutcome::Renewed(record()?),
-            "released" => LeaseOutcome::Released,
-            "held" => LeaseOutcome::Held { holder: field(1), remaining_ms: number(5)? },
-            "exhausted" => LeaseOutcome::TokensExhausted,
-            "gone" => LeaseOutcome::Gone,
-            other => return Err(StoreError::Backend(format!("lease script answered {other:?}").into())),
-        })
+        lease_outcome(&reply, resource, floor)
     }
 
     async fn lease_record(&self, resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
         let fields: Vec<Option<String>> = self.connection.query(&lease_fields(resource)).await?;
         lease_of_fields(fields)
     }
+}
+
+impl RedisStore {
+    /// A grant answered 503 must not hold the lease until its TTL: nobody knows its id. Released
+    /// at once (best effort: it may not replicate either, and then only expiry frees it).
+    async fn release_unanswered_grant(&self, resource: &ResourceKey, marked: &EpochKeys, lease_id: &str) {
+        let mut release = self.lease.key(key(resource, "fence"));
+        release.key(key(resource, "lease")).key(&marked.epoch).key(&marked.quiet);
+        release.key(key(resource, "withdrawn"));
+        release
+            .arg("withdraw")
+            .arg(lease_id)
+            .arg("")
+            .arg(crate::fence::WITHDRAWN_GRANT_TTL_MS)
+            .arg(ANNOUNCE_CHANNEL)
+            .arg(resource.as_str());
+        release.arg("");
+        let _: Result<Vec<Value>, StoreError> = self.connection.invoke(&release).await;
+    }
+}
+
+/// What the lease script's `reply` says; a grant above a mark the store had lost is told loudly.
+fn lease_outcome(
+    reply: &[Value],
+    resource: &ResourceKey,
+    floor: Option<FenceToken>,
+) -> Result<LeaseOutcome, StoreError> {
+    let field = |i: usize| reply.get(i).map(as_string).unwrap_or_default();
+    if let Some(had) = reply.get(6).map(as_string).filter(|_| field(0) == "granted" && field(7) == "1") {
+        metrics::store_rollback_repaired();
+        tracing::error!(
+            resource = resource.as_str(),
+            store_had = had,
+            floor = floor.map(|t| t.0),
+            "FENCE STORE ROLLBACK: the store's fence was below this replica's mark at a lease grant; granted above the mark"
+        );
+    }
+    let number = |i: usize| field(i).parse::<u64>().map_err(|e| StoreError::Backend(Box::new(e)));
+    let record = || -> Result<LeaseRecord, StoreError> {
+        Ok(LeaseRecord {
+            holder: field(1),
+            lease_id: field(2),
+            token: parse_token(&field(3))?.ok_or_else(|| StoreError::Backend("lease without a token".into()))?,
+            ttl_ms: number(4)?,
+            expires_at_ms: number(5)?,
+        })
+    };
+    Ok(match field(0).as_str() {
+        "granted" => LeaseOutcome::Granted(record()?),
+        "renewed" => LeaseOutcome::Renewed(record()?),
+        "released" => LeaseOutcome::Released,
+        "held" => LeaseOutcome::Held { holder: field(1), remaining_ms: number(5)? },
+        "exhausted" => LeaseOutcome::TokensExhausted,
+        "gone" => LeaseOutcome::Gone,
+        other => return Err(StoreError::Backend(format!("lease script answered {other:?}").into())),
+    })
 }
 
 /// The `HMGET` of a lease's fields, which [`lease_of_fields`] reads.

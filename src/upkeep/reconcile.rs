@@ -37,14 +37,14 @@ use s3s::Body;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
-use super::Front;
-use super::objects::{self, ObjectState};
+use super::Upkeep;
 use crate::fence::{
     AmbiguousCause, FenceToken, IdempotencyOutcome, ResourceKey, StoreError, UploadRecord, stale_below,
 };
 use crate::jobs::{Action, ApplyKind, Event, Finding, Job, Reconciliations, Summary};
 use crate::logs::with_causes;
 use crate::net::percent::encode_key;
+use crate::s3::{ObjectState, abort_upload, error_of};
 
 /// Heads read at once.
 const HEADS_AT_ONCE: usize = 8;
@@ -57,12 +57,12 @@ const TOLD_REMEMBERED_MAX: usize = 100_000;
 /// A listing page's body at most.
 const LISTING_BYTES_MAX: usize = 16 * 1024 * 1024;
 
-impl Front {
+impl Upkeep {
     /// Runs `job`, telling `events` what it finds; stops early when nobody listens any more.
     /// `records`: whether to read the gateway's idempotency records.
     pub async fn reconcile(self: Arc<Self>, job: Job, records: bool, events: mpsc::Sender<Event>) {
         let mut scan = Scan {
-            front: &self,
+            upkeep: &self,
             job: &job,
             records,
             told: std::collections::HashSet::new(),
@@ -93,7 +93,7 @@ impl From<StoreError> for ScanError {
 }
 
 struct Scan<'a> {
-    front: &'a Arc<Front>,
+    upkeep: &'a Arc<Upkeep>,
     job: &'a Job,
     /// Whether a route keeps idempotency records (else none are read).
     records: bool,
@@ -134,11 +134,11 @@ impl Scan<'_> {
 
     /// The gateway's live idempotency records whose outcome is unknown.
     async fn records(&mut self) -> Result<(), ScanError> {
-        let listings = self.front.gate.listings();
+        let listings = self.upkeep.gate.listings();
         let mut cursor = None;
         loop {
             let page = listings.idempotency_records(cursor.take(), PAGE).await?;
-            let now_ms = self.front.clock.now_ms();
+            let now_ms = self.upkeep.clock.now_ms();
             for (name, error) in page.unreadable {
                 self.tell(Event::Finding(Finding::UnreadableRecord { name, error })).await?;
             }
@@ -184,7 +184,7 @@ impl Scan<'_> {
         if let Some(fence) = self.fences.get(resource) {
             return Ok(*fence);
         }
-        let fence = self.front.gate.fence(resource).await?;
+        let fence = self.upkeep.gate.fence(resource).await?;
         if self.fences.len() >= FENCES_REMEMBERED_MAX {
             self.fences.clear();
         }
@@ -195,7 +195,7 @@ impl Scan<'_> {
     /// The upload records of the bucket under the prefix whose token a newer one superseded,
     /// each confirmed at the upstream (a record of an upload ended around fencegate is not).
     async fn uploads(&mut self, bucket: &str) -> Result<(), ScanError> {
-        let records = self.front.gate.upload_records();
+        let records = self.upkeep.gate.upload_records();
         let mut cursor = None;
         loop {
             let page = records.page(cursor.take(), PAGE).await?;
@@ -206,7 +206,7 @@ impl Scan<'_> {
                 self.summary.uploads += 1;
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
                 let Some(fence) = stale_below(self.fence(&resource).await?, record.token) else { continue };
-                if !self.front.upload_exists(&record).await.map_err(ScanError::Failed)? {
+                if !self.upkeep.hop.upload_exists(&record).await.map_err(ScanError::Failed)? {
                     continue;
                 }
                 let action = if self.job.applies(ApplyKind::StaleUpload) {
@@ -238,11 +238,11 @@ impl Scan<'_> {
     /// Aborts a stale upload, unless a newer token took it over since its record was read
     /// (read again just before, as the sweep does): `None` then.
     async fn abort(&self, record: &UploadRecord) -> Result<Option<Action>, ScanError> {
-        let now = self.front.gate.upload_records().get(&record.bucket, &record.upload_id).await?;
+        let now = self.upkeep.gate.upload_records().get(&record.bucket, &record.upload_id).await?;
         if now.as_ref().is_none_or(|now| now.token != record.token) {
             return Ok(None);
         }
-        Ok(Some(match self.front.abort_upload(record, "reconcile").await {
+        Ok(Some(match abort_upload(&self.upkeep.hop, &self.upkeep.gate, record, "reconcile").await {
             Ok(resp) if resp.status().is_success() || resp.status() == StatusCode::NOT_FOUND => Action::Aborted,
             Ok(resp) => Action::Failed(format!("the upstream answered {}", resp.status())),
             Err(e) => Action::Failed(e.to_string()),
@@ -253,14 +253,14 @@ impl Scan<'_> {
     async fn objects(&mut self, bucket: &str) -> Result<(), ScanError> {
         let mut continuation: Option<String> = None;
         loop {
-            let page = self.front.list_page(bucket, &self.job.prefix, continuation.as_deref()).await?;
-            let front = self.front.clone();
+            let page = self.upkeep.list_page(bucket, &self.job.prefix, continuation.as_deref()).await?;
+            let upkeep = self.upkeep.clone();
             let bucket = bucket.to_owned();
             let mut heads = futures_util::stream::iter(page.keys)
                 .map(|key| {
-                    let (front, bucket) = (front.clone(), bucket.clone());
+                    let (upkeep, bucket) = (upkeep.clone(), bucket.clone());
                     async move {
-                        let state = front.object_head(&bucket, &key).await;
+                        let state = upkeep.object_head(&bucket, &key).await;
                         (key, state)
                     }
                 })
@@ -281,7 +281,7 @@ impl Scan<'_> {
     }
 
     async fn judge_object(&mut self, bucket: &str, key: String, stamp: Option<FenceToken>) -> Result<(), ScanError> {
-        let bound = self.front.wire.rule_resource(bucket, &key);
+        let bound = self.upkeep.wire.rule_resource(bucket, &key);
         let resource = match bound {
             Some(name) => name.to_owned(),
             None => format!("{bucket}/{key}"),
@@ -301,7 +301,7 @@ impl Scan<'_> {
                 let action = if stamp == FenceToken(u64::MAX) {
                     Action::Failed("not raised: 2^64-1 would lock the resource for good".into())
                 } else if self.job.applies(ApplyKind::RaiseFence) {
-                    match self.front.gate.advance(&resource_key, stamp).await {
+                    match self.upkeep.gate.advance(&resource_key, stamp).await {
                         Ok(_) => {
                             self.fences.insert(resource_key, Some(stamp));
                             Action::Raised
@@ -347,7 +347,7 @@ struct Contents {
     key: String,
 }
 
-impl Front {
+impl Upkeep {
     /// A page of the bucket's keys under `prefix` (ListObjectsV2, keys URL-encoded so that any
     /// key survives the XML).
     async fn list_page(&self, bucket: &str, prefix: &str, continuation: Option<&str>) -> Result<KeyPage, ScanError> {
@@ -362,6 +362,7 @@ impl Front {
         };
         let path = format!("/{}?{query}", encode_key(bucket));
         let resp = self
+            .hop
             .send("reconcile_list", Method::GET, &path, HeaderMap::new(), Body::empty())
             .await
             .map_err(|e| ScanError::Failed(format!("listing the bucket: {e}")))?;
@@ -373,7 +374,7 @@ impl Front {
             .to_bytes();
         if !status.is_success() {
             // Its code and message only: an S3 error can carry the signature that was sent.
-            let (code, message) = super::delete_objects::error_of(&body);
+            let (code, message) = error_of(&body);
             return Err(ScanError::Failed(format!(
                 "listing the bucket: the upstream answered {status} {code}: {message}"
             )));
@@ -388,26 +389,22 @@ impl Front {
     /// An object's head at the upstream, with its stamp.
     async fn object_head(&self, bucket: &str, key: &str) -> Result<ObjectState, String> {
         let path = format!("/{}/{}", encode_key(bucket), encode_key(key));
-        let read = objects::head(self.upstream.as_ref(), &path);
-        match tokio::time::timeout(self.request_timeout, read).await {
-            Ok(result) => result.map_err(|e| format!("reading the head of {key:?}: {e}")),
-            Err(_) => Err(format!("reading the head of {key:?}: no answer in time")),
-        }
+        self.hop.head(&path).await.map_err(|e| format!("reading the head of {key:?}: {e}"))
     }
 }
 
 /// Starts reconciliations, one at a time (a scan reads the whole bucket).
 #[derive(Clone)]
 pub struct Reconciler {
-    front: Arc<Front>,
+    upkeep: Arc<Upkeep>,
     /// Whether a route keeps idempotency records.
     records: bool,
     one: Arc<tokio::sync::Semaphore>,
 }
 
 impl Reconciler {
-    pub(super) fn new(front: Arc<Front>, records: bool) -> Self {
-        Self { front, records, one: Arc::new(tokio::sync::Semaphore::new(1)) }
+    pub fn new(upkeep: Arc<Upkeep>, records: bool) -> Self {
+        Self { upkeep, records, one: Arc::new(tokio::sync::Semaphore::new(1)) }
     }
 }
 
@@ -415,10 +412,10 @@ impl Reconciliations for Reconciler {
     fn start(&self, job: Job) -> Option<mpsc::Receiver<Event>> {
         let permit = self.one.clone().try_acquire_owned().ok()?;
         let (events, received) = mpsc::channel(64);
-        let (front, records) = (self.front.clone(), self.records);
+        let (upkeep, records) = (self.upkeep.clone(), self.records);
         tokio::spawn(async move {
             let _one = permit;
-            front.reconcile(job, records, events).await;
+            upkeep.reconcile(job, records, events).await;
         });
         Some(received)
     }

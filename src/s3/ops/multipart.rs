@@ -8,10 +8,11 @@ use http_body_util::BodyExt;
 use s3s::{Body, S3Response};
 
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
-use super::error::FrontError;
-use super::forward::{WriteBody, XML_RESPONSE_BYTES_MAX, client_response, upstream_headers};
-use super::objects::ObjectState;
-use super::{Admitted, Front, Request, Target};
+use super::write::WriteBody;
+use super::{Admitted, Ctx, Request, Target};
+use crate::s3::error::FrontError;
+use crate::s3::hop::{XML_RESPONSE_BYTES_MAX, client_response, upstream_headers};
+use crate::s3::objects::ObjectState;
 use crate::upstream::xml_element;
 
 /// A CompleteMultipartUpload body lists at most 10,000 parts.
@@ -20,10 +21,10 @@ pub(super) const COMPLETE_REQUEST_BYTES_MAX: usize = 4 * 1024 * 1024;
 /// Pages of ListMultipartUploads read to find one upload (1,000 uploads each).
 const UPLOAD_LIST_PAGES_MAX: usize = 10;
 
-impl Front {
+impl Ctx {
     /// CompleteMultipartUpload: the gate checked the token again, and the completion is
     /// conditional on the object's last known state. Its parts list was read before admission
-    /// (`Front::route`), so it can be sent twice.
+    /// (`FencedOp::prepare`), so it can be sent twice.
     pub(super) async fn complete_multipart(
         &self,
         request: Request,
@@ -92,7 +93,7 @@ impl Front {
             };
             // Bucket names are plain (checked by the S3 library).
             let path = format!("/{bucket}?{listing}");
-            let resp = self.send("list_uploads", Method::GET, &path, HeaderMap::new(), Body::empty()).await?;
+            let resp = self.hop.send("list_uploads", Method::GET, &path, HeaderMap::new(), Body::empty()).await?;
             let status = resp.status();
             let body = http_body_util::Limited::new(resp.into_body(), XML_RESPONSE_BYTES_MAX)
                 .collect()

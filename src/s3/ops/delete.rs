@@ -7,12 +7,14 @@ use http::{HeaderMap, Method, StatusCode};
 use s3s::{Body, S3Response};
 
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
-use super::error::FrontError;
-use super::forward::{WriteBody, client_response, upstream_headers};
-use super::objects::ObjectState;
-use super::{Admitted, Front, Request, Target, classify};
+use super::write::WriteBody;
+use super::{Admitted, Ctx, Request, Target};
+use crate::s3::classify;
+use crate::s3::error::FrontError;
+use crate::s3::hop::{client_response, upstream_headers};
+use crate::s3::objects::ObjectState;
 
-impl Front {
+impl Ctx {
     pub(super) async fn delete_object(
         &self,
         request: Request,
@@ -81,7 +83,7 @@ impl Front {
     async fn missing_bucket(&self, target: &Target) -> Result<Option<http::Response<Body>>, FrontError> {
         let Some(bucket) = &target.bucket else { return Ok(None) };
         let path = format!("/{}", crate::net::percent::encode_key(bucket));
-        let resp = self.send("bucket_head", Method::HEAD, &path, HeaderMap::new(), Body::empty()).await?;
+        let resp = self.hop.send("bucket_head", Method::HEAD, &path, HeaderMap::new(), Body::empty()).await?;
         if resp.status() != StatusCode::NOT_FOUND {
             return Ok(None);
         }

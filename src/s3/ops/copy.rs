@@ -9,13 +9,15 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use s3s::{Body, S3Response};
 
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
-use super::error::FrontError;
-use super::forward::{WriteBody, client_response, upstream_headers};
-use super::objects::{Comparison, etag_listed};
-use super::{Admitted, Front, METADATA_TOKEN_HEADER, Request, Target, stamp};
+use super::write::WriteBody;
+use super::{Admitted, Ctx, Request, Target, stamp};
 use crate::net::body::ForwardBody;
+use crate::s3::METADATA_TOKEN_HEADER;
+use crate::s3::error::FrontError;
+use crate::s3::hop::{client_response, upstream_headers};
+use crate::s3::objects::{Comparison, etag_listed};
 
-impl Front {
+impl Ctx {
     pub(super) async fn copy_object(
         &self,
         request: Request,
@@ -112,6 +114,7 @@ impl Front {
         self.conditional_write(&write, state, move |state| {
             Box::pin(async move {
                 let source = self
+                    .hop
                     .send("copy_source_read", Method::GET, source_path, read_headers.clone(), Body::empty())
                     .await?;
                 match source.status() {
@@ -164,7 +167,8 @@ impl Front {
     async fn copy_source_metadata(&self, headers: &mut HeaderMap) -> Result<Option<HeaderValue>, FrontError> {
         let Some(source) = headers_source(headers) else { return Ok(None) };
         let source_path = format!("/{}", source.trim_start_matches('/'));
-        let resp = self.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
+        let resp =
+            self.hop.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
         let Some(etag) = resp.status().is_success().then(|| resp.headers().get(http::header::ETAG).cloned()).flatten()
         else {
             return Ok(None);
@@ -185,7 +189,8 @@ impl Front {
     async fn copy_source_etag(&self, source: Option<&str>) -> Result<Option<HeaderValue>, FrontError> {
         let Some(source) = source else { return Ok(None) };
         let source_path = format!("/{}", source.trim_start_matches('/'));
-        let resp = self.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
+        let resp =
+            self.hop.send("copy_source_head", Method::HEAD, &source_path, HeaderMap::new(), Body::empty()).await?;
         Ok(resp.status().is_success().then(|| resp.headers().get(http::header::ETAG).cloned()).flatten())
     }
 }
@@ -194,7 +199,7 @@ impl Front {
 const SOURCE_READS_MAX: u32 = 3;
 
 /// Whether the upstream judges a copy-source condition of the client's: not on a pinned copy,
-/// whose conditions fencegate judged ([`Front::copy_source_metadata`]).
+/// whose conditions fencegate judged ([`Ctx::copy_source_metadata`]).
 fn client_source_condition(headers: &HeaderMap, pinned: bool) -> bool {
     !pinned && COPY_SOURCE_CONDITIONS.iter().any(|(name, _)| headers.contains_key(*name))
 }

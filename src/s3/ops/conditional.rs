@@ -9,15 +9,14 @@ use futures_util::future::BoxFuture;
 use http::{HeaderMap, StatusCode};
 use s3s::{Body, S3Response};
 
-use super::error::FrontError;
-use super::forward::client_response;
-use super::objects::{self, ClientCondition, ConditionFailed, ObjectState};
-use super::{Admitted, Front, Request, Target};
-use crate::config::millis;
+use super::{Admitted, Ctx, Request, Target};
 use crate::fence::FenceToken;
 use crate::metrics;
 use crate::refusal::Refusal;
-use crate::upstream::{EtagForm, UpstreamError};
+use crate::s3::error::FrontError;
+use crate::s3::hop::client_response;
+use crate::s3::objects::{ClientCondition, ConditionFailed, ObjectState};
+use crate::upstream::EtagForm;
 
 /// Attempts of one conditional write: the first, and one more after a same-or-older token's
 /// writer changed the object under it.
@@ -96,17 +95,17 @@ pub(super) enum Attempt {
     CannotResend,
 }
 
-impl Front {
+impl Ctx {
     /// Learns the ETag form from a refusal: an upstream sent quoted ETags that refused one
     /// naming an unchanged object twice is sent bare ones (`undo`: back to quoted, when the
     /// bare one was refused too). Whether the form changed.
     fn try_other_etag_form(&self, undo: bool) -> bool {
         let (from, to) = if undo { (EtagForm::Bare, EtagForm::Quoted) } else { (EtagForm::Quoted, EtagForm::Bare) };
-        if self.upstream.etag_form() != from {
+        if self.hop.upstream().etag_form() != from {
             return false;
         }
-        self.upstream.use_etag_form(to);
-        let changed = self.upstream.etag_form() == to;
+        self.hop.upstream().use_etag_form(to);
+        let changed = self.hop.upstream().etag_form() == to;
         if changed && !undo {
             tracing::warn!(
                 "the upstream refused a quoted ETag naming an unchanged object twice: sending bare ETags from now on \
@@ -276,10 +275,7 @@ impl Front {
 
     /// The object's head at the upstream, bounded like any read.
     pub(super) async fn head(&self, target: &Target) -> Result<ObjectState, FrontError> {
-        let read = objects::head(self.upstream.as_ref(), &target.raw_path);
-        tokio::time::timeout(self.request_timeout, read)
-            .await
-            .map_err(|_| FrontError::Upstream(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }))?
+        self.hop.head(&target.raw_path).await
     }
 
     /// After the upstream refused a precondition: re-read the object; a newer stamp means the

@@ -1,26 +1,26 @@
 //! The hop to the upstream: the request as forwarded (the client's headers less the hop's own,
-//! the query less fencegate's presign parameters), one bounded call, and the answer as the
-//! client gets it. A write's calls are bounded by its deadline and never abandoned once the
-//! request may have reached the upstream (`src/fence/outcome.rs`).
+//! the query less fencegate's presign parameters), one bounded call ([`Hop`]), and the answer as
+//! the client gets it. A write's calls are bounded by its deadline and never abandoned once the
+//! request may have reached the upstream (`src/fence/outcome.rs`, `ops/write.rs`).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use s3s::{Body, S3Response};
 
 use super::error::FrontError;
-use super::{Admitted, Front, Request, WireContract};
+use super::objects::{self, ObjectState};
+use super::{Request, WireContract};
 use crate::aws::amz::{X_AMZ_DECODED_CONTENT_LENGTH, X_AMZ_SDK_CHECKSUM_ALGORITHM, X_AMZ_TRAILER};
 use crate::config::millis;
-use crate::fence::outcome::hold_for;
-use crate::fence::{Permit, WriteFailure};
+use crate::fence::UploadRecord;
 use crate::metrics;
-use crate::net::body::{BodyFailure, BodyReport, ForwardBody, TrailerCheck};
+use crate::net::body::TrailerCheck;
 use crate::net::server::{REQUEST_HOP_HEADERS, remove_response_hop_headers};
-use crate::upstream::UpstreamError;
+use crate::upstream::{Upstream, UpstreamError};
 
 /// S3 request headers about fencegate's own signature and framing (besides the hop-by-hop
 /// ones of every listener): never forwarded, the upstream request is signed anew.
@@ -49,121 +49,32 @@ const PRESIGN_PARAMS: &[&str] = &[
 
 /// Success responses of these operations can still carry an `<Error>` body; they are read
 /// (bounded) before the write counts as committed.
-pub(super) const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
+pub const XML_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 
-/// The body of one upstream call of an admitted write.
-pub(super) enum WriteBody {
-    /// A [`ForwardBody`]: it marks the write sent when its last chunk goes.
-    Streamed(Body),
-    /// Already in memory: the write counts as sent before the call starts.
-    InMemory(Body),
+/// Calls to the upstream outside an admitted write (reads, listings, aborts), each bounded by
+/// `upstream.request_timeout_ms`: the front's and the operator's jobs' alike.
+#[derive(Clone)]
+pub struct Hop {
+    upstream: Arc<dyn Upstream>,
+    /// `upstream.request_timeout_ms`.
+    request_timeout: Duration,
 }
 
-impl Front {
-    /// One upstream call of an admitted write (`fence::write`).
-    pub(super) async fn send_write(
-        &self,
-        op: &'static str,
-        admitted: &Admitted,
-        method: Method,
-        path_and_query: &str,
-        headers: HeaderMap,
-        body: WriteBody,
-    ) -> Result<http::Response<Body>, FrontError> {
-        let (body, in_hand) = match body {
-            WriteBody::Streamed(body) => {
-                let empty = http_body::Body::size_hint(&body).exact() == Some(0);
-                (body, empty)
-            }
-            WriteBody::InMemory(body) => (body, true),
-        };
-        let req = upstream_request(method, path_and_query, headers, body)?;
-        let upstream = self.upstream.clone();
-        match admitted.call(&self.gate, op, in_hand, async move { upstream.send(req).await }).await {
-            Ok(result) => result.map_err(FrontError::Upstream),
-            Err(failure) => Err(self.write_error(failure)),
-        }
+impl Hop {
+    pub fn new(upstream: Arc<dyn Upstream>, request_timeout: Duration) -> Self {
+        Self { upstream, request_timeout }
     }
 
-    /// A write that did not commit (or may have, unknown to fencegate), as S3 answers it.
-    pub(super) fn write_error(&self, failure: WriteFailure) -> FrontError {
-        match failure {
-            WriteFailure::Superseded { presented, current } => FrontError::StaleWhileStreaming { presented, current },
-            WriteFailure::Deadline { after_ms } => FrontError::WriteDeadline { after_ms },
-            WriteFailure::Revoked => FrontError::RegistrationLost,
-            WriteFailure::OutcomeUnknown { after_ms } => FrontError::OutcomeUnknown { after_ms },
-            WriteFailure::Body(BodyFailure::Checksum(algorithm)) => FrontError::BadDigest { algorithm },
-            WriteFailure::Body(BodyFailure::TooLarge) => {
-                FrontError::TooLarge { bytes: self.body_bytes_max.saturating_add(1), max: self.body_bytes_max }
-            }
-            WriteFailure::Body(BodyFailure::Client | BodyFailure::Cancelled) => FrontError::IncompleteBody,
-        }
+    pub fn upstream(&self) -> &Arc<dyn Upstream> {
+        &self.upstream
     }
 
-    /// A fenced write without a store-side precondition (multipart steps, sub-resources): the
-    /// gate orders it, and its body is cancellable like any other.
-    pub(super) async fn forward_admitted(
-        &self,
-        request: Request,
-        admitted: Admitted,
-    ) -> Result<S3Response<Body>, FrontError> {
-        Ok(client_response(self.send_admitted(request, &admitted).await?))
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
     }
 
-    /// [`Self::forward_admitted`], the upstream's answer as it came.
-    pub(super) async fn send_admitted(
-        &self,
-        request: Request,
-        admitted: &Admitted,
-    ) -> Result<http::Response<Body>, FrontError> {
-        let path = request.path_and_query();
-        let headers = upstream_headers(&request.headers, &self.wire);
-        let check = trailer_check(&request);
-        let (body, report) = ForwardBody::new(request.body, Some(admitted.permit.clone()), check, 0);
-        let body = WriteBody::Streamed(Body::http_body(body));
-        let result = self.send_write("fenced_write", admitted, request.method, &path, headers, body).await;
-        self.settle_body(result, &report, admitted).await
-    }
-
-    /// Reads the XML answer of a write (CopyObject, CompleteMultipartUpload, DeleteObjects),
-    /// whose `<Error>` body can mean no commit: part of the upstream's answer, so a body that
-    /// breaks off or does not come within the request timeout leaves the outcome unknown, and
-    /// the write stays in flight for the in-flight deadline (`fence::outcome`).
-    pub(super) async fn read_write_xml(
-        &self,
-        resp: http::Response<Body>,
-        permits: &[Arc<Permit>],
-    ) -> Result<(http::Response<Body>, bool), FrontError> {
-        match tokio::time::timeout(self.request_timeout, read_xml_response(resp)).await {
-            Ok(Ok(read)) => Ok(read),
-            failed => {
-                metrics::ambiguous_outcome("response_body");
-                tracing::warn!(
-                    "the upstream's answer to a write broke off: outcome unknown, the write stays in flight"
-                );
-                hold_for(permits.to_vec(), self.unknown_outcome_hold);
-                match failed {
-                    Ok(Err(error)) => Err(error),
-                    _ => Err(FrontError::OutcomeUnknown { after_ms: millis(self.request_timeout) }),
-                }
-            }
-        }
-    }
-
-    /// Maps what happened to a forwarded body onto the write's outcome.
-    pub(super) async fn settle_body(
-        &self,
-        result: Result<http::Response<Body>, FrontError>,
-        report: &BodyReport,
-        admitted: &Admitted,
-    ) -> Result<http::Response<Body>, FrontError> {
-        match admitted.body_failure(&self.gate, report).await {
-            Some(failure) => Err(self.write_error(failure)),
-            None => result,
-        }
-    }
-
-    pub(super) async fn send(
+    /// One call, bounded; `op` names it in `fencegate_upstream_*`.
+    pub async fn send(
         &self,
         op: &'static str,
         method: Method,
@@ -183,6 +94,41 @@ impl Front {
             tracing::Span::current().record("upstream_status", status);
         }
         result.map_err(FrontError::Upstream)
+    }
+
+    /// An object's head (`raw_path`: `/bucket/key` as sent), bounded like any read.
+    pub async fn head(&self, raw_path: &str) -> Result<ObjectState, FrontError> {
+        let read = objects::head(self.upstream.as_ref(), raw_path);
+        tokio::time::timeout(self.request_timeout, read)
+            .await
+            .map_err(|_| FrontError::Upstream(UpstreamError::Timeout { after_ms: millis(self.request_timeout) }))?
+    }
+
+    /// AbortMultipartUpload for `record`'s upload. Its record is the caller's to forget.
+    pub async fn abort_upload(
+        &self,
+        record: &UploadRecord,
+        op: &'static str,
+    ) -> Result<http::Response<Body>, FrontError> {
+        let query = form_urlencoded::Serializer::new(String::new()).append_pair("uploadId", &record.upload_id).finish();
+        let path = format!("{}?{query}", record.path);
+        self.send(op, Method::DELETE, &path, HeaderMap::new(), Body::empty()).await
+    }
+
+    /// Whether the upstream still has a recorded upload (a ListParts of one part: 404 when it
+    /// was completed or aborted).
+    pub async fn upload_exists(&self, record: &UploadRecord) -> Result<bool, String> {
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("max-parts", "1")
+            .append_pair("uploadId", &record.upload_id)
+            .finish();
+        let path = format!("{}?{query}", record.path);
+        match self.send("verify_upload", Method::GET, &path, HeaderMap::new(), Body::empty()).await {
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => Ok(false),
+            Ok(resp) if resp.status().is_success() => Ok(true),
+            Ok(resp) => Err(format!("ListParts of upload {} answered {}", record.upload_id, resp.status())),
+            Err(error) => Err(format!("ListParts of upload {}: {error}", record.upload_id)),
+        }
     }
 }
 
@@ -273,7 +219,7 @@ pub(super) fn client_response(resp: http::Response<Body>) -> S3Response<Body> {
 
 /// Reads a small XML response (CopyObject, CompleteMultipartUpload) and says whether it is a
 /// real success: S3 can answer 200 with an `<Error>` body.
-async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
+pub(super) async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response<Body>, bool), FrontError> {
     let (parts, body) = resp.into_parts();
     let limited = http_body_util::Limited::new(body, XML_RESPONSE_BYTES_MAX);
     let bytes: Bytes = limited
@@ -283,6 +229,18 @@ async fn read_xml_response(resp: http::Response<Body>) -> Result<(http::Response
         .to_bytes();
     let committed = parts.status.is_success() && !contains_error_element(&bytes);
     Ok((http::Response::from_parts(parts, Body::from(bytes)), committed))
+}
+
+/// An S3 error document's `<Code>` and `<Message>` (a key's failed delete, a failed listing).
+pub fn error_of(body: &[u8]) -> (String, String) {
+    let text = String::from_utf8_lossy(body);
+    let field = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let end = text[start..].find(&format!("</{name}>"))? + start;
+        quick_xml::escape::unescape(&text[start..end]).ok().map(|s| s.into_owned())
+    };
+    (field("Code").unwrap_or_else(|| "InternalError".into()), field("Message").unwrap_or_default())
 }
 
 fn contains_error_element(xml: &[u8]) -> bool {

@@ -12,15 +12,17 @@ use http_body_util::BodyExt;
 use s3s::{Body, S3Response};
 use serde::Deserialize;
 
+use std::collections::BTreeMap;
+
 use super::conditional::ObjectWrite;
-use super::error::FrontError;
-use super::forward::upstream_headers;
-use super::objects::ClientCondition;
-use super::{Admitted, Front, Request, Target};
+use super::{Admitted, Ctx, Request, Target, WireContract};
 use crate::feed::Decision;
 use crate::fence::{AdmitError, FenceToken, FencedWrite, ResourceKey};
 use crate::metrics;
 use crate::refusal::Refusal;
+use crate::s3::error::FrontError;
+use crate::s3::hop::{error_of, upstream_headers};
+use crate::s3::objects::ClientCondition;
 
 /// S3 allows 1000 keys per request; the XML for them stays well under this.
 pub const REQUEST_BYTES_MAX: usize = 2 * 1024 * 1024;
@@ -126,18 +128,6 @@ pub fn result_document(entries: &[String]) -> Bytes {
     Bytes::from(xml)
 }
 
-/// An S3 error document's `<Code>` and `<Message>` (what a key's failed delete came back with).
-pub(super) fn error_of(body: &[u8]) -> (String, String) {
-    let text = String::from_utf8_lossy(body);
-    let field = |name: &str| {
-        let open = format!("<{name}>");
-        let start = text.find(&open)? + open.len();
-        let end = text[start..].find(&format!("</{name}>"))? + start;
-        quick_xml::escape::unescape(&text[start..end]).ok().map(|s| s.into_owned())
-    };
-    (field("Code").unwrap_or_else(|| "InternalError".into()), field("Message").unwrap_or_default())
-}
-
 fn escape(text: &str) -> String {
     quick_xml::escape::escape(text).into_owned()
 }
@@ -161,23 +151,26 @@ const BATCH_ONLY_HEADERS: &[&str] = &[
 /// How much of a key's error answer is read for its code and message.
 const KEY_ERROR_BYTES_MAX: usize = 64 * 1024;
 
-impl Front {
-    /// DeleteObjects: each key against its own resource, then deleted as a DeleteObject is
-    /// (conditional on the version its token may delete, never forwarded for an absent key), so
-    /// that no key's delete can land after a newer token's write of it, even delivered twice.
-    /// Refused keys come back as per-key `<Error>` entries. `lease`: signed with a lease
-    /// credential, whose resource every key must belong to.
-    pub(super) async fn delete_objects(
-        &self,
-        request: Request,
-        token: FenceToken,
-        lease: Option<ResourceKey>,
-        decision: &Decision,
-    ) -> Result<S3Response<Body>, FrontError> {
+/// A DeleteObjects parsed: its keys grouped by resource, and the entries of the keys refused
+/// before admission.
+pub(in crate::s3) struct Batch {
+    request: Request,
+    bucket: String,
+    quiet: bool,
+    by_resource: BTreeMap<ResourceKey, Vec<ObjectId>>,
+    entries: Vec<String>,
+}
+
+impl Batch {
+    /// Reads the body; `resource_of` gives a key's resource, or why the front refuses the key
+    /// (its lease, its scope, the rules). A broken body is refused whole, and nothing deleted.
+    pub(in crate::s3) async fn parse(
+        mut request: Request,
+        resource_of: impl Fn(&Request, &str, &str) -> Result<ResourceKey, FrontError>,
+    ) -> Result<Self, FrontError> {
         let bucket = request.target.bucket.clone().ok_or(FrontError::NotSupported("DeleteObjects without a bucket"))?;
-        let parsed = read(request.body).await?;
-        let quiet = parsed.quiet.unwrap_or(false);
-        let mut by_resource: std::collections::BTreeMap<ResourceKey, Vec<ObjectId>> = Default::default();
+        let parsed = read(std::mem::take(&mut request.body)).await?;
+        let mut by_resource: BTreeMap<ResourceKey, Vec<ObjectId>> = BTreeMap::new();
         let mut entries = Vec::new();
         for object in parsed.objects {
             if object.last_modified_time.is_some() || object.size.is_some() {
@@ -185,30 +178,38 @@ impl Front {
                 entries.push(error_entry(&object, "NotImplemented", message));
                 continue;
             }
-            if let Err(error) = super::checks::check_key(&object.key) {
-                entries.push(error_entry(&object, error.code(), &error.to_string()));
-                continue;
-            }
-            if let Some(lease) = &lease
-                && let Err(error) = self.within_lease(lease, &bucket, &object.key)
-            {
-                entries.push(error_entry(&object, error.code(), &error.to_string()));
-                continue;
-            }
-            match self.wire.resource(&request.headers, &bucket, &object.key).and_then(|resource| {
-                self.check_resource_scope(request.scoped.as_deref(), &resource)?;
-                Ok(resource)
-            }) {
+            match resource_of(&request, &bucket, &object.key) {
                 Ok(resource) => by_resource.entry(resource).or_default().push(object),
                 Err(error) => entries.push(error_entry(&object, error.code(), &error.to_string())),
             }
         }
+        Ok(Self { request, bucket, quiet: parsed.quiet.unwrap_or(false), by_resource, entries })
+    }
+}
+
+impl Ctx {
+    /// DeleteObjects: each key admitted on its own resource, then deleted as a DeleteObject is
+    /// (conditional on the version its token may delete, never forwarded for an absent key), so
+    /// that no key's delete can land after a newer token's write of it, even delivered twice.
+    /// Refused keys come back as per-key `<Error>` entries.
+    pub(in crate::s3) async fn delete_objects(
+        &self,
+        batch: Batch,
+        token: FenceToken,
+        decision: &Decision,
+    ) -> Result<S3Response<Body>, FrontError> {
+        let Batch { request, bucket, quiet, by_resource, mut entries } = batch;
         let mut admitted = Vec::new();
         for (resource, objects) in by_resource {
             match self.gate.admit_write(&resource, token, request.may_advance, request.caller).await {
                 Ok(permit) => {
                     decision.key_decided(&resource, token, "accepted", None, None);
-                    let write = FencedWrite::new(permit, resource, self.request_timeout, self.unknown_outcome_hold);
+                    let write = FencedWrite::new(
+                        permit,
+                        resource,
+                        self.hop.request_timeout(),
+                        self.limits.unknown_outcome_hold,
+                    );
                     admitted.extend(objects.into_iter().map(|object| (write.clone(), object)));
                 }
                 Err(refusal @ (AdmitError::Stale { .. } | AdmitError::Unregistered { .. })) => {
@@ -221,17 +222,7 @@ impl Front {
                 Err(other) => return Err(other.into()),
             }
         }
-        // Each delete carries the request's headers (`x-amz-bypass-governance-retention`,
-        // `x-amz-mfa`, the bucket owner, the client's own), less those of the batch's body.
-        let mut headers = upstream_headers(&request.headers, &self.wire);
-        let batch_only: Vec<_> = headers
-            .keys()
-            .filter(|n| BATCH_ONLY_HEADERS.contains(&n.as_str()) || n.as_str().starts_with("x-amz-checksum-"))
-            .cloned()
-            .collect();
-        for name in batch_only {
-            headers.remove(name);
-        }
+        let headers = batch_headers(&request.headers, &self.wire);
         let headers = &headers;
         let deletes = futures_util::stream::iter(admitted.into_iter().map(|(write, object)| {
             let bucket = &bucket;
@@ -291,6 +282,21 @@ impl Front {
             }
         }
     }
+}
+
+/// What each key's delete carries of the request's headers (`x-amz-bypass-governance-retention`,
+/// `x-amz-mfa`, the bucket owner, the client's own), less those of the batch's body.
+fn batch_headers(request: &HeaderMap, wire: &WireContract) -> HeaderMap {
+    let mut headers = upstream_headers(request, wire);
+    let batch_only: Vec<_> = headers
+        .keys()
+        .filter(|n| BATCH_ONLY_HEADERS.contains(&n.as_str()) || n.as_str().starts_with("x-amz-checksum-"))
+        .cloned()
+        .collect();
+    for name in batch_only {
+        headers.remove(name);
+    }
+    headers
 }
 
 /// What became of one key of a DeleteObjects: its entry in the result.

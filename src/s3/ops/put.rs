@@ -7,24 +7,25 @@ use http::Method;
 use s3s::{Body, S3Response};
 
 use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
-use super::error::FrontError;
-use super::forward::{WriteBody, client_response, trailer_check, upstream_headers};
-use super::{Admitted, Front, Request, stamp};
+use super::write::WriteBody;
+use super::{Admitted, Ctx, Request, stamp};
 use crate::net::body::ForwardBody;
+use crate::s3::error::FrontError;
+use crate::s3::hop::{client_response, trailer_check, upstream_headers};
 
-impl Front {
+impl Ctx {
     pub(super) async fn put_object(
         &self,
         mut request: Request,
         admitted: Admitted,
     ) -> Result<S3Response<Body>, FrontError> {
-        let retainable = request.content_length.is_some_and(|n| n <= self.retry_body_bytes_max as u64);
+        let retainable = request.content_length.is_some_and(|n| n <= self.limits.retry_body_bytes_max as u64);
         let path = request.path_and_query();
         stamp(&mut request.headers, admitted.token);
         // The first attempt takes these; a retry makes them again from the request.
         let mut prepared = Some(upstream_headers(&request.headers, &self.wire));
         let check = trailer_check(&request);
-        let retain = if retainable { self.retry_body_bytes_max } else { 0 };
+        let retain = if retainable { self.limits.retry_body_bytes_max } else { 0 };
         let body = std::mem::take(&mut request.body);
         let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), check, retain);
         let mut first = Some(Body::http_body(body));
