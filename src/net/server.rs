@@ -123,8 +123,8 @@ pub async fn run<S, B>(
                 // Boxed: the handshake's and a TLS connection's futures are about twice a plain
                 // connection's, and every connection's task, plain or not, would hold them.
                 Some(acceptor) => {
-                    let handshake = acceptor.accept(tracked);
                     Box::pin(async move {
+                        let handshake = acceptor.accept(tracked);
                         let Some(stream) = handshaken(handshake, limits.header_read_timeout, peer).await else {
                             return;
                         };

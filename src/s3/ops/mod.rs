@@ -112,22 +112,22 @@ impl FencedOp {
         if op == Op::PostObject {
             return Err(FrontError::NotSupported("POST Object (a browser form upload)"));
         }
-        let Some(object) = request.target.object_name() else {
+        if request.target.bucket.is_none() || request.target.key.is_none() {
             return Err(FrontError::NotSupported("a write without an object key"));
-        };
+        }
         Ok(match op {
             Op::PutObject => Self::Put(request),
-            // fencegate's stamp would make it a change; S3 refuses it, and so does fencegate.
-            Op::CopyObject if copies_onto_itself_unchanged(&request.target, &request.headers) => {
-                return Err(FrontError::SelfCopyUnchanged);
-            }
             Op::CopyObject => Self::Copy(request),
             Op::DeleteObject => Self::Delete(request),
             Op::CreateMultipartUpload => Self::Create(request),
             Op::UploadPart | Op::UploadPartCopy => Self::Part { upload: upload_of(&request), request },
             Op::CompleteMultipartUpload => Self::Complete { upload: upload_of(&request), request },
             Op::AbortMultipartUpload => Self::Abort { upload: upload_of(&request), request },
-            Op::ObjectSubresourceWrite => Self::Subresource { request, object },
+            Op::ObjectSubresourceWrite => {
+                let object =
+                    request.target.object_name().ok_or(FrontError::NotSupported("a write without an object key"))?;
+                Self::Subresource { request, object }
+            }
             Op::DeleteObjects | Op::PostObject | Op::PassThrough => {
                 return Err(FrontError::NotSupported("this operation as a write to one object"));
             }
@@ -144,10 +144,28 @@ impl FencedOp {
         }
     }
 
-    /// What is checked before admission on `resource`, at the upstream and in the store. A
-    /// multipart step's upload must be its key's (unless the upstream ties ids to keys itself).
-    /// A completion's parts list is read now: a client that sends it slowly must not hold a
-    /// write that is past cancelling; a stale completion is refused before it is read.
+    /// What S3 refuses of this request once its resource is named: a copy onto itself that
+    /// changes nothing (fencegate's stamp would make it a change; S3 refuses it, and so does
+    /// fencegate).
+    pub(super) fn check(&self) -> Result<(), FrontError> {
+        match self {
+            Self::Copy(request) if copies_onto_itself_unchanged(&request.target, &request.headers) => {
+                Err(FrontError::SelfCopyUnchanged)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A step of an existing upload (a part, the completion, the abort): [`Self::prepare`] has
+    /// checks to make before admission.
+    pub(super) fn uses_an_upload(&self) -> bool {
+        matches!(self, Self::Part { .. } | Self::Complete { .. } | Self::Abort { .. })
+    }
+
+    /// What is checked of an upload's step before admission on `resource`, at the upstream and
+    /// in the store. Its upload must be its key's (unless the upstream ties ids to keys
+    /// itself). A completion's parts list is read now: a client that sends it slowly must not
+    /// hold a write that is past cancelling; a stale completion is refused before it is read.
     pub(super) async fn prepare(
         &mut self,
         ctx: &Ctx,
