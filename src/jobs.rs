@@ -27,6 +27,17 @@ pub struct Job {
     /// fences to stamps, which nothing authenticates, must be asked for by name.
     #[serde(default, deserialize_with = "apply_kinds")]
     pub apply: Vec<ApplyKind>,
+    /// An upload of its resource's current token open longer than this is a finding of its own
+    /// ([`Finding::OldUpload`], never applied: it is the current holder's).
+    #[serde(default = "old_upload_after_ms")]
+    pub old_upload_after_ms: u64,
+}
+
+/// [`Job::old_upload_after_ms`]'s default: a day.
+pub const OLD_UPLOAD_AFTER_MS: u64 = 24 * 3600 * 1000;
+
+fn old_upload_after_ms() -> u64 {
+    OLD_UPLOAD_AFTER_MS
 }
 
 /// A kind of finding `apply` fixes.
@@ -123,12 +134,33 @@ pub enum Event {
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Finding {
-    /// An incomplete multipart upload made under a token below its resource's fence.
-    StaleUpload { key: String, upload_id: String, resource: String, token: u64, fence: u64, action: Action },
-    /// An object of a fenced resource with no stamp: written around fencegate.
-    Unstamped { key: String, resource: String, fence: Option<u64> },
+    /// An incomplete multipart upload made under a token below its resource's fence, created
+    /// at `created_at_ms` (wall clock).
+    StaleUpload {
+        key: String,
+        upload_id: String,
+        resource: String,
+        token: u64,
+        fence: u64,
+        created_at_ms: u64,
+        action: Action,
+    },
+    /// An incomplete multipart upload of the resource's current token, open longer than the
+    /// job's `old_upload_after_ms`: a writer that never completed nor aborted it, or one still
+    /// at work. Reported only (it holds storage until `fencing.abort_uploads_after_ms`).
+    OldUpload { key: String, upload_id: String, resource: String, token: u64, created_at_ms: u64 },
+    /// An object of a fenced resource with no stamp: written around fencegate. `modified`:
+    /// its `LastModified` as the listing gives it.
+    Unstamped { key: String, resource: String, fence: Option<u64>, modified: Option<String> },
     /// An object stamped above its resource's fence: the store lost an advance.
-    StampAboveFence { key: String, resource: String, stamp: u64, fence: Option<u64>, action: Action },
+    StampAboveFence {
+        key: String,
+        resource: String,
+        stamp: u64,
+        fence: Option<u64>,
+        modified: Option<String>,
+        action: Action,
+    },
     /// A gateway request that may or may not have executed at the API: look it up there by
     /// `upstream_key`. A retry with its token gets "outcome unknown" until `expires_in_ms`.
     UnknownOutcome {

@@ -79,6 +79,10 @@ enum Command {
         /// JSON lines on stdout (a finding per line, then the summary) instead of a table.
         #[arg(long)]
         json: bool,
+        /// An upload of its resource's current token open longer than this is reported
+        /// (`old_upload`; never applied). A day unless given.
+        #[arg(long, value_name = "MS")]
+        old_upload_after_ms: Option<u64>,
     },
     /// Check that the configured upstream enforces If-Match / If-None-Match, then exit.
     Probe {
@@ -111,7 +115,7 @@ fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }),
         Command::Health { config } => load(&config).and_then(|c| runtime()?.block_on(health(&c))).map(done),
-        Command::Reconcile { config, bucket, prefix, apply, json } => {
+        Command::Reconcile { config, bucket, prefix, apply, json, old_upload_after_ms } => {
             let apply = match apply.as_deref().map(fencegate::jobs::ApplyKind::parse_list).transpose() {
                 Ok(kinds) => kinds.unwrap_or_default(),
                 Err(_) if apply.as_deref() == Some("") => {
@@ -128,7 +132,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let ask = reconcile::Ask { bucket, prefix, apply, json };
+            let ask = reconcile::Ask { bucket, prefix, apply, json, old_upload_after_ms };
             // 1 says "found something" to cron and CI; an error is 2, not to be taken for it.
             match load(&config).and_then(|c| runtime()?.block_on(reconcile::reconcile(&c, &ask))) {
                 Ok(reconcile::Outcome::Clean) => Ok(ExitCode::SUCCESS),

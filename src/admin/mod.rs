@@ -213,7 +213,7 @@ impl Admin {
         let access = self.access(req.headers());
         let path = req.uri().path().to_owned();
         let needs = match (req.method(), path.as_str()) {
-            (&Method::GET, "/" | "/healthz" | "/readyz") | (_, "/v1/session") => Access::Anyone,
+            (&Method::GET, "/" | "/healthz" | "/readyz" | "/errors") | (_, "/v1/session") => Access::Anyone,
             (&Method::GET | &Method::HEAD, _) => Access::Reader,
             _ => Access::Operator,
         };
@@ -261,7 +261,9 @@ impl Admin {
             (&Method::GET, "/v1/status") => {
                 views::status(&self.gate, &self.feed, &self.upstream.reach(), self.bearer.is_some()).await
             }
-            (&Method::GET, "/v1/fences") => views::fences(&self.gate, query).await,
+            (&Method::GET, "/errors") => console::errors_page(),
+            (&Method::GET, "/v1/fences") => views::fences(&self.gate, &self.feed, query).await,
+            (&Method::GET, "/v1/decisions") => json_text(StatusCode::OK, self.feed.recent_json()),
             (&Method::GET, "/v1/leases") => views::leases(&self.gate, query).await,
             (&Method::GET, "/v1/inflight") => views::inflight(&self.gate, &self.feed),
             (&Method::GET, "/v1/events") => {
@@ -429,7 +431,10 @@ impl Admin {
             }
         };
         match self.gate.register(resource, FenceToken(registration.token)).await {
-            Ok(Registered::Raised(token)) => fence_json(StatusCode::OK, resource, token),
+            Ok(Registered::Raised(token)) => {
+                self.feed.note_advance(resource, token, Some("the admin API".into()));
+                fence_json(StatusCode::OK, resource, token)
+            }
             Ok(Registered::Below(current)) => fence_json(StatusCode::CONFLICT, resource, current),
             Err(AdmitError::StoreUnavailable(e)) => {
                 problem(StatusCode::SERVICE_UNAVAILABLE, "FenceStoreUnavailable", &e.to_string())
@@ -532,6 +537,14 @@ fn problem(status: StatusCode, code: &str, detail: &str) -> AdminResponse {
     let body = crate::net::problem::document(status, code, detail);
     let mut resp = full(status, Bytes::from(body.to_string()));
     resp.headers_mut().insert(header::CONTENT_TYPE, crate::net::problem::CONTENT_TYPE.parse().expect("static"));
+    resp
+}
+
+/// JSON already rendered.
+fn json_text(status: StatusCode, body: String) -> AdminResponse {
+    let mut resp = full(status, Bytes::from(body));
+    resp.headers_mut().insert(header::CONTENT_TYPE, "application/json".parse().expect("static"));
+    resp.headers_mut().insert(header::CACHE_CONTROL, "no-store".parse().expect("static"));
     resp
 }
 

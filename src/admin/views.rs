@@ -94,15 +94,28 @@ pub async fn status(gate: &Gate, feed: &Feed, upstream: &Reach, auth: bool) -> A
     json_response(StatusCode::OK, &body)
 }
 
-pub async fn fences(gate: &Gate, query: Option<&str>) -> AdminResponse {
+/// A page of fences; each names when and by whom this replica raised it, where it remembers
+/// (`crate::feed::Advance`).
+pub async fn fences(gate: &Gate, feed: &Feed, query: Option<&str>) -> AdminResponse {
     let query = match Query::parse(query, FENCES_PAGE_DEFAULT) {
         Ok(query) => query,
         Err(detail) => return problem(StatusCode::BAD_REQUEST, "InvalidArgument", &detail),
     };
     match gate.listings().fences(&query.prefix, query.after.as_deref(), query.limit).await {
         Ok(page) => {
-            let fences: Vec<_> =
-                page.items.iter().map(|(r, t)| json!({ "resource": r.as_str(), "token": t.0 })).collect();
+            let fences: Vec<_> = page
+                .items
+                .iter()
+                .map(|(r, t)| {
+                    let advance = feed.advance(r.as_str(), t.0);
+                    json!({
+                        "resource": r.as_str(),
+                        "token": t.0,
+                        "advanced_at_ms": advance.as_ref().map(|a| a.at_ms),
+                        "advanced_by": advance.as_ref().and_then(|a| a.by.as_deref()),
+                    })
+                })
+                .collect();
             json_response(StatusCode::OK, &json!({ "fences": fences, "next": page.next }))
         }
         Err(e) => unavailable(&e),

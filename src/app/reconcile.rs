@@ -22,6 +22,9 @@ pub struct Ask {
     pub apply: Vec<crate::jobs::ApplyKind>,
     /// JSON lines on stdout (one per finding, then the summary) instead of a table.
     pub json: bool,
+    /// `Job::old_upload_after_ms`, when asked (else the server's default, and the request reads
+    /// as it did before the field existed).
+    pub old_upload_after_ms: Option<u64>,
 }
 
 /// How a reconciliation ended.
@@ -47,7 +50,10 @@ pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
     }
     // Nothing to apply is sent as `false`, which a fencegate of any version reads.
     let apply = if ask.apply.is_empty() { serde_json::json!(false) } else { serde_json::json!(ask.apply) };
-    let body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": apply });
+    let mut body = serde_json::json!({ "bucket": ask.bucket, "prefix": ask.prefix, "apply": apply });
+    if let Some(ms) = ask.old_upload_after_ms {
+        body["old_upload_after_ms"] = ms.into();
+    }
     let mut req = http::Request::post("/v1/reconcile")
         .header(http::header::HOST, admin.to_string())
         .header(http::header::CONTENT_TYPE, "application/json")
@@ -126,8 +132,8 @@ impl Output {
         if !self.header_shown {
             writeln!(
                 stdout,
-                "{:<20} {:<52} {:<30} {:>8} {:>8}  ACTION",
-                "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE"
+                "{:<20} {:<52} {:<30} {:>8} {:>8}  {:<40}  ACTION",
+                "FINDING", "KEY", "RESOURCE", "TOKEN", "FENCE", "UPLOAD OR OBJECT TIME"
             )?;
             self.header_shown = true;
         }
@@ -137,12 +143,13 @@ impl Output {
         let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
         writeln!(
             stdout,
-            "{:<20} {:<52} {:<30} {:>8} {:>8}  {}",
+            "{:<20} {:<52} {:<30} {:>8} {:>8}  {:<40}  {}",
             event["kind"].as_str().unwrap_or("?"),
             shown(key.and_then(Value::as_str).unwrap_or("")),
             shown(event["resource"].as_str().unwrap_or("")),
             show(token),
             show(event["fence"].as_u64()),
+            shown(&detail(event)),
             shown(&match (event["cause"].as_str(), event["error"].as_str()) {
                 (Some(cause), _) => {
                     format!("ask the API ({cause}) behind {}", event["route"].as_str().unwrap_or("?"))
@@ -181,6 +188,24 @@ impl Output {
             }
         }
         Ok(if findings == 0 { Outcome::Clean } else { Outcome::Found })
+    }
+}
+
+/// What tells a finding apart beyond its key: an upload's id and when it was created, an
+/// object's last modification as the upstream lists it.
+fn detail(event: &Value) -> String {
+    let when = |ms: Option<u64>| {
+        let at =
+            time::OffsetDateTime::from_unix_timestamp(i64::try_from(ms.filter(|ms| *ms > 0)? / 1000).ok()?).ok()?;
+        at.format(&time::format_description::well_known::Rfc3339).ok()
+    };
+    match (event["upload_id"].as_str(), event["modified"].as_str()) {
+        (Some(id), _) => match when(event["created_at_ms"].as_u64()) {
+            Some(created) => format!("{id} created {created}"),
+            None => id.to_owned(),
+        },
+        (None, Some(modified)) => format!("modified {modified}"),
+        (None, None) => when(event["claimed_at_ms"].as_u64()).map(|t| format!("claimed {t}")).unwrap_or_default(),
     }
 }
 

@@ -3,21 +3,27 @@
 
 use super::*;
 
+/// What a refusal's `object` keeps of the name a request gave (an S3 key is at most 1,024 bytes;
+/// a longer name is cut).
+pub const OBJECT_BYTES_MAX: usize = 1024;
+
 /// One request's decision, recorded once. Cheap to share with the task that admits the write.
 pub struct Decision {
     feed: Arc<Feed>,
     span: tracing::Span,
     decided: AtomicBool,
-    /// What the feed's event says of the request, kept only while someone watches.
+    /// What the feed's event says of the request (the feed keeps recent decisions whether
+    /// anyone watches or not).
     facts: Mutex<Facts>,
 }
 
 #[derive(Default, Clone)]
 struct Facts {
     operation: &'static str,
-    resource: Option<String>,
+    resource: Option<ResourceKey>,
+    object: Option<Arc<str>>,
     token: Option<u64>,
-    who: Option<String>,
+    who: Option<Arc<str>>,
 }
 
 impl Decision {
@@ -37,27 +43,55 @@ impl Decision {
     /// The operation (`PutObject`, a route's method...), also the span's `op` when it has one.
     pub fn operation(&self, name: &'static str) {
         self.span.record("op", name);
-        if self.feed.watched() {
-            self.facts.lock().expect("decision lock").operation = name;
-        }
+        self.facts.lock().expect("decision lock").operation = name;
     }
 
     /// Who asked: an access key id (never a secret).
     pub fn who(&self, who: &str) {
-        if self.feed.watched() {
-            self.facts.lock().expect("decision lock").who = Some(who.to_owned());
-        }
+        self.facts.lock().expect("decision lock").who = Some(who.into());
     }
 
     /// The resource written and the token presented.
     pub fn write(&self, resource: &ResourceKey, token: FenceToken) {
         self.span.record("resource", resource.as_str());
         self.span.record("token", token.0);
-        if self.feed.watched() {
-            let mut facts = self.facts.lock().expect("decision lock");
-            facts.resource = Some(resource.as_str().to_owned());
-            facts.token = Some(token.0);
+        let mut facts = self.facts.lock().expect("decision lock");
+        facts.resource = Some(resource.clone());
+        facts.token = Some(token.0);
+    }
+
+    /// The admission raised the resource's fence to the request's token: the feed remembers
+    /// when and by whom (the console's fences).
+    pub fn advanced(&self) {
+        let facts = self.facts.lock().expect("decision lock");
+        if let (Some(resource), Some(token)) = (&facts.resource, facts.token) {
+            self.feed.note_advance(resource, FenceToken(token), facts.who.clone());
         }
+    }
+
+    /// One key's admission raised its resource's fence (DeleteObjects).
+    pub fn key_advanced(&self, resource: &ResourceKey, token: FenceToken) {
+        let who = self.facts.lock().expect("decision lock").who.clone();
+        self.feed.note_advance(resource, token, who);
+    }
+
+    /// Whether a resource was named ([`Decision::write`]).
+    pub fn names_resource(&self) -> bool {
+        self.facts.lock().expect("decision lock").resource.is_some()
+    }
+
+    /// What the request named (`bucket/key`, a path), for a refusal made before any resource
+    /// was: the operator looks for the client by it.
+    /// Cut to [`OBJECT_BYTES_MAX`] (on a character boundary, marked `…`): a key or path is
+    /// the caller's, and the history keeps a thousand refusals.
+    pub fn object(&self, name: &str) {
+        let name: Arc<str> = if name.len() <= OBJECT_BYTES_MAX {
+            name.into()
+        } else {
+            let cut = name.floor_char_boundary(OBJECT_BYTES_MAX);
+            format!("{}…", &name[..cut]).into()
+        };
+        self.facts.lock().expect("decision lock").object = Some(name);
     }
 
     /// The write was let through: `accepted` (admitted by the gate), `unchecked` (no token,
@@ -128,8 +162,8 @@ impl Decision {
         self.tell(decision, detail, code, fence, None);
     }
 
-    /// Sends the event, while someone watches; `write`: the resource and token of one key's
-    /// decision, when they are not the request's.
+    /// Keeps the decision in the feed's history and sends it to whoever watches; `write`: the
+    /// resource and token of one key's decision, when they are not the request's.
     fn tell(
         &self,
         decision: &'static str,
@@ -138,32 +172,23 @@ impl Decision {
         fence: Option<FenceToken>,
         write: Option<(&ResourceKey, FenceToken)>,
     ) {
-        let refusal = decision == "refused";
-        let watched = self.feed.watched();
-        if !watched && !refusal {
-            return;
-        }
-        // What the request told of itself while watched (a watcher that arrived since gets
-        // the refusal with what is known: it is counted all the same).
-        let facts = if watched { self.facts.lock().expect("decision lock").clone() } else { Facts::default() };
+        let facts = self.facts.lock().expect("decision lock").clone();
         let (resource, token) = match write {
-            Some((resource, token)) => (Some(resource.as_str()), Some(token.0)),
-            None => (facts.resource.as_deref(), facts.token),
+            Some((resource, token)) => (Some(resource.clone()), Some(token.0)),
+            None => (facts.resource, facts.token),
         };
-        self.feed.publish(refusal, || {
-            let event = DecisionEvent {
-                time_ms: SystemClock.now_ms(),
-                replica: &self.feed.replica,
-                operation: facts.operation,
-                resource,
-                token,
-                fence: fence.map(|f| f.0),
-                decision,
-                detail,
-                code,
-                who: facts.who.as_deref(),
-            };
-            serde_json::to_string(&event).expect("an event serialises").into()
+        self.feed.publish(Recorded {
+            time_ms: SystemClock.now_ms(),
+            operation: facts.operation,
+            object: facts.object.filter(|_| resource.is_none()),
+            resource,
+            token,
+            fence: fence.map(|f| f.0),
+            decision,
+            detail,
+            code,
+            who: facts.who,
+            number: None,
         });
     }
 }

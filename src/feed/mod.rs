@@ -1,8 +1,12 @@
 //! Every write decision, recorded once per request ([`Decision`]): the request span's
-//! `decision` field, the `fencegate_decisions_total` counter, and, while an operator watches,
-//! an event on the feed ([`Feed`], `GET /v1/events` on the admin listener).
+//! `decision` field, the `fencegate_decisions_total` counter, the feed's bounded history of
+//! recent decisions (`recent.rs`, `GET /v1/decisions`: a console opened later still shows a
+//! refusal), and, while an operator watches, an event on the feed ([`Feed`], `GET /v1/events`
+//! on the admin listener).
 //!
-//! The feed costs a write nothing while nobody watches (one atomic load). A watcher that reads
+//! While nobody watches, a decision costs its facts (a few words and an access key id) and one
+//! push into the history: a refusal always, an acceptance when the lock is free (a write never
+//! waits for it); no event is rendered. A watcher that reads
 //! slower than decisions are made loses accepted events, counted and told (`dropped`), never a
 //! refusal: past [`REFUSALS_QUEUED_MAX`] refusals unread, its feed ends with `overflow` rather
 //! than skip one. Refusals are numbered (every one this process made, watched or not), so a
@@ -10,15 +14,17 @@
 //! ([`Missed`]).
 
 mod decision;
+mod recent;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use serde::Serialize;
 use tokio::sync::Notify;
 
 pub use self::decision::Decision;
+pub use self::recent::{ADVANCES_REMEMBERED_MAX, Advance, DecisionEvent, RECENT_ACCEPTED_MAX, RECENT_REFUSALS_MAX};
+use self::recent::{Recent, Recorded};
 
 use crate::fence::{Clock, SystemClock};
 use crate::fence::{FenceToken, ResourceKey};
@@ -57,27 +63,6 @@ pub enum WatchRefused {
     Closed,
 }
 
-/// One decision as the feed tells it. Nothing secret: the caller is named by its access key
-/// id, never by a secret or a route caller's credentials.
-#[derive(Debug, Clone, Serialize)]
-pub struct DecisionEvent<'a> {
-    pub time_ms: u64,
-    pub replica: &'a str,
-    pub operation: &'static str,
-    pub resource: Option<&'a str>,
-    /// The token presented, if any.
-    pub token: Option<u64>,
-    /// The resource's fence, when the decision named it (a refusal as stale).
-    pub fence: Option<u64>,
-    /// `accepted` or `refused`.
-    pub decision: &'static str,
-    /// What kind: `accepted`, `unchecked`, `replayed`, `stale`, `unregistered`, ...
-    pub detail: &'static str,
-    /// The refusal's code (`FencingTokenStale`, ...); `None` when accepted.
-    pub code: Option<&'static str>,
-    pub who: Option<&'a str>,
-}
-
 /// What a watcher reads next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FeedItem {
@@ -107,6 +92,8 @@ struct Watchers {
     /// Refusals made so far; counted under the lock that orders their delivery, so every
     /// watcher reads them in the order of their numbers.
     refusals: u64,
+    /// The recent decisions, watched or not.
+    recent: Recent,
 }
 
 /// What a returning watcher missed, from the last refusal id it read (`Last-Event-ID`).
@@ -225,31 +212,83 @@ impl Feed {
         self.watched.store(0, Ordering::Relaxed);
     }
 
-    /// Tells the watchers the decision `event` describes. A refusal is numbered, and whether
-    /// anyone watches is decided, under the lock that queues it: a watcher that arrives is
-    /// either counted in by its `missed` or sent the refusal, never neither. Numbers reach every
-    /// watcher in order. An accepted decision is queued outside the lock.
-    fn publish(&self, refusal: bool, event: impl FnOnce() -> Arc<str>) {
-        if refusal {
-            let mut watchers = self.watchers.lock().expect("feed lock");
-            watchers.refusals += 1;
-            if watchers.list.is_empty() {
-                return;
-            }
-            let json = event();
+    /// Keeps the decision `recorded` describes in the history and tells the watchers. A refusal
+    /// is numbered, and whether anyone watches is decided, under the lock that queues it: a
+    /// watcher that arrives is either counted in by its `missed` or sent the refusal, never
+    /// neither. Numbers reach every watcher in order. An accepted decision is queued outside the
+    /// lock.
+    fn publish(&self, mut recorded: Recorded) {
+        if recorded.decision != "refused" {
+            return self.publish_accepted(recorded);
+        }
+        let mut watchers = self.watchers.lock().expect("feed lock");
+        watchers.refusals += 1;
+        let number = Some(watchers.refusals);
+        recorded.number = number;
+        if !watchers.list.is_empty() {
+            let json: Arc<str> = recorded.json(&self.replica, None).into();
             for watcher in &watchers.list {
-                watcher.push(Some(watchers.refusals), json.clone());
+                watcher.push(number, json.clone());
             }
-            return;
         }
-        let watchers: Vec<Arc<Watcher>> = self.watchers.lock().expect("feed lock").list.clone();
-        if watchers.is_empty() {
-            return;
-        }
-        let json = event();
-        for watcher in watchers {
+        watchers.recent.keep(recorded);
+    }
+
+    /// An accepted decision: kept in the history when the lock is free (the history of
+    /// acceptances is a sample: a write never waits on the feed), and told to whoever watches.
+    fn publish_accepted(&self, recorded: Recorded) {
+        let list = match self.watchers.try_lock() {
+            Ok(mut watchers) if watchers.list.is_empty() => return watchers.recent.keep(recorded),
+            Ok(mut watchers) => {
+                watchers.recent.keep(recorded.clone());
+                watchers.list.clone()
+            }
+            Err(std::sync::TryLockError::WouldBlock) if self.watched() => {
+                self.watchers.lock().expect("feed lock").list.clone()
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return,
+            Err(std::sync::TryLockError::Poisoned(e)) => panic!("feed lock: {e}"),
+        };
+        let json: Arc<str> = recorded.json(&self.replica, None).into();
+        for watcher in list {
             watcher.push(None, json.clone());
         }
+    }
+
+    /// The recent decisions as JSON (`GET /v1/decisions`), oldest first: each refusal with its
+    /// event id, so that a page that shows them and then opens the feed from the newest one's id
+    /// misses nothing and shows nothing twice.
+    pub fn recent_json(&self) -> String {
+        // Copied under the lock (shared names, no rendering), rendered after it.
+        let (refused, accepted, total) = {
+            let watchers = self.watchers.lock().expect("feed lock");
+            let recent = &watchers.recent;
+            (recent.refused.iter().cloned().collect::<Vec<_>>(), recent.accepted.clone(), watchers.refusals)
+        };
+        let refused: Vec<String> =
+            refused.iter().map(|r| r.json(&self.replica, r.number.map(|n| self.refusal_id(n)))).collect();
+        let accepted: Vec<String> = accepted.iter().map(|r| r.json(&self.replica, None)).collect();
+        format!(
+            "{{\"replica\":{},\"refusals_total\":{total},\"last_id\":{},\"refused\":[{}],\"accepted\":[{}]}}",
+            serde_json::to_string(&*self.replica).expect("a name serialises"),
+            serde_json::to_string(&self.refusal_id(total)).expect("an id serialises"),
+            refused.join(","),
+            accepted.join(",")
+        )
+    }
+
+    /// This replica raised `resource`'s fence to `token`, for `by` (an access key id).
+    /// Kept when the lock is free: a write never waits for the feed.
+    pub fn note_advance(&self, resource: &ResourceKey, token: FenceToken, by: Option<Arc<str>>) {
+        let advance = Advance { token: token.0, at_ms: SystemClock.now_ms(), by };
+        if let Ok(mut watchers) = self.watchers.try_lock() {
+            watchers.recent.advanced(resource, advance);
+        }
+    }
+
+    /// When and by whom this replica raised `resource`'s fence to `token`, if it remembers.
+    pub fn advance(&self, resource: &str, token: u64) -> Option<Advance> {
+        self.watchers.lock().expect("feed lock").recent.advance(resource, token)
     }
 
     fn forget(&self, watcher: &Arc<Watcher>) {
@@ -536,5 +575,76 @@ mod tests {
         assert!(delivered > 0, "the test saw refusals delivered");
         stop.store(true, Ordering::Relaxed);
         refusing.join().unwrap();
+    }
+
+    /// Decisions made while nobody watched are kept: refusals up to their bound, longer than
+    /// acceptances, each with its id, and what a refusal named when no resource was.
+    #[test]
+    fn the_history_keeps_recent_decisions_watched_or_not() {
+        let feed = Feed::new("replica-a");
+        assert!(!feed.watched());
+        let d = decision(&feed, "job:a", 5);
+        d.who("AKID");
+        d.let_through("accepted");
+        let early = Decision::new(&feed, tracing::Span::none());
+        early.operation("PutObject");
+        early.object("bucket/key");
+        early.refused("missing", "FencingTokenRequired", None, true, &"no token");
+        for n in 0..(RECENT_REFUSALS_MAX as u64 + 10) {
+            decision(&feed, "job:a", n).refused("stale", "FencingTokenStale", Some(FenceToken(5)), true, &"stale");
+        }
+        for n in 0..(RECENT_ACCEPTED_MAX as u64 + 10) {
+            decision(&feed, "job:b", 100 + n).let_through("accepted");
+        }
+        let recent: serde_json::Value = serde_json::from_str(&feed.recent_json()).unwrap();
+        let refused = recent["refused"].as_array().unwrap();
+        assert_eq!(refused.len(), RECENT_REFUSALS_MAX);
+        assert_eq!(recent["accepted"].as_array().unwrap().len(), RECENT_ACCEPTED_MAX);
+        assert_eq!(recent["refusals_total"], RECENT_REFUSALS_MAX as u64 + 11);
+        let newest = refused.last().unwrap();
+        assert_eq!(newest["id"], feed.refusal_id(RECENT_REFUSALS_MAX as u64 + 11));
+        assert_eq!(
+            (newest["resource"].as_str(), newest["token"].as_u64()),
+            (Some("job:a"), Some(RECENT_REFUSALS_MAX as u64 + 9))
+        );
+        // The oldest went first: the refusal without a resource is past the bound now.
+        assert!(refused.iter().all(|r| r["code"] == "FencingTokenStale"));
+
+        let feed = Feed::new("replica-b");
+        early_refusal_named(&feed);
+        let recent: serde_json::Value = serde_json::from_str(&feed.recent_json()).unwrap();
+        assert_eq!(recent["refused"][0]["object"], "bucket/key");
+        assert_eq!(recent["refused"][0]["resource"], serde_json::Value::Null);
+    }
+
+    fn early_refusal_named(feed: &Arc<Feed>) {
+        let early = Decision::new(feed, tracing::Span::none());
+        early.operation("PutObject");
+        early.object("bucket/key");
+        early.refused("missing", "FencingTokenRequired", None, true, &"no token");
+    }
+
+    /// An advance is remembered with when and by whom, the newest only.
+    #[test]
+    fn a_fence_remembers_who_last_raised_it() {
+        let feed = Feed::new("replica-a");
+        let by = |who: &str, token: u64| {
+            let d = decision(&feed, "job:a", token);
+            d.who(who);
+            d.advanced();
+            d.let_through("accepted");
+        };
+        by("first", 3);
+        by("older", 2);
+        let advance = feed.advance("job:a", 3).expect("remembered");
+        assert_eq!((advance.token, advance.by.as_deref()), (3, Some("first")));
+        assert!(feed.advance("job:a", 2).is_none(), "only the newest token is remembered");
+        by("newer", 4);
+        assert_eq!(feed.advance("job:a", 4).unwrap().by.as_deref(), Some("newer"));
+        assert!(feed.advance("job:a", 3).is_none());
+        assert!(feed.advance("job:b", 4).is_none());
+        let plain = decision(&feed, "job:c", 9);
+        plain.let_through("accepted");
+        assert!(feed.advance("job:c", 9).is_none(), "a write that did not advance tells no advance");
     }
 }

@@ -163,6 +163,10 @@ impl Gateway {
                 let (decision_record, decision) = (&decision, error.decision());
                 metrics::gateway_request(mode, error.outcome());
                 let code = error.code();
+                if !decision_record.names_resource() {
+                    // The route, not the path: an API's path can carry a secret.
+                    decision_record.object(&self.routes[ix].prefix);
+                }
                 decision_record.refused(decision, code, error.current_fence(), true, &error);
                 error.into_response()
             }
@@ -498,6 +502,9 @@ impl Gateway {
     async fn admit(&self, route: &Route, fencing: Fencing<'_>) -> Result<FencedWrite, GatewayError> {
         let Fencing { resource, token, decision } = fencing;
         let permit = self.gate.admit_write(resource, token, route.writes_advance, None).await?;
+        if permit.advanced() {
+            decision.advanced();
+        }
         decision.let_through("accepted");
         Ok(FencedWrite::new(permit, resource.clone(), route.request_timeout, self.inflight_deadline))
     }

@@ -209,9 +209,11 @@ impl Front {
         let started = Instant::now();
         let read = matches!(req.method, Method::GET | Method::HEAD);
         let decision = Decision::new(&self.feed, span.clone());
+        // Kept for a refusal made before a resource is named (no allocation: shared bytes).
+        let named = (req.uri.clone(), req.headers.get(http::header::HOST).cloned());
         // Boxed: the route's state machine is kilobytes, and this future, the library's and
         // hyper's around it would each hold it inline and copy it at every move.
-        let result = Box::pin(self.route(req, lease, signature, &decision)).instrument(span.clone()).await;
+        let result = Box::pin(Arc::clone(&self).route(req, lease, signature, &decision)).instrument(span.clone()).await;
         span.record("duration_ms", started.elapsed().as_secs_f64() * 1000.0);
         match result {
             Ok(resp) => {
@@ -226,10 +228,26 @@ impl Front {
                     metrics::lease_read_refused();
                 }
                 span.record("error", error.code());
+                if !decision.names_resource() {
+                    decision.object(&self.object_named(&named.0, named.1));
+                }
                 decision.refused(error.decision(), error.code(), error.fence(), !lease_read, &error);
                 // Rendered here rather than returned as an error, which s3s would log again.
                 Ok(client_response(error.into_response(request_id.text().as_str())))
             }
+        }
+    }
+
+    /// What a request names, `bucket/key` (or its path when it names none), for a refusal's
+    /// record.
+    fn object_named(&self, uri: &http::Uri, host: Option<http::HeaderValue>) -> String {
+        let mut headers = HeaderMap::new();
+        if let Some(host) = host {
+            headers.insert(http::header::HOST, host);
+        }
+        match target(uri, &headers, self.domain.as_deref()) {
+            Ok(target) => target.object_name().or(target.bucket).unwrap_or_else(|| uri.path().to_owned()),
+            Err(_) => uri.path().to_owned(),
         }
     }
 
@@ -388,8 +406,11 @@ impl Front {
         };
         let resource = self.ctx.wire.resource(&command.request().headers, bucket, key)?;
         self.check_resource_scope(command.request().scoped.as_deref(), &resource)?;
-        command.prepare(&self.ctx, &resource, token).await?;
         decision.write(&resource, token);
+        command.check()?;
+        if command.uses_an_upload() {
+            command.prepare(&self.ctx, &resource, token).await?;
+        }
         // A token below the fence this replica knows is refused here, without a task.
         self.ctx.gate.refuse_known_stale(&resource, token)?;
         let (front, decision) = (Arc::clone(&self), decision.clone());
@@ -408,6 +429,9 @@ impl Front {
     ) -> Result<S3Response<Body>, FrontError> {
         let request = command.request();
         let permit = self.ctx.gate.admit_write(&resource, token, request.may_advance, request.caller).await?;
+        if permit.advanced() {
+            decision.advanced();
+        }
         decision.let_through("accepted");
         let admitted =
             FencedWrite::new(permit, resource, self.ctx.hop.request_timeout(), self.ctx.limits.unknown_outcome_hold);

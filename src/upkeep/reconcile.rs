@@ -5,6 +5,8 @@
 //!
 //! - an incomplete multipart upload made under a token below its resource's fence (its
 //!   record, confirmed at the upstream); `apply` = `stale_upload` aborts it;
+//! - an incomplete multipart upload of the resource's current token open longer than the job's
+//!   `old_upload_after_ms` (a day unless asked): reported only, it is the current holder's;
 //! - an object with no stamp whose resource is fenced (under a rule's prefix, or its own
 //!   `bucket/key` with a fence): written around fencegate;
 //! - an object stamped above its resource's fence, where a rule binds the key (so the resource
@@ -44,7 +46,8 @@ use crate::fence::{
 use crate::jobs::{Action, ApplyKind, Event, Finding, Job, Reconciliations, Summary};
 use crate::logs::with_causes;
 use crate::net::percent::encode_key;
-use crate::s3::{ObjectState, abort_upload, error_of};
+use crate::s3::{FrontError, ObjectState, abort_upload, error_of};
+use crate::upstream::UpstreamError;
 
 /// Heads read at once.
 const HEADS_AT_ONCE: usize = 8;
@@ -205,7 +208,10 @@ impl Scan<'_> {
                 }
                 self.summary.uploads += 1;
                 let Ok(resource) = ResourceKey::new(&record.resource) else { continue };
-                let Some(fence) = stale_below(self.fence(&resource).await?, record.token) else { continue };
+                let Some(fence) = stale_below(self.fence(&resource).await?, record.token) else {
+                    self.old_upload(record).await?;
+                    continue;
+                };
                 if !self.upkeep.hop.upload_exists(&record).await.map_err(ScanError::Failed)? {
                     continue;
                 }
@@ -223,6 +229,7 @@ impl Scan<'_> {
                     resource: record.resource,
                     token: record.token.0,
                     fence: fence.0,
+                    created_at_ms: record.created_at_ms,
                     action,
                 };
                 self.tell(Event::Finding(finding)).await?;
@@ -233,6 +240,25 @@ impl Scan<'_> {
                 None => return Ok(()),
             }
         }
+    }
+
+    /// An upload of the current token open longer than the job says, still at the upstream: a
+    /// finding of its own, never applied.
+    async fn old_upload(&mut self, record: UploadRecord) -> Result<(), ScanError> {
+        let age_ms = self.upkeep.clock.now_ms().saturating_sub(record.created_at_ms);
+        if age_ms < self.job.old_upload_after_ms
+            || !self.upkeep.hop.upload_exists(&record).await.map_err(ScanError::Failed)?
+        {
+            return Ok(());
+        }
+        let finding = Finding::OldUpload {
+            key: record.key,
+            upload_id: record.upload_id,
+            resource: record.resource,
+            token: record.token.0,
+            created_at_ms: record.created_at_ms,
+        };
+        self.tell(Event::Finding(finding)).await
     }
 
     /// Aborts a stale upload, unless a newer token took it over since its record was read
@@ -257,18 +283,18 @@ impl Scan<'_> {
             let upkeep = self.upkeep.clone();
             let bucket = bucket.to_owned();
             let mut heads = futures_util::stream::iter(page.keys)
-                .map(|key| {
+                .map(|(key, modified)| {
                     let (upkeep, bucket) = (upkeep.clone(), bucket.clone());
                     async move {
                         let state = upkeep.object_head(&bucket, &key).await;
-                        (key, state)
+                        (key, modified, state)
                     }
                 })
                 .buffered(HEADS_AT_ONCE);
-            while let Some((key, state)) = heads.next().await {
+            while let Some((key, modified, state)) = heads.next().await {
                 self.summary.objects += 1;
                 match state.map_err(ScanError::Failed)? {
-                    ObjectState::Present { stamp, .. } => self.judge_object(&bucket, key, stamp).await?,
+                    ObjectState::Present { stamp, .. } => self.judge_object(&bucket, key, modified, stamp).await?,
                     ObjectState::Absent => {} // deleted since the listing
                 }
             }
@@ -280,7 +306,13 @@ impl Scan<'_> {
         }
     }
 
-    async fn judge_object(&mut self, bucket: &str, key: String, stamp: Option<FenceToken>) -> Result<(), ScanError> {
+    async fn judge_object(
+        &mut self,
+        bucket: &str,
+        key: String,
+        modified: Option<String>,
+        stamp: Option<FenceToken>,
+    ) -> Result<(), ScanError> {
         let bound = self.upkeep.wire.rule_resource(bucket, &key);
         let resource = match bound {
             Some(name) => name.to_owned(),
@@ -296,7 +328,7 @@ impl Scan<'_> {
             return Ok(());
         }
         let finding = match stamp {
-            None => Finding::Unstamped { key, resource, fence: fence.map(|f| f.0) },
+            None => Finding::Unstamped { key, resource, fence: fence.map(|f| f.0), modified },
             Some(stamp) if fence.is_none_or(|fence| stamp > fence) => {
                 let action = if stamp == FenceToken(u64::MAX) {
                     Action::Failed("not raised: 2^64-1 would lock the resource for good".into())
@@ -311,7 +343,7 @@ impl Scan<'_> {
                 } else {
                     Action::None
                 };
-                Finding::StampAboveFence { key, resource, stamp: stamp.0, fence: fence.map(|f| f.0), action }
+                Finding::StampAboveFence { key, resource, stamp: stamp.0, fence: fence.map(|f| f.0), modified, action }
             }
             Some(_) => return Ok(()),
         };
@@ -327,7 +359,8 @@ fn url_decoded(listed: &str) -> String {
 
 /// One page of a bucket's keys.
 struct KeyPage {
-    keys: Vec<String>,
+    /// Each key, with its `LastModified` as listed.
+    keys: Vec<(String, Option<String>)>,
     next: Option<String>,
 }
 
@@ -345,6 +378,8 @@ struct ListBucketResult {
 #[serde(rename_all = "PascalCase")]
 struct Contents {
     key: String,
+    #[serde(default)]
+    last_modified: Option<String>,
 }
 
 impl Upkeep {
@@ -381,7 +416,7 @@ impl Upkeep {
         }
         let listed: ListBucketResult = quick_xml::de::from_reader(body.as_ref())
             .map_err(|e| ScanError::Failed(format!("the listing is not S3's: {e}")))?;
-        let keys = listed.contents.into_iter().map(|c| url_decoded(&c.key)).collect();
+        let keys = listed.contents.into_iter().map(|c| (url_decoded(&c.key), c.last_modified)).collect();
         let next = listed.next_continuation_token.filter(|_| listed.is_truncated);
         Ok(KeyPage { keys, next })
     }
@@ -389,7 +424,12 @@ impl Upkeep {
     /// An object's head at the upstream, with its stamp.
     async fn object_head(&self, bucket: &str, key: &str) -> Result<ObjectState, String> {
         let path = format!("/{}/{}", encode_key(bucket), encode_key(key));
-        self.hop.head(&path).await.map_err(|e| format!("reading the head of {key:?}: {e}"))
+        self.hop.head(&path).await.map_err(|e| match e {
+            FrontError::Upstream(UpstreamError::Timeout { .. }) => {
+                format!("reading the head of {key:?}: no answer in time")
+            }
+            e => format!("reading the head of {key:?}: {}", with_causes(&e)),
+        })
     }
 }
 

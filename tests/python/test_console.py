@@ -380,3 +380,50 @@ def test_characters_that_do_not_print_show_escaped(fencegate, browser):
     page.wait_healthy()
     for escaped in names.values():
         page.wait_row("fences", resource=escaped, token="1")
+
+
+def test_refusals_made_before_the_page_opened_are_shown_with_what_they_named(fencegate, browser):
+    """The console remembers: refusals made before the page was opened (or before a reload) are
+    shown from the replica's history, a refusal made before any resource was named shows the
+    bucket and key it wrote, each code links to its row in the list of errors, each fence says
+    when and by whom this replica raised it, and at 400 px the page does not scroll
+    sideways."""
+    fg = fencegate(config={"fencing": {"require_token": True}})
+    bucket, key = "memory", "ledger.csv"
+    resource = f"{bucket}/{key}"
+    fg.client().create_bucket(Bucket=bucket)
+    fg.client(token=7).put_object(Bucket=bucket, Key=key, Body=b"token seven")
+    stale = refused(lambda: fg.client(token=2).put_object(Bucket=bucket, Key=key, Body=b"token two"))
+    assert code_of(stale) == "FencingTokenStale"
+    tokenless = refused(lambda: fg.client().put_object(Bucket=bucket, Key="no-token.bin", Body=b"x"))
+    assert code_of(tokenless) == "FencingTokenRequired"
+
+    page = Console(browser, fg.admin_url).open()
+    page.wait_healthy()
+    row = page.wait_row("events-refused", resource=resource, token="2")
+    assert (row["fence"], row["code"], row["who"]) == ("7", "FencingTokenStale", ACCESS_KEY), row
+    row = page.wait_row("events-refused", code="FencingTokenRequired")
+    assert row["resource"] == f"object {bucket}/no-token.bin", row
+    page.wait_row("events-accepted", resource=resource, token="7")
+    links = page.js("return [...document.querySelectorAll('#events-refused td.code a')].map((a) => a.href)")
+    assert fg.admin_url + "/errors#FencingTokenStale" in links, links
+    fence = page.wait_row("fences", resource=resource, token="7")
+    assert fence["advanced"].endswith(f" by {ACCESS_KEY}"), fence
+
+    # The link leads somewhere: the code's row in the list of every refusal.
+    page.driver.get(fg.admin_url + "/errors#FencingTokenStale")
+    assert page.js("return document.getElementById('FencingTokenStale')?.cells[2].textContent.includes('older than')")
+
+    # Reloaded, the page shows the same refusals once each, and a refusal made while it was
+    # closed too.
+    refused(lambda: fg.client(token=3).put_object(Bucket=bucket, Key=key, Body=b"token three"))
+    page.open()
+    page.wait_row("events-refused", resource=resource, token="3")
+    tokens = [r["token"] for r in page.rows("events-refused") if r["resource"] == resource]
+    assert sorted(tokens) == ["2", "3"], tokens
+
+    # A phone's width: the tables scroll inside their sections, the page never sideways.
+    page.driver.set_window_size(400, 800)
+    page.until("the page laid out at 400 px", lambda: page.js("return window.innerWidth") <= 400)
+    wide = page.js("return document.documentElement.scrollWidth - window.innerWidth")
+    assert wide <= 0, f"the page scrolls sideways by {wide} px at 400 px"

@@ -124,7 +124,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 def documented_counters() -> set:
     """Every counter docs/operations.md ("Metrics and logs") and the README name."""
     text = (DOCS / "operations.md").read_text() + (DOCS.parent / "README.md").read_text()
-    return set(re.findall(r"\bfencegate_[a-z_]+_total\b", text))
+    return set(re.findall(r"\bfencegate_[a-z0-9_]+_total\b", text))
 
 
 def test_every_documented_counter_exists_at_zero_from_start_up(fg):
@@ -143,7 +143,7 @@ def test_every_metric_of_the_dashboard_is_exported(fg, bucket):
     one stale write, which every histogram it reads has then observed)."""
     dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    read = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"\bfencegate_[a-z_]+\b", e)}
+    read = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"\bfencegate_[a-z0-9_]+\b", e)}
     assert len(read) >= 15, read
     fg.client(token=5).put_object(Bucket=bucket, Key="k", Body=b"x")
     with pytest.raises(ClientError):

@@ -38,7 +38,7 @@ def test_every_alert_reads_metrics_fencegate_exports(fencegate):
                 if line.startswith("# TYPE ")}
     exported |= {name + suffix for name in exported for suffix in ("_count", "_sum", "_bucket")}
     text = (DEPLOY / "prometheus" / "fencegate-alerts.yml").read_text()
-    used = set(re.findall(r"\b(fencegate_[a-z_]+)", text))
+    used = set(re.findall(r"\b(fencegate_[a-z0-9_]+)", text))
     assert used, "no metric read"
     assert used <= exported, f"not exported: {sorted(used - exported)}"
 
@@ -58,3 +58,30 @@ def test_the_systemd_unit_verifies_clean(tmp_path):
     reference = (REPO_ROOT / "docs" / "configuration.md").read_text()
     drain_ms = int(re.search(r"^\| `server.shutdown_timeout_ms` \| (\d+) \|", reference, re.M).group(1))
     assert stop_s * 1000 > drain_ms, "systemd would SIGKILL a stop that is still draining"
+
+
+def test_every_dashboard_panel_is_filtered_by_job_and_replica_and_parses(tmp_path):
+    """docs/grafana-dashboard.json has a job and an instance (replica) variable, every metric
+    every panel reads is filtered by both, and every query, its variables filled in as Grafana
+    fills them, is PromQL that promtool parses."""
+    import json
+
+    dashboard = json.loads((REPO_ROOT / "docs" / "grafana-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"job", "instance"} <= set(variables), sorted(variables)
+    assert "$job" in variables["instance"]["definition"], "the replicas offered are the chosen job's"
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 20, len(exprs)
+    for expr in exprs:
+        for selector in re.findall(r"\bfencegate_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert selector.startswith('{job=~"$job", instance=~"$instance"'), expr
+    filled = [e.replace("$__rate_interval", "1m").replace("$__range", "1h").replace("$job", ".*")
+              .replace("$instance", ".*") for e in exprs]
+    rules = tmp_path / "dashboard-queries.yml"
+    rules.write_text("groups:\n  - name: dashboard\n    rules:\n" + "".join(
+        f"      - record: dashboard:query_{i}\n        expr: {json.dumps(e)}\n" for i, e in enumerate(filled)))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (scripts/test installs Debian's prometheus)"
+    checked = run(promtool, "check", "rules", rules)
+    assert checked.returncode == 0 and f"SUCCESS: {len(exprs)} rules found" in checked.stdout, \
+        checked.stdout + checked.stderr

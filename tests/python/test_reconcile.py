@@ -91,9 +91,11 @@ def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, 
     run = reconcile(fg)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "stale_upload" in run.stdout and "reports/big.bin" in run.stdout
+    assert upload in run.stdout and " created 20" in run.stdout, "the table shows the upload id and its time"
     found = findings(reconcile(fg, "--json"))
     assert [(f["kind"], f["upload_id"], f["token"], f["fence"], f["action"]) for f in found] == \
         [("stale_upload", upload, 5, 6, "none")]
+    assert abs(found[0]["created_at_ms"] / 1000 - time.time()) < 600, found[0]
 
     # Only the kinds named are fixed.
     other = findings(reconcile(fg, "--json", "--apply=raise_fence"))
@@ -103,6 +105,15 @@ def test_a_stale_upload_is_found_and_aborted_with_apply(fencegate, moto_server, 
     listed = fg.client().list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
     assert {u["UploadId"] for u in listed} == {live}, "only the live upload is left"
     assert reconcile(fg).returncode == 0
+
+    # An upload of its resource's current token open longer than asked is a finding of its
+    # own, never aborted, whatever --apply names.
+    aged = reconcile(fg, "--json", "--old-upload-after-ms", "0", "--apply=stale_upload")
+    assert aged.returncode == 1, aged.stdout + aged.stderr
+    assert [(f["kind"], f["upload_id"], f["key"], f["token"]) for f in findings(aged)] == \
+        [("old_upload", live, "other/live.bin", 5)]
+    listed = fg.client().list_multipart_uploads(Bucket=fg.bucket).get("Uploads", [])
+    assert {u["UploadId"] for u in listed} == {live}, "the current token's upload is left alone"
 
 
 @pytest.mark.parametrize("store", ["embedded", "redis"])
@@ -126,6 +137,7 @@ def test_objects_around_fencegate_and_lost_advances_on_moto(fencegate, moto_serv
     assert run.returncode == 1, run.stdout + run.stderr
     found = {(f["kind"], f["key"]): f for f in findings(run)}
     assert set(found) == {("unstamped", "reports/around.csv"), ("stamp_above_fence", "reports/lost.csv")}
+    assert found[("unstamped", "reports/around.csv")]["modified"].startswith("20"), "the object's time, as listed"
     lost = found[("stamp_above_fence", "reports/lost.csv")]
     assert (lost["resource"], lost["stamp"], lost["fence"], lost["action"]) == (RESOURCE, 12, 7, "none")
     done = json.loads(run.stdout.splitlines()[-1])

@@ -457,6 +457,7 @@ impl Gate {
         let started = Instant::now();
         let deadline = started + self.limits.inflight_deadline;
         self.wait_after_unclean_start(started, deadline).await?;
+        let mut advanced = false;
         loop {
             let step = {
                 let mut state = slot.state();
@@ -478,7 +479,9 @@ impl Gate {
                             None => return Ok(None),
                             Some(caller) => {
                                 self.check_budget(&state, caller)?;
-                                return self.track_inflight(slot, &mut state, token, caller).map(Some);
+                                let mut permit = self.track_inflight(slot, &mut state, token, caller)?;
+                                permit.advanced = advanced;
+                                return Ok(Some(permit));
                             }
                         },
                     },
@@ -486,7 +489,7 @@ impl Gate {
             };
             match step {
                 Step::Load => self.load(slot, resource).await?,
-                Step::Advance => self.advance_store(slot, resource, token).await?,
+                Step::Advance => advanced |= self.advance_store(slot, resource, token).await?,
                 Step::WaitForOlder => {
                     let _waiting = Waiting::on(slot);
                     let wait_started = Instant::now();
@@ -541,7 +544,7 @@ impl Gate {
             cut_off: cut_off.clone(),
         });
         metrics::inflight_changed(1);
-        Ok(Permit { slot: slot.clone(), id, token, cancel, body_sent, cut_off, remote: None })
+        Ok(Permit { slot: slot.clone(), id, token, cancel, body_sent, cut_off, remote: None, advanced: false })
     }
 
     /// Reads the fence from the store the first time the slot is used.
@@ -556,23 +559,24 @@ impl Gate {
     }
 
     /// Makes `token` the fence, durably, unless someone else already raised it meanwhile.
-    async fn advance_store(&self, slot: &Slot, resource: &ResourceKey, token: FenceToken) -> Result<(), StoreError> {
+    /// Whether this call raised it.
+    async fn advance_store(&self, slot: &Slot, resource: &ResourceKey, token: FenceToken) -> Result<bool, StoreError> {
         let _io = slot.io.lock().await;
         let fence = slot.state().fence.flatten();
         if decide(fence, token) != Decision::Advance {
-            return Ok(()); // raised while we waited for the io lock: the caller re-decides
+            return Ok(false); // raised while we waited for the io lock: the caller re-decides
         }
         let outcome = self.store.advance(resource, token).await?;
-        let new_fence = match outcome {
+        let (new_fence, advanced) = match outcome {
             AdvanceOutcome::Advanced { .. } => {
                 metrics::advanced();
-                token
+                (token, true)
             }
-            AdvanceOutcome::Unchanged { current } => current,
+            AdvanceOutcome::Unchanged { current } => (current, false),
         };
         slot.state().fence = Some(Some(new_fence));
         slot.changed.notify_waiters();
-        Ok(())
+        Ok(advanced)
     }
 
     fn slot(&self, resource: &ResourceKey) -> Arc<Slot> {

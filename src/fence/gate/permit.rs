@@ -15,6 +15,8 @@ pub struct Permit {
     pub(super) cut_off: Arc<AtomicU8>,
     /// The registration in a shared store's in-flight registry, withdrawn on drop.
     pub(super) remote: Option<RemoteTicket>,
+    /// Whether this write's admission raised the fence to its token.
+    pub(super) advanced: bool,
 }
 
 /// A write registered in a shared store; dropping it ends the registration's use.
@@ -52,6 +54,11 @@ impl crate::net::body::Handover for Permit {
 impl Permit {
     pub fn token(&self) -> FenceToken {
         self.token
+    }
+
+    /// Whether this write's admission raised the fence to its token (made the advance durable).
+    pub fn advanced(&self) -> bool {
+        self.advanced
     }
 
     /// Fires when a newer token needs this write gone before its body reached the upstream.

@@ -28,6 +28,8 @@ impl Gate {
         let mut permit = register.map(|caller| self.register_locally(slot, token, caller)).transpose()?;
         let mut backoff = Duration::from_millis(1);
         let mut waiting = None;
+        // Whether the store raised the fence to this token for this write (while it waited, too).
+        let mut raised = false;
         loop {
             let floor = slot.state().fence.flatten();
             // On an error the store withdraws what the call may have registered.
@@ -52,6 +54,7 @@ impl Gate {
                         rollback_repaired(resource, had, floor);
                     }
                     if advanced {
+                        raised = true;
                         advanced_while_older_inflight(slot, token);
                     }
                     if Instant::now() >= deadline {
@@ -72,6 +75,7 @@ impl Gate {
                     slot.raise_fence(token);
                     if let Some(p) = permit.as_mut() {
                         p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), token });
+                        p.advanced = raised || advanced;
                     }
                     return Ok(permit);
                 }

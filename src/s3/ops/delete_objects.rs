@@ -203,6 +203,9 @@ impl Ctx {
         for (resource, objects) in by_resource {
             match self.gate.admit_write(&resource, token, request.may_advance, request.caller).await {
                 Ok(permit) => {
+                    if permit.advanced() {
+                        decision.key_advanced(&resource, token);
+                    }
                     decision.key_decided(&resource, token, "accepted", None, None);
                     let write = FencedWrite::new(
                         permit,
