@@ -16,6 +16,7 @@
 //! Errors are `application/problem+json` (`error`). The upstream client is `client`, the
 //! routes and their resource templates `route`.
 
+mod body;
 mod client;
 mod error;
 mod etags;
@@ -27,7 +28,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use s3s::Body;
 use tracing::{Instrument, field};
@@ -38,7 +38,7 @@ pub use self::replay::REPLAYED_HEADER;
 use self::client::{ApiClient, SendError};
 use self::etags::ResourceEtags;
 use self::replay::Collected;
-use self::route::{BufferHold, Route};
+use self::route::Route;
 use crate::config::{Config, RouteMode, millis, ms};
 use crate::feed::{Decision as FeedDecision, Feed};
 use crate::fence::Clock;
@@ -192,19 +192,19 @@ impl Gateway {
             }
             decision.let_through("unchecked");
             metrics::gateway_request(route.mode_name(), "unchecked");
-            let req = self.upstream_request(&parts, uri, limited(body, route.body_bytes_max));
+            let req = self.upstream_request(&parts, uri, body::limited(body, route.body_bytes_max));
             return self.send_unfenced(route, req, true).await;
         };
         let resource = self.resource(route, &rest, &parts.headers)?;
         decision.write(&resource, token);
         let fencing = Fencing { resource: &resource, token, decision: &decision };
-        if content_length(&parts.headers).is_some_and(|n| n > route.body_bytes_max as u64) {
+        if body::content_length(&parts.headers).is_some_and(|n| n > route.body_bytes_max as u64) {
             return Err(GatewayError::BodyTooLarge { max: route.body_bytes_max });
         }
         match route.mode {
             RouteMode::FenceOnly => {
                 let req = self.upstream_request(&parts, uri, Body::empty());
-                let body = limited(body, route.body_bytes_max);
+                let body = body::limited(body, route.body_bytes_max);
                 let (resp, _permit) = self.send_fenced(route, req, body, fencing, false).await?;
                 metrics::gateway_request(route.mode_name(), "forwarded");
                 Ok(client_response(resp))
@@ -248,7 +248,7 @@ impl Gateway {
     ) -> Result<http::Response<Body>, GatewayError> {
         let resource = fencing.resource;
         let req = self.upstream_request(parts, uri, Body::empty());
-        let body = limited(body, route.body_bytes_max);
+        let body = body::limited(body, route.body_bytes_max);
         let (resp, permit) = self.send_fenced(route, req, body, fencing, true).await?;
         let status = resp.status();
         if status.is_success() {
@@ -266,29 +266,6 @@ impl Gateway {
         }
         drop(permit);
         Ok(client_response(resp))
-    }
-
-    /// The request's body, held whole until the call ends: bounded per route across requests,
-    /// and per caller within the route; what its length announces is held (the most a body may
-    /// be without one), and it must arrive within the route's request timeout. The share is the
-    /// peer's (its address), not the caller headers': fencegate does not authenticate a route's
-    /// callers, and made-up `Authorization` values would each get a share of their own. Behind a
-    /// proxy every caller is the proxy's.
-    async fn held_body(
-        &self,
-        route: &Route,
-        parts: &http::request::Parts,
-        caller: &str,
-        body: Incoming,
-    ) -> Result<(Bytes, BufferHold), GatewayError> {
-        let reserve = content_length(&parts.headers)
-            .map_or(route.body_bytes_max, |n| usize::try_from(n).unwrap_or(usize::MAX).min(route.body_bytes_max));
-        let share = parts.extensions.get::<crate::net::server::Peer>().map_or_else(|| caller.to_owned(), |p| p.share());
-        let buffered = route.hold_buffer(&share, reserve).ok_or(GatewayError::BufferFull)?;
-        match tokio::time::timeout(route.request_timeout, read_body(body, reserve)).await {
-            Ok(body) => Ok((body?, buffered)),
-            Err(_) => Err(GatewayError::BodyReadTimeout { after_ms: millis(route.request_timeout) }),
-        }
     }
 
     /// `idempotency-key`: see the module documentation and the README.
@@ -323,7 +300,7 @@ impl Gateway {
                 return Err(Refusal::Stale { presented: token, current }.into());
             }
         }
-        let (body, _buffered) = self.held_body(route, &parts, &caller, body).await?;
+        let (body, _buffered) = body::held(route, &parts, &caller, body).await?;
         let path_and_query = parts.uri.path_and_query().map_or("", |pq| pq.as_str());
         let fingerprint = fingerprint(&[parts.method.as_str().as_bytes(), path_and_query.as_bytes(), &body]);
         let request_id = client_key.as_deref().unwrap_or(fingerprint.as_str());
@@ -663,12 +640,6 @@ fn unknown_outcome(e: SendError, upstream_key: Option<String>) -> GatewayError {
     GatewayError::OutcomeUnknown { cause, upstream_key }
 }
 
-/// The client body, cut off (failing) past `bytes_max`.
-fn limited(body: Incoming, bytes_max: usize) -> Body {
-    Body::http_body(http_body_util::Limited::new(body, bytes_max))
-}
-
-/// The whole client body, up to `bytes_max`.
 /// A route request's operation, as the feed names it: its method.
 fn operation(method: &Method) -> &'static str {
     match *method {
@@ -680,18 +651,6 @@ fn operation(method: &Method) -> &'static str {
         Method::HEAD => "HEAD",
         _ => "other",
     }
-}
-
-async fn read_body(body: Incoming, bytes_max: usize) -> Result<Bytes, GatewayError> {
-    match http_body_util::Limited::new(body, bytes_max).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(GatewayError::BodyTooLarge { max: bytes_max }),
-        Err(_) => Err(GatewayError::IncompleteBody),
-    }
-}
-
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// The upstream's response without its hop headers.

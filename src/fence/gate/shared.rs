@@ -25,7 +25,7 @@ impl Gate {
         self.refuse_below_mark(slot, resource, token)?;
         // Registered locally first, so that an announced advance can cancel it while the
         // store is being asked.
-        let mut permit = register.map(|caller| self.register_locally(slot, token, caller)).transpose()?;
+        let permit = register.map(|caller| self.register_locally(slot, token, caller)).transpose()?;
         let mut backoff = Duration::from_millis(1);
         let mut waiting = None;
         // Whether the store raised the fence to this token for this write (while it waited, too).
@@ -69,18 +69,32 @@ impl Gate {
                     if let Some(had) = repaired_from {
                         rollback_repaired(resource, had, floor);
                     }
-                    if advanced {
-                        metrics::advanced();
-                    }
-                    slot.raise_fence(token);
-                    if let Some(p) = permit.as_mut() {
-                        p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), token });
-                        p.advanced = raised || advanced;
-                    }
-                    return Ok(permit);
+                    return Ok(self.admitted_shared(slot, permit, resource, token, raised || advanced, advanced));
                 }
             }
         }
+    }
+
+    /// The store admitted the write (and advanced the fence for it now, `advanced_now`, or
+    /// while it waited: `raised`): its permit holds the registration the store made.
+    fn admitted_shared(
+        &self,
+        slot: &Slot,
+        mut permit: Option<Permit>,
+        resource: &ResourceKey,
+        token: FenceToken,
+        raised: bool,
+        advanced_now: bool,
+    ) -> Option<Permit> {
+        if advanced_now {
+            metrics::advanced();
+        }
+        slot.raise_fence(token);
+        if let Some(p) = permit.as_mut() {
+            p.remote = Some(RemoteTicket { store: self.store.clone(), resource: resource.clone(), token });
+            p.advanced = raised;
+        }
+        permit
     }
 
     /// A write registered on this replica's slot before the store is asked, within its caller's

@@ -64,6 +64,18 @@ impl<'a> ObjectWrite<'a> {
     }
 }
 
+/// Where a conditional write's attempts come from: each operation's own (its headers, its body
+/// or how to read it again), made on the state [`Ctx::conditional_write`] gives it.
+///
+/// An attempt is a boxed future: the write runs detached, so its future must be `Send`, which
+/// the compiler cannot yet prove through an `async fn` of a trait.
+pub(super) trait Resend: Send {
+    /// One attempt on `state`: fencegate's precondition put on that state ([`set_precondition`]:
+    /// the client's own condition was judged on it, so the upstream enforces both at once),
+    /// what a committed write changed remembered, and what came of it ([`Attempt`]).
+    fn attempt<'s>(&'s mut self, ctx: &'s Ctx, state: ObjectState) -> BoxFuture<'s, Result<Attempt, FrontError>>;
+}
+
 /// Which cached state a write may start from; any other is read from the upstream.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Cached {
@@ -133,37 +145,29 @@ impl Ctx {
         self.client_condition(&write.condition, write.target, &write.object, state, write.admitted).await
     }
 
-    /// Runs a conditional write from `state` (see [`Self::starting_state`]). `send` makes one
-    /// attempt: it puts fencegate's precondition on the state it is given
-    /// ([`set_precondition`]: the client's own condition was judged on that state, so the
-    /// upstream enforces both at once), remembers what a committed write changed, and says
-    /// what came of it ([`Attempt`]). After a refused precondition the object is read again:
+    /// Runs a conditional write from `state` (see [`Self::starting_state`]), its attempts made
+    /// by `source` ([`Resend`]). After a refused precondition the object is read again:
     /// a newer stamp makes the write stale (409), a failed client condition is the client's
     /// answer (412 or 404), an unchanged object means the refusal was about something else (a
     /// missing source or upload) and the upstream's answer is the client's, except a 412 that
-    /// only fencegate's precondition can have caused (the object changed and changed back:
-    /// `send` goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]);
-    /// otherwise `send` goes once more on the fresh state. A retry that loses again is judged
+    /// only fencegate's precondition can have caused (the object changed and changed back: the
+    /// attempt goes again on the same state; see [`Attempt::NotCommittedJudgedMore`]);
+    /// otherwise it goes once more on the fresh state. A retry that loses again is judged
     /// the same way, and is a 503 `SlowDown` when the object changed once more under a
     /// same-or-older token; a second 412 on an object that still did not change is the
     /// upstream refusing the ETag it answered itself (a form it does not compare), a 502 that
     /// says so and is never taken for a concurrent write.
     ///
-    /// `send` gives each attempt as a boxed future: the write runs detached, so its future must
-    /// be `Send`, which the compiler cannot yet prove through a generic async closure. Callers
-    /// borrow what the attempts share before the closure (`let (headers, path) = (&headers,
-    /// &path);`), so that each `async move` block copies references and the closure can run
-    /// twice.
-    pub(super) async fn conditional_write<'w>(
+    pub(super) async fn conditional_write(
         &self,
         write: &ObjectWrite<'_>,
         mut state: ObjectState,
-        mut send: impl FnMut(ObjectState) -> BoxFuture<'w, Result<Attempt, FrontError>>,
+        source: &mut impl Resend,
     ) -> Result<S3Response<Body>, FrontError> {
         let (mut refused_unchanged, mut other_form_tried) = (false, false);
         let mut attempt = 0;
         while attempt < ATTEMPTS {
-            let (resp, judged_more) = match send(state.clone()).await? {
+            let (resp, judged_more) = match source.attempt(self, state.clone()).await? {
                 Attempt::Committed(resp) => {
                     if attempt > 0 {
                         metrics::precondition_conflict("retried");

@@ -5,17 +5,18 @@
 
 use std::time::SystemTime;
 
+use futures_util::future::BoxFuture;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use s3s::{Body, S3Response};
 
-use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
+use super::conditional::{Attempt, Cached, ObjectWrite, Resend, set_precondition};
 use super::write::WriteBody;
 use super::{Admitted, Ctx, Request, Target, stamp};
 use crate::net::body::ForwardBody;
 use crate::s3::METADATA_TOKEN_HEADER;
 use crate::s3::error::FrontError;
 use crate::s3::hop::{client_response, upstream_headers};
-use crate::s3::objects::{Comparison, etag_listed};
+use crate::s3::objects::{Comparison, ObjectState, etag_listed};
 
 impl Ctx {
     pub(super) async fn copy_object(
@@ -35,47 +36,9 @@ impl Ctx {
         stamp(&mut headers, admitted.token);
         let headers = upstream_headers(&headers, &self.wire);
         let path = request.path_and_query();
-        let (base, path, object, admitted) = (&headers, &path, &write.object, &admitted);
-        self.conditional_write(&write, state, move |state| {
-            Box::pin(async move {
-                let mut reads = 0;
-                loop {
-                    let mut headers = base.clone();
-                    let pinned = if keeps_metadata { self.copy_source_metadata(&mut headers).await? } else { None };
-                    set_precondition(&mut headers, &state);
-                    let body = WriteBody::InMemory(Body::empty());
-                    let resp = self.send_write("copy_object", admitted, Method::PUT, path, headers, body).await?;
-                    let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
-                    if committed {
-                        self.remember_write(object.clone(), resp.headers(), admitted.token);
-                        return Ok(Attempt::Committed(client_response(resp)));
-                    }
-                    let judged_more = client_source_condition(base, pinned.is_some());
-                    if let Some(pinned) = pinned.filter(|_| resp.status() == StatusCode::PRECONDITION_FAILED) {
-                        // The destination changed, or the pinned source changed between its
-                        // read and the copy (the client's source conditions were judged on the
-                        // read). A source that reads otherwise now is read again at once, so
-                        // that the copy's bytes and metadata are one version's.
-                        reads += 1;
-                        let now = self.copy_source_etag(headers_source(base)).await?;
-                        if now.as_ref() != Some(&pinned) {
-                            if reads < SOURCE_READS_MAX {
-                                continue;
-                            }
-                            // The source never settled: not the client's refusal, and no fault of
-                            // the upstream's: writers keep changing it.
-                            return Err(FrontError::PreconditionRace);
-                        }
-                    }
-                    return Ok(if judged_more {
-                        Attempt::NotCommittedJudgedMore(resp)
-                    } else {
-                        Attempt::NotCommitted(resp)
-                    });
-                }
-            })
-        })
-        .await
+        let mut attempts =
+            CopyAttempts { base: &headers, keeps_metadata, path: &path, object: &write.object, admitted: &admitted };
+        self.conditional_write(&write, state, &mut attempts).await
     }
 
     /// CopyObject as a read of the source and a stamped, conditional PUT of its bytes to the
@@ -108,49 +71,17 @@ impl Ctx {
         }
         stamp(&mut put_headers, admitted.token);
         let write = ObjectWrite::of(&request, &admitted)?;
-        let (source_path, read_headers, put_headers, raw_path, object, admitted) =
-            (&source_path, &read_headers, &put_headers, &request.target.raw_path, &write.object, &admitted);
         let state = self.starting_state(&write, Cached::Any).await?;
-        self.conditional_write(&write, state, move |state| {
-            Box::pin(async move {
-                let source = self
-                    .hop
-                    .send("copy_source_read", Method::GET, source_path, read_headers.clone(), Body::empty())
-                    .await?;
-                match source.status() {
-                    StatusCode::PRECONDITION_FAILED | StatusCode::NOT_MODIFIED => {
-                        return Err(FrontError::CopySourceCondition);
-                    }
-                    status if !status.is_success() => return Ok(Attempt::Final(client_response(source))),
-                    _ => {}
-                }
-                let (source, body) = source.into_parts();
-                let mut headers = put_headers.clone();
-                if !replaces {
-                    copy_metadata(&source.headers, &mut headers);
-                }
-                let Some(length) = source.headers.get(http::header::CONTENT_LENGTH) else {
-                    return Err(FrontError::UpstreamStatus {
-                        step: "the copy source read (no length)",
-                        status: source.status,
-                    });
-                };
-                headers.insert(http::header::CONTENT_LENGTH, length.clone());
-                let mut headers = upstream_headers(&headers, &self.wire);
-                set_precondition(&mut headers, &state);
-                let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), None, 0);
-                let body = WriteBody::Streamed(Body::http_body(body));
-                let result = self.send_write("copy_object", admitted, Method::PUT, raw_path, headers, body).await;
-                let resp = self.settle_body(result, &report, admitted).await?;
-                if !resp.status().is_success() {
-                    return Ok(Attempt::NotCommitted(resp));
-                }
-                let etag = resp.headers().get(http::header::ETAG).cloned();
-                self.remember_write(object.clone(), resp.headers(), admitted.token);
-                Ok(Attempt::Committed(copy_result(etag)))
-            })
-        })
-        .await
+        let mut attempts = ReadAndPutAttempts {
+            source_path: &source_path,
+            read_headers: &read_headers,
+            put_headers: &put_headers,
+            replaces,
+            raw_path: &request.target.raw_path,
+            object: &write.object,
+            admitted: &admitted,
+        };
+        self.conditional_write(&write, state, &mut attempts).await
     }
 
     /// Replaces a COPY directive by REPLACE with the source's own metadata.
@@ -197,6 +128,113 @@ impl Ctx {
 
 /// Reads of a copy's source when it keeps changing under the copy (each a HEAD and a copy).
 const SOURCE_READS_MAX: u32 = 3;
+
+/// CopyObject's attempts: the upstream copies, pinned to the source version read for its
+/// metadata when the copy keeps it.
+struct CopyAttempts<'a> {
+    base: &'a HeaderMap,
+    keeps_metadata: bool,
+    path: &'a str,
+    object: &'a str,
+    admitted: &'a Admitted,
+}
+
+impl Resend for CopyAttempts<'_> {
+    fn attempt<'s>(&'s mut self, ctx: &'s Ctx, state: ObjectState) -> BoxFuture<'s, Result<Attempt, FrontError>> {
+        Box::pin(async move {
+            let Self { base, keeps_metadata, path, object, admitted } = *self;
+            let mut reads = 0;
+            loop {
+                let mut headers = base.clone();
+                let pinned = if keeps_metadata { ctx.copy_source_metadata(&mut headers).await? } else { None };
+                set_precondition(&mut headers, &state);
+                let body = WriteBody::InMemory(Body::empty());
+                let resp = ctx.send_write("copy_object", admitted, Method::PUT, path, headers, body).await?;
+                let (resp, committed) = ctx.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
+                if committed {
+                    ctx.remember_write(object.to_owned(), resp.headers(), admitted.token);
+                    return Ok(Attempt::Committed(client_response(resp)));
+                }
+                let judged_more = client_source_condition(base, pinned.is_some());
+                if let Some(pinned) = pinned.filter(|_| resp.status() == StatusCode::PRECONDITION_FAILED) {
+                    // The destination changed, or the pinned source changed between its read
+                    // and the copy (the client's source conditions were judged on the read). A
+                    // source that reads otherwise now is read again at once, so that the copy's
+                    // bytes and metadata are one version's.
+                    reads += 1;
+                    let now = ctx.copy_source_etag(headers_source(base)).await?;
+                    if now.as_ref() != Some(&pinned) {
+                        if reads < SOURCE_READS_MAX {
+                            continue;
+                        }
+                        // The source never settled: not the client's refusal, and no fault of
+                        // the upstream's: writers keep changing it.
+                        return Err(FrontError::PreconditionRace);
+                    }
+                }
+                return Ok(if judged_more {
+                    Attempt::NotCommittedJudgedMore(resp)
+                } else {
+                    Attempt::NotCommitted(resp)
+                });
+            }
+        })
+    }
+}
+
+/// The attempts of a copy made as a read of its source and a stamped PUT: each reads the
+/// source again.
+struct ReadAndPutAttempts<'a> {
+    source_path: &'a str,
+    read_headers: &'a HeaderMap,
+    put_headers: &'a HeaderMap,
+    /// `x-amz-metadata-directive: REPLACE`: the request's metadata, not the source's.
+    replaces: bool,
+    raw_path: &'a str,
+    object: &'a str,
+    admitted: &'a Admitted,
+}
+
+impl Resend for ReadAndPutAttempts<'_> {
+    fn attempt<'s>(&'s mut self, ctx: &'s Ctx, state: ObjectState) -> BoxFuture<'s, Result<Attempt, FrontError>> {
+        Box::pin(async move {
+            let Self { source_path, read_headers, put_headers, replaces, raw_path, object, admitted } = *self;
+            let source =
+                ctx.hop.send("copy_source_read", Method::GET, source_path, read_headers.clone(), Body::empty()).await?;
+            match source.status() {
+                StatusCode::PRECONDITION_FAILED | StatusCode::NOT_MODIFIED => {
+                    return Err(FrontError::CopySourceCondition);
+                }
+                status if !status.is_success() => return Ok(Attempt::Final(client_response(source))),
+                _ => {}
+            }
+            let (source, body) = source.into_parts();
+            let mut headers = put_headers.clone();
+            if !replaces {
+                copy_metadata(&source.headers, &mut headers);
+            }
+            let Some(length) = source.headers.get(http::header::CONTENT_LENGTH) else {
+                return Err(FrontError::UpstreamStatus {
+                    step: "the copy source read (no length)",
+                    status: source.status,
+                });
+            };
+            headers.insert(http::header::CONTENT_LENGTH, length.clone());
+            let mut headers = upstream_headers(&headers, &ctx.wire);
+            set_precondition(&mut headers, &state);
+            let (body, report) = ForwardBody::new(body, Some(admitted.permit.clone()), None, 0);
+            let body = WriteBody::Streamed(Body::http_body(body));
+            let result = ctx.send_write("copy_object", admitted, Method::PUT, raw_path, headers, body).await;
+            let resp = ctx.settle_body(result, &report, admitted).await?;
+            if !resp.status().is_success() {
+                return Ok(Attempt::NotCommitted(resp));
+            }
+            let etag = resp.headers().get(http::header::ETAG).cloned();
+            ctx.remember_write(object.to_owned(), resp.headers(), admitted.token);
+            Ok(Attempt::Committed(copy_result(etag)))
+        })
+    }
+}
 
 /// Whether the upstream judges a copy-source condition of the client's: not on a pinned copy,
 /// whose conditions fencegate judged ([`Ctx::copy_source_metadata`]).

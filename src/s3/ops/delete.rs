@@ -3,10 +3,11 @@
 //! precondition, it could land after a newer token's write and delete it. DeleteObjects
 //! deletes each of its keys this way too (`delete_objects.rs`).
 
+use futures_util::future::BoxFuture;
 use http::{HeaderMap, Method, StatusCode};
 use s3s::{Body, S3Response};
 
-use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
+use super::conditional::{Attempt, Cached, ObjectWrite, Resend, set_precondition};
 use super::write::WriteBody;
 use super::{Admitted, Ctx, Request, Target};
 use crate::s3::classify;
@@ -37,46 +38,19 @@ impl Ctx {
         path: &str,
         headers: &HeaderMap,
     ) -> Result<S3Response<Body>, FrontError> {
-        let empty = || WriteBody::InMemory(Body::empty());
-        let (object, target, admitted) = (&write.object, write.target, write.admitted);
         // A cached `Absent` is not trusted: another writer may have created the object since.
         let state = self
             .starting_state(write, self.cached_unless_ignored(self.judged.delete_object, Cached::PresentOnly))
             .await?;
-        self.conditional_write(write, state, move |state| {
-            Box::pin(async move {
-                let mut headers = headers.clone();
-                let ObjectState::Present { .. } = &state else {
-                    if versioned {
-                        // A version id names its own object version; the upstream decides.
-                        headers.remove(http::header::IF_MATCH);
-                        headers.remove(http::header::IF_NONE_MATCH);
-                        let resp =
-                            self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
-                        return Ok(Attempt::Final(client_response(resp)));
-                    }
-                    // A missing bucket is the upstream's 404 too: S3 answers NoSuchBucket for it.
-                    if let Some(missing) = self.missing_bucket(target).await? {
-                        return Ok(Attempt::Final(client_response(missing)));
-                    }
-                    self.etags.put(object.clone(), ObjectState::Absent);
-                    return Ok(Attempt::Final(no_content()));
-                };
-                set_precondition(&mut headers, &state);
-                let resp = self.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
-                if !resp.status().is_success() {
-                    // A version the request names is judged by the upstream too.
-                    return Ok(if versioned {
-                        Attempt::NotCommittedJudgedMore(resp)
-                    } else {
-                        Attempt::NotCommitted(resp)
-                    });
-                }
-                self.etags.put(object.clone(), ObjectState::Absent);
-                Ok(Attempt::Committed(client_response(resp)))
-            })
-        })
-        .await
+        let mut attempts = DeleteAttempts {
+            headers,
+            versioned,
+            path,
+            object: &write.object,
+            target: write.target,
+            admitted: write.admitted,
+        };
+        self.conditional_write(write, state, &mut attempts).await
     }
 
     /// The upstream's answer if the target's bucket does not exist (a bounded `HEAD /bucket`).
@@ -92,6 +66,50 @@ impl Ctx {
             .to_http_response()
             .map_err(|_| FrontError::UpstreamStatus { step: "the bucket head read", status: StatusCode::NOT_FOUND })?;
         Ok(Some(resp.map(Body::from)))
+    }
+}
+
+/// DeleteObject's attempts, each conditional on the version the token may delete.
+struct DeleteAttempts<'a> {
+    headers: &'a HeaderMap,
+    /// A version id names its own object version; the upstream decides.
+    versioned: bool,
+    path: &'a str,
+    object: &'a str,
+    target: &'a Target,
+    admitted: &'a Admitted,
+}
+
+impl Resend for DeleteAttempts<'_> {
+    fn attempt<'s>(&'s mut self, ctx: &'s Ctx, state: ObjectState) -> BoxFuture<'s, Result<Attempt, FrontError>> {
+        Box::pin(async move {
+            let Self { headers, versioned, path, object, target, admitted } = *self;
+            let empty = || WriteBody::InMemory(Body::empty());
+            let mut headers = headers.clone();
+            let ObjectState::Present { .. } = &state else {
+                if versioned {
+                    headers.remove(http::header::IF_MATCH);
+                    headers.remove(http::header::IF_NONE_MATCH);
+                    let resp =
+                        ctx.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
+                    return Ok(Attempt::Final(client_response(resp)));
+                }
+                // A missing bucket is the upstream's 404 too: S3 answers NoSuchBucket for it.
+                if let Some(missing) = ctx.missing_bucket(target).await? {
+                    return Ok(Attempt::Final(client_response(missing)));
+                }
+                ctx.etags.put(object.to_owned(), ObjectState::Absent);
+                return Ok(Attempt::Final(no_content()));
+            };
+            set_precondition(&mut headers, &state);
+            let resp = ctx.send_write("delete_object", admitted, Method::DELETE, path, headers, empty()).await?;
+            if !resp.status().is_success() {
+                // A version the request names is judged by the upstream too.
+                return Ok(if versioned { Attempt::NotCommittedJudgedMore(resp) } else { Attempt::NotCommitted(resp) });
+            }
+            ctx.etags.put(object.to_owned(), ObjectState::Absent);
+            Ok(Attempt::Committed(client_response(resp)))
+        })
     }
 }
 

@@ -3,11 +3,13 @@
 //! upload id alone, each fenced multipart step is checked against the upstream's list of
 //! uploads first (docs/design.md, "A multipart upload belongs to one key").
 
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, Method};
 use http_body_util::BodyExt;
 use s3s::{Body, S3Response};
 
-use super::conditional::{Attempt, Cached, ObjectWrite, set_precondition};
+use super::conditional::{Attempt, Cached, ObjectWrite, Resend, set_precondition};
 use super::write::WriteBody;
 use super::{Admitted, Ctx, Request, Target};
 use crate::s3::error::FrontError;
@@ -34,24 +36,16 @@ impl Ctx {
         let parts = request.body.bytes().unwrap_or_default();
         let headers = upstream_headers(&request.headers, &self.wire);
         let write = ObjectWrite::of(&request, &admitted)?;
-        let (headers, path, parts, object, admitted) = (&headers, &path, &parts, &write.object, &admitted);
         let cached = self.cached_unless_ignored(self.judged.complete_multipart_upload, Cached::Any);
         let state = self.starting_state(&write, cached).await?;
-        self.conditional_write(&write, state, move |state| {
-            Box::pin(async move {
-                let mut headers = headers.clone();
-                set_precondition(&mut headers, &state);
-                let body = WriteBody::InMemory(Body::from(parts.clone()));
-                let resp = self.send_write("complete_multipart", admitted, Method::POST, path, headers, body).await?;
-                let (resp, committed) = self.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
-                if !committed {
-                    return Ok(Attempt::NotCommitted(resp));
-                }
-                self.remember_completion(object.clone(), &resp);
-                Ok(Attempt::Committed(client_response(resp)))
-            })
-        })
-        .await
+        let mut attempts = CompleteAttempts {
+            headers: &headers,
+            path: &path,
+            parts: &parts,
+            object: &write.object,
+            admitted: &admitted,
+        };
+        self.conditional_write(&write, state, &mut attempts).await
     }
 
     /// The ETag of a completed upload is in its XML body, not in a header. Its stamp is the one
@@ -114,6 +108,33 @@ impl Ctx {
             }
         }
         Err(FrontError::NoSuchUpload)
+    }
+}
+
+/// CompleteMultipartUpload's attempts: its parts list, read whole before admission, sent again.
+struct CompleteAttempts<'a> {
+    headers: &'a HeaderMap,
+    path: &'a str,
+    parts: &'a Bytes,
+    object: &'a str,
+    admitted: &'a Admitted,
+}
+
+impl Resend for CompleteAttempts<'_> {
+    fn attempt<'s>(&'s mut self, ctx: &'s Ctx, state: ObjectState) -> BoxFuture<'s, Result<Attempt, FrontError>> {
+        Box::pin(async move {
+            let Self { headers, path, parts, object, admitted } = *self;
+            let mut headers = headers.clone();
+            set_precondition(&mut headers, &state);
+            let body = WriteBody::InMemory(Body::from(parts.clone()));
+            let resp = ctx.send_write("complete_multipart", admitted, Method::POST, path, headers, body).await?;
+            let (resp, committed) = ctx.read_write_xml(resp, std::slice::from_ref(&admitted.permit)).await?;
+            if !committed {
+                return Ok(Attempt::NotCommitted(resp));
+            }
+            ctx.remember_completion(object.to_owned(), &resp);
+            Ok(Attempt::Committed(client_response(resp)))
+        })
     }
 }
 
