@@ -122,7 +122,7 @@ impl Job {
 
 /// What the scan tells, in order: progress now and then, findings as found, then `done` (or
 /// `failed`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Progress { records: u64, objects: u64, uploads: u64 },
@@ -131,7 +131,7 @@ pub enum Event {
     Failed { error: String },
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Finding {
     /// An incomplete multipart upload made under a token below its resource's fence, created
@@ -181,7 +181,7 @@ pub enum Finding {
 }
 
 /// What `apply` did about a finding.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Action {
     /// Reported only.
@@ -192,7 +192,8 @@ pub enum Action {
     Failed(String),
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Summary {
     /// Live idempotency records read.
     pub records: u64,
@@ -232,5 +233,39 @@ mod tests {
         let unknown = job(r#"{"bucket": "b", "apply": ["all"]}"#).unwrap_err().to_string();
         assert!(unknown.contains("\"all\" is no kind") && unknown.contains("stale_upload"), "{unknown}");
         assert!(job(r#"{"bucket": "b", "apply": []}"#).unwrap().apply.is_empty());
+    }
+
+    /// What the scan sends, `fencegate reconcile` reads back as the same events.
+    #[test]
+    fn events_read_back_as_sent() {
+        let events = [
+            Event::Progress { records: 1, objects: 2, uploads: 3 },
+            Event::Finding(Finding::StaleUpload {
+                key: "k".into(),
+                upload_id: "u".into(),
+                resource: "r".into(),
+                token: 5,
+                fence: 6,
+                created_at_ms: 7,
+                action: Action::Failed("no".into()),
+            }),
+            Event::Finding(Finding::OldUpload {
+                key: "k".into(),
+                upload_id: "u".into(),
+                resource: "r".into(),
+                token: 5,
+                created_at_ms: 7,
+            }),
+            Event::Finding(Finding::Unstamped { key: "k".into(), resource: "r".into(), fence: None, modified: None }),
+            Event::Done(Summary { findings: 3, ..Summary::default() }),
+            Event::Failed { error: "e".into() },
+        ];
+        for event in events {
+            let sent = serde_json::to_string(&event).unwrap();
+            let read: Event = serde_json::from_str(&sent).unwrap();
+            assert_eq!(serde_json::to_string(&read).unwrap(), sent);
+        }
+        let older: Event = serde_json::from_str(r#"{"event":"done","findings":0,"objects":3}"#).unwrap();
+        assert!(matches!(older, Event::Done(Summary { objects: 3, .. })), "a summary with fields left out reads");
     }
 }

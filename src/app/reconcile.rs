@@ -13,6 +13,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
 use crate::config::Config;
+use crate::jobs::{Action, Event, Finding, Summary};
 
 /// What the command was asked.
 pub struct Ask {
@@ -78,8 +79,7 @@ pub async fn reconcile(config: &Config, ask: &Ask) -> anyhow::Result<Outcome> {
         pending.extend_from_slice(&data);
         while let Some(end) = pending.iter().position(|b| *b == b'\n') {
             let line: Vec<u8> = pending.drain(..=end).collect();
-            let event: Value = serde_json::from_slice(&line).context("fencegate sent a line that is not JSON")?;
-            if let Some(outcome) = out.event(&event)? {
+            if let Some(outcome) = out.event(&line)? {
                 return Ok(outcome);
             }
         }
@@ -103,32 +103,46 @@ struct Output {
     header_shown: bool,
 }
 
+/// A finding as a line of the table.
+struct Row<'a> {
+    kind: &'static str,
+    key: &'a str,
+    resource: &'a str,
+    token: Option<u64>,
+    fence: Option<u64>,
+    /// An upload's id and creation, an object's time, a record's claim.
+    detail: String,
+    action: String,
+}
+
 impl Output {
     fn new(json: bool) -> Self {
         Self { json, header_shown: false }
     }
 
-    /// Shows one event; the outcome once the scan ended.
-    fn event(&mut self, event: &Value) -> anyhow::Result<Option<Outcome>> {
+    /// Shows one event (`line`, as fencegate sent it); the outcome once the scan ended.
+    fn event(&mut self, line: &[u8]) -> anyhow::Result<Option<Outcome>> {
+        let event: Event =
+            serde_json::from_slice(line).context("fencegate sent an event this command does not know")?;
         let mut stdout = std::io::stdout().lock();
-        match event["event"].as_str() {
-            Some("progress") => {
-                eprintln!(
-                    "scanned {} gateway records, {} uploads, {} objects",
-                    event["records"], event["uploads"], event["objects"]
-                );
+        match event {
+            Event::Progress { records, objects, uploads } => {
+                eprintln!("scanned {records} gateway records, {uploads} uploads, {objects} objects");
             }
-            Some("finding") if self.json => writeln!(stdout, "{event}")?,
-            Some("finding") => self.finding(&mut stdout, event)?,
-            Some("done") => return Ok(Some(self.done(&mut stdout, event)?)),
-            Some("failed") => anyhow::bail!("the reconciliation failed: {}", event["error"].as_str().unwrap_or("?")),
-            _ => {}
+            Event::Finding(_) if self.json => stdout.write_all(line)?,
+            Event::Finding(finding) => self.finding(&mut stdout, &finding)?,
+            Event::Done(summary) if self.json => {
+                stdout.write_all(line)?;
+                return Ok(Some(outcome(&summary)));
+            }
+            Event::Done(summary) => return Ok(Some(done(&mut stdout, &summary)?)),
+            Event::Failed { error } => anyhow::bail!("the reconciliation failed: {error}"),
         }
         Ok(None)
     }
 
-    /// One finding, as a line of the table (its header first) or of JSON.
-    fn finding(&mut self, stdout: &mut impl Write, event: &Value) -> anyhow::Result<()> {
+    /// One finding, as a line of the table (its header first).
+    fn finding(&mut self, stdout: &mut impl Write, finding: &Finding) -> anyhow::Result<()> {
         if !self.header_shown {
             writeln!(
                 stdout,
@@ -137,76 +151,120 @@ impl Output {
             )?;
             self.header_shown = true;
         }
-        let token = event.get("token").or_else(|| event.get("stamp")).and_then(Value::as_u64);
-        // A gateway record's key is the one the API was sent, to look it up there.
-        let key = event.get("key").or_else(|| event.get("upstream_key")).or_else(|| event.get("name"));
+        let row = row(finding);
         let show = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
         writeln!(
             stdout,
             "{:<20} {:<52} {:<30} {:>8} {:>8}  {:<40}  {}",
-            event["kind"].as_str().unwrap_or("?"),
-            shown(key.and_then(Value::as_str).unwrap_or("")),
-            shown(event["resource"].as_str().unwrap_or("")),
-            show(token),
-            show(event["fence"].as_u64()),
-            shown(&detail(event)),
-            shown(&match (event["cause"].as_str(), event["error"].as_str()) {
-                (Some(cause), _) => {
-                    format!("ask the API ({cause}) behind {}", event["route"].as_str().unwrap_or("?"))
-                }
-                (None, Some(error)) => format!("unreadable: {error}"),
-                (None, None) => action(&event["action"]),
-            }),
+            row.kind,
+            shown(row.key),
+            shown(row.resource),
+            show(row.token),
+            show(row.fence),
+            shown(&row.detail),
+            shown(&row.action),
         )?;
         Ok(())
     }
+}
 
-    /// The scan's summary, and what it came to.
-    fn done(&self, stdout: &mut impl Write, event: &Value) -> anyhow::Result<Outcome> {
-        let findings = event["findings"].as_u64().unwrap_or(0);
-        if self.json {
-            writeln!(stdout, "{event}")?;
-        } else {
-            writeln!(
-                stdout,
-                "{findings} found in {} gateway records, {} uploads and {} objects; {} applied",
-                event["records"], event["uploads"], event["objects"], event["applied"]
-            )?;
-            if let Some(n) = event["unattributed"].as_u64().filter(|n| *n > 0) {
-                writeln!(
-                    stdout,
-                    "{n} stamped objects outside every rule: their writers named their resource, which an \
-                     object does not record, so their stamps are not judged (add a [[fencing.rules]] entry \
-                     for their prefix to have them checked)"
-                )?;
-            }
-            if let Some(n) = event["in_flight"].as_u64().filter(|n| *n > 0) {
-                writeln!(
-                    stdout,
-                    "{n} gateway requests still within their claim's window: run again once it closed to know their outcome"
-                )?;
-            }
+/// What the table shows of a finding. A gateway record's key is the one the API was sent, to
+/// look it up there.
+fn row(finding: &Finding) -> Row<'_> {
+    let row = |kind, key, resource, token, fence| Row {
+        kind,
+        key,
+        resource,
+        token,
+        fence,
+        detail: String::new(),
+        action: "-".to_owned(),
+    };
+    match finding {
+        Finding::StaleUpload { key, upload_id, resource, token, fence, created_at_ms, action } => Row {
+            detail: upload(upload_id, *created_at_ms),
+            action: applied(action),
+            ..row("stale_upload", key, resource, Some(*token), Some(*fence))
+        },
+        Finding::OldUpload { key, upload_id, resource, token, created_at_ms } => {
+            Row { detail: upload(upload_id, *created_at_ms), ..row("old_upload", key, resource, Some(*token), None) }
         }
-        Ok(if findings == 0 { Outcome::Clean } else { Outcome::Found })
+        Finding::Unstamped { key, resource, fence, modified } => {
+            Row { detail: modified_at(modified.as_deref()), ..row("unstamped", key, resource, None, *fence) }
+        }
+        Finding::StampAboveFence { key, resource, stamp, fence, modified, action } => Row {
+            detail: modified_at(modified.as_deref()),
+            action: applied(action),
+            ..row("stamp_above_fence", key, resource, Some(*stamp), *fence)
+        },
+        Finding::UnknownOutcome { resource, route, upstream_key, token, fence, cause, claimed_at_ms, .. } => Row {
+            detail: when(*claimed_at_ms).map(|t| format!("claimed {t}")).unwrap_or_default(),
+            action: format!("ask the API ({}) behind {route}", cause_name(*cause)),
+            ..row("unknown_outcome", upstream_key, resource, Some(*token), *fence)
+        },
+        Finding::UnreadableRecord { name, error } => {
+            Row { action: format!("unreadable: {error}"), ..row("unreadable_record", name, "", None, None) }
+        }
     }
 }
 
-/// What tells a finding apart beyond its key: an upload's id and when it was created, an
-/// object's last modification as the upstream lists it.
-fn detail(event: &Value) -> String {
-    let when = |ms: Option<u64>| {
-        let at =
-            time::OffsetDateTime::from_unix_timestamp(i64::try_from(ms.filter(|ms| *ms > 0)? / 1000).ok()?).ok()?;
-        at.format(&time::format_description::well_known::Rfc3339).ok()
-    };
-    match (event["upload_id"].as_str(), event["modified"].as_str()) {
-        (Some(id), _) => match when(event["created_at_ms"].as_u64()) {
-            Some(created) => format!("{id} created {created}"),
-            None => id.to_owned(),
-        },
-        (None, Some(modified)) => format!("modified {modified}"),
-        (None, None) => when(event["claimed_at_ms"].as_u64()).map(|t| format!("claimed {t}")).unwrap_or_default(),
+/// The summary, and what it came to.
+fn done(stdout: &mut impl Write, summary: &Summary) -> anyhow::Result<Outcome> {
+    let Summary { records, objects, uploads, findings, applied, unattributed, in_flight } = summary;
+    writeln!(
+        stdout,
+        "{findings} found in {records} gateway records, {uploads} uploads and {objects} objects; {applied} applied"
+    )?;
+    if *unattributed > 0 {
+        writeln!(
+            stdout,
+            "{unattributed} stamped objects outside every rule: their writers named their resource, which an \
+             object does not record, so their stamps are not judged (add a [[fencing.rules]] entry \
+             for their prefix to have them checked)"
+        )?;
     }
+    if *in_flight > 0 {
+        writeln!(
+            stdout,
+            "{in_flight} gateway requests still within their claim's window: run again once it closed to know their outcome"
+        )?;
+    }
+    Ok(outcome(summary))
+}
+
+fn outcome(summary: &Summary) -> Outcome {
+    if summary.findings == 0 { Outcome::Clean } else { Outcome::Found }
+}
+
+/// An upload's id and when it was created.
+fn upload(id: &str, created_at_ms: u64) -> String {
+    match when(created_at_ms) {
+        Some(created) => format!("{id} created {created}"),
+        None => id.to_owned(),
+    }
+}
+
+fn modified_at(modified: Option<&str>) -> String {
+    modified.map(|m| format!("modified {m}")).unwrap_or_default()
+}
+
+/// A wall-clock time in ms as RFC 3339 (to the second); `None` for 0 (not kept).
+fn when(ms: u64) -> Option<String> {
+    let at = time::OffsetDateTime::from_unix_timestamp(i64::try_from(ms / 1000).ok().filter(|s| *s > 0)?).ok()?;
+    at.format(&time::format_description::well_known::Rfc3339).ok()
+}
+
+fn applied(action: &Action) -> String {
+    match action {
+        Action::None => "-".into(),
+        Action::Aborted => "aborted".into(),
+        Action::Raised => "raised".into(),
+        Action::Failed(error) => format!("failed: {error}"),
+    }
+}
+
+fn cause_name(cause: crate::fence::AmbiguousCause) -> String {
+    serde_json::to_value(cause).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_else(|| "?".into())
 }
 
 /// A name as the terminal shows it: control and format characters escaped (a key can hold
@@ -237,15 +295,6 @@ fn prints(c: char) -> bool {
             | '\u{E000}'..='\u{F8FF}' | '\u{F0000}'..='\u{10FFFF}' | '\u{FDD0}'..='\u{FDEF}')
         || (c as u32 & 0xFFFE) == 0xFFFE;
     !hidden
-}
-
-fn action(value: &Value) -> String {
-    match value {
-        Value::String(s) if s == "none" => "-".into(),
-        Value::String(s) => s.clone(),
-        Value::Object(o) => o.get("failed").and_then(Value::as_str).map_or("failed".into(), |e| format!("failed: {e}")),
-        _ => "-".into(),
-    }
 }
 
 #[cfg(test)]
