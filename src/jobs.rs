@@ -142,6 +142,8 @@ pub enum Finding {
         resource: String,
         token: u64,
         fence: u64,
+        /// 0 from a fencegate that did not send it.
+        #[serde(default)]
         created_at_ms: u64,
         action: Action,
     },
@@ -151,13 +153,20 @@ pub enum Finding {
     OldUpload { key: String, upload_id: String, resource: String, token: u64, created_at_ms: u64 },
     /// An object of a fenced resource with no stamp: written around fencegate. `modified`:
     /// its `LastModified` as the listing gives it.
-    Unstamped { key: String, resource: String, fence: Option<u64>, modified: Option<String> },
+    Unstamped {
+        key: String,
+        resource: String,
+        fence: Option<u64>,
+        #[serde(default)]
+        modified: Option<String>,
+    },
     /// An object stamped above its resource's fence: the store lost an advance.
     StampAboveFence {
         key: String,
         resource: String,
         stamp: u64,
         fence: Option<u64>,
+        #[serde(default)]
         modified: Option<String>,
         action: Action,
     },
@@ -257,6 +266,34 @@ mod tests {
                 created_at_ms: 7,
             }),
             Event::Finding(Finding::Unstamped { key: "k".into(), resource: "r".into(), fence: None, modified: None }),
+            Event::Finding(Finding::StampAboveFence {
+                key: "k".into(),
+                resource: "r".into(),
+                stamp: 9,
+                fence: Some(8),
+                modified: Some("2026-12-05T00:00:00.000Z".into()),
+                action: Action::Raised,
+            }),
+            Event::Finding(Finding::UnknownOutcome {
+                resource: "r".into(),
+                route: "/api/".into(),
+                upstream_key: "uk".into(),
+                token: 3,
+                fence: None,
+                cause: AmbiguousCause::Timeout,
+                claimed_at_ms: 1,
+                expires_in_ms: 2,
+            }),
+            Event::Finding(Finding::UnreadableRecord { name: "n".into(), error: "e".into() }),
+            Event::Finding(Finding::StaleUpload {
+                key: "k".into(),
+                upload_id: "u".into(),
+                resource: "r".into(),
+                token: 1,
+                fence: 2,
+                created_at_ms: 0,
+                action: Action::Aborted,
+            }),
             Event::Done(Summary { findings: 3, ..Summary::default() }),
             Event::Failed { error: "e".into() },
         ];
@@ -267,5 +304,7 @@ mod tests {
         }
         let older: Event = serde_json::from_str(r#"{"event":"done","findings":0,"objects":3}"#).unwrap();
         assert!(matches!(older, Event::Done(Summary { objects: 3, .. })), "a summary with fields left out reads");
+        let before_times = r#"{"event":"finding","kind":"stale_upload","key":"k","upload_id":"u","resource":"r","token":1,"fence":2,"action":"none"}"#;
+        assert!(serde_json::from_str::<Event>(before_times).is_ok(), "a finding sent before the times were");
     }
 }

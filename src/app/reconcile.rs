@@ -101,6 +101,8 @@ pub fn reachable(listen: SocketAddr) -> SocketAddr {
 struct Output {
     json: bool,
     header_shown: bool,
+    /// Findings received: the outcome is "found" if any came, whatever the summary says.
+    found: u64,
 }
 
 /// A finding as a line of the table.
@@ -117,28 +119,59 @@ struct Row<'a> {
 
 impl Output {
     fn new(json: bool) -> Self {
-        Self { json, header_shown: false }
+        Self { json, header_shown: false, found: 0 }
     }
 
     /// Shows one event (`line`, as fencegate sent it); the outcome once the scan ended.
     fn event(&mut self, line: &[u8]) -> anyhow::Result<Option<Outcome>> {
-        let event: Event =
-            serde_json::from_slice(line).context("fencegate sent an event this command does not know")?;
         let mut stdout = std::io::stdout().lock();
+        let event: Event = match serde_json::from_slice(line) {
+            Ok(event) => event,
+            Err(error) => return self.unknown(&mut stdout, line, &error).map(|()| None),
+        };
         match event {
             Event::Progress { records, objects, uploads } => {
                 eprintln!("scanned {records} gateway records, {uploads} uploads, {objects} objects");
             }
-            Event::Finding(_) if self.json => stdout.write_all(line)?,
-            Event::Finding(finding) => self.finding(&mut stdout, &finding)?,
-            Event::Done(summary) if self.json => {
-                stdout.write_all(line)?;
-                return Ok(Some(outcome(&summary)));
+            Event::Finding(finding) => {
+                self.found += 1;
+                match self.json {
+                    true => stdout.write_all(line)?,
+                    false => self.finding(&mut stdout, &finding)?,
+                }
             }
-            Event::Done(summary) => return Ok(Some(done(&mut stdout, &summary)?)),
+            Event::Done(summary) => {
+                if self.json {
+                    stdout.write_all(line)?;
+                } else {
+                    done(&mut stdout, &summary)?;
+                }
+                let found = summary.findings > 0 || self.found > 0;
+                return Ok(Some(if found { Outcome::Found } else { Outcome::Clean }));
+            }
             Event::Failed { error } => anyhow::bail!("the reconciliation failed: {error}"),
         }
         Ok(None)
+    }
+
+    /// A line this command cannot read as an event (a fencegate of another version): a finding
+    /// of a kind it does not know is passed on as sent (`--json`) or named on stderr, and
+    /// counts as found; anything else ends the command.
+    fn unknown(&mut self, stdout: &mut impl Write, line: &[u8], error: &serde_json::Error) -> anyhow::Result<()> {
+        let value: Value = serde_json::from_slice(line).context("fencegate sent a line that is not JSON")?;
+        if value["event"] != "finding" {
+            anyhow::bail!("fencegate sent an event this command cannot read ({error}): {}", shown(&value.to_string()));
+        }
+        self.found += 1;
+        if self.json {
+            stdout.write_all(line)?;
+        } else {
+            eprintln!(
+                "fencegate reconcile: a finding this command cannot show ({error}): {}",
+                shown(&value.to_string())
+            );
+        }
+        Ok(())
     }
 
     /// One finding, as a line of the table (its header first).
@@ -208,8 +241,8 @@ fn row(finding: &Finding) -> Row<'_> {
     }
 }
 
-/// The summary, and what it came to.
-fn done(stdout: &mut impl Write, summary: &Summary) -> anyhow::Result<Outcome> {
+/// The summary, as a sentence or two.
+fn done(stdout: &mut impl Write, summary: &Summary) -> anyhow::Result<()> {
     let Summary { records, objects, uploads, findings, applied, unattributed, in_flight } = summary;
     writeln!(
         stdout,
@@ -229,11 +262,7 @@ fn done(stdout: &mut impl Write, summary: &Summary) -> anyhow::Result<Outcome> {
             "{in_flight} gateway requests still within their claim's window: run again once it closed to know their outcome"
         )?;
     }
-    Ok(outcome(summary))
-}
-
-fn outcome(summary: &Summary) -> Outcome {
-    if summary.findings == 0 { Outcome::Clean } else { Outcome::Found }
+    Ok(())
 }
 
 /// An upload's id and when it was created.
@@ -321,5 +350,25 @@ mod tests {
             assert_eq!(shown(name), escaped);
         }
         assert_eq!(shown("a b"), "a b");
+    }
+
+    /// A finding of a kind this command does not know (a newer fencegate's) is passed on and
+    /// counts as found; an unknown event of another sort ends the command.
+    #[test]
+    fn an_unknown_finding_is_passed_on_and_counted() {
+        let line = br#"{"event":"finding","kind":"from_the_future","key":"k"}
+"#;
+        let error = serde_json::from_slice::<Event>(line).unwrap_err();
+        let mut json = Output::new(true);
+        let mut out = Vec::new();
+        json.unknown(&mut out, line, &error).unwrap();
+        assert_eq!((out.as_slice(), json.found), (&line[..], 1));
+        let mut table = Output::new(false);
+        let mut out = Vec::new();
+        table.unknown(&mut out, line, &error).unwrap();
+        assert!(out.is_empty() && table.found == 1, "named on stderr, not in the table");
+        let other = br#"{"event":"from_the_future"}"#;
+        let error = serde_json::from_slice::<Event>(other).unwrap_err();
+        assert!(Output::new(true).unknown(&mut Vec::new(), other, &error).is_err());
     }
 }
