@@ -27,6 +27,8 @@
 //! - [`refusal`]: the fencing protocol's refusals, one type for both fronts, and the token
 //!   header read once.
 //! - [`feed`]: every write decision recorded once (span, counter, the operator's live feed).
+//! - [`sim`]: the deterministic simulator (`--features simulation`), and the seeded bugs it
+//!   proves itself on (off, and compiled out, in every other build).
 //!
 //! The design, with the commit protocol and every crash point, is in `docs/design.md`.
 
@@ -43,6 +45,7 @@ pub mod metrics;
 pub mod net;
 pub mod refusal;
 pub mod s3;
+pub mod sim;
 pub mod store;
 pub mod upkeep;
 pub mod upstream;

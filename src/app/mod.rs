@@ -70,6 +70,9 @@ fn hold_after_earlier_processes(
     });
     let recorded = left.filter(|left| *left > 0).map(|left| left.min(deadline_ms));
     if store.opened_clean() {
+        if crate::sim::seeded(crate::sim::Bug::CleanStopEndsHold) {
+            return Ok(0);
+        }
         if let Some(left) = recorded {
             tracing::warn!(
                 hold_ms = left,
@@ -137,17 +140,7 @@ impl App {
             cached_resources_max: config.fencing.cached_resources_max,
             upload_records: config.store.upload_records(),
         };
-        let gate = Arc::new(Gate::new(store.clone(), limits));
-        let hold_ms = hold_after_earlier_processes(
-            store.as_ref(),
-            clock.now_ms(),
-            clock.boot(),
-            config.fencing.inflight_deadline_ms,
-        )?;
-        if hold_ms > 0 {
-            gate.hold_writes_for(ms(hold_ms));
-        }
-        gate.listen_for_store_events();
+        let gate = open_gate(store.clone(), limits, clock.as_ref(), config.fencing.inflight_deadline_ms)?;
         let upstream = upstream::from_config(&config)?;
         let upstream_health = Arc::new(match config.upstream.backend().map_err(crate::config::at_fault)? {
             UpstreamBackend::Local { .. } => UpstreamHealth::in_process(),
@@ -423,20 +416,50 @@ impl App {
     /// waiting for one), then writes whose client left wait for their upstream outcome until
     /// `stop_by` at most, and a stop with none left in flight is recorded as clean.
     async fn await_writes_in_flight(&self, stop_by: tokio::time::Instant) {
-        self.gate.close();
-        // Past the budget, a write still in flight is left to the next start, which holds
-        // advances for D (as after a crash): stopping sooner is safe, only slower to resume.
-        let wait_until = (tokio::time::Instant::now() + ms(self.config.fencing.inflight_deadline_ms)).min(stop_by);
-        while self.gate.inflight_writes() > 0 && tokio::time::Instant::now() < wait_until {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let deadline = ms(self.config.fencing.inflight_deadline_ms);
+        close_gate(&self.gate, self.store.as_ref(), deadline, stop_by).await;
+    }
+}
+
+/// The gate over `store`, as a start makes it: advances held for as long as an earlier
+/// process may still have writes in flight at the upstream
+/// ([`hold_after_earlier_processes`]), and the store's events listened to.
+pub(crate) fn open_gate(
+    store: Arc<dyn Store>,
+    limits: GateLimits,
+    clock: &dyn Clock,
+    deadline_ms: u64,
+) -> anyhow::Result<Arc<Gate>> {
+    let gate = Arc::new(Gate::new(store.clone(), limits));
+    let hold_ms = hold_after_earlier_processes(store.as_ref(), clock.now_ms(), clock.boot(), deadline_ms)?;
+    if hold_ms > 0 {
+        gate.hold_writes_for(ms(hold_ms));
+    }
+    gate.listen_for_store_events();
+    Ok(gate)
+}
+
+/// A stop's end: no more admissions, then the writes still in flight are awaited for `D`
+/// (`deadline`) until `stop_by` at most, and a stop with none left is recorded as clean.
+pub(crate) async fn close_gate(
+    gate: &Gate,
+    store: &dyn Store,
+    deadline: std::time::Duration,
+    stop_by: tokio::time::Instant,
+) {
+    gate.close();
+    // Past the budget, a write still in flight is left to the next start, which holds
+    // advances for D (as after a crash): stopping sooner is safe, only slower to resume.
+    let wait_until = (tokio::time::Instant::now() + deadline).min(stop_by);
+    while gate.inflight_writes() > 0 && tokio::time::Instant::now() < wait_until {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    if gate.inflight_writes() == 0 {
+        if let Err(error) = store.mark_clean_shutdown() {
+            tracing::warn!(%error, "could not record a clean shutdown");
         }
-        if self.gate.inflight_writes() == 0 {
-            if let Err(error) = self.store.mark_clean_shutdown() {
-                tracing::warn!(%error, "could not record a clean shutdown");
-            }
-        } else {
-            tracing::warn!("stopping with writes still in flight: the next start holds advances");
-        }
+    } else {
+        tracing::warn!("stopping with writes still in flight: the next start holds advances");
     }
 }
 

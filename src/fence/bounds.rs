@@ -54,6 +54,9 @@ impl InflightBounds {
     /// `H`: a replica hands a body over only while its registration's last renewal was sent
     /// less than this long ago; at this age its unsent writes are cut off (revoked).
     pub fn handover_window(&self) -> Duration {
+        if crate::sim::seeded(crate::sim::Bug::RegistrationMargin) {
+            return self.inflight_deadline * 3 / 4;
+        }
         self.inflight_deadline / 4
     }
 
@@ -64,6 +67,9 @@ impl InflightBounds {
 
     /// `E = D + H + M`: how long the store keeps a registration after the call that set it.
     pub fn registration_ttl(&self) -> Duration {
+        if crate::sim::seeded(crate::sim::Bug::RegistrationMargin) {
+            return self.inflight_deadline;
+        }
         self.inflight_deadline + self.handover_window() + self.drift_margin()
     }
 
@@ -95,11 +101,21 @@ fn covers(d: Duration, h: Duration, e: Duration, drift: f64) -> bool {
 pub struct BootInstant(Duration);
 
 impl BootInstant {
+    #[cfg(not(feature = "simulation"))]
     pub fn now() -> Self {
         let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
         let secs = u64::try_from(t.tv_sec).unwrap_or(0);
         let nanos = u32::try_from(t.tv_nsec).unwrap_or(0);
         Self(Duration::new(secs, nanos))
+    }
+
+    /// In a simulation the boot clock is the simulated one: tokio's, paused and advanced by
+    /// the runtime, from the process's first reading (`sim`).
+    #[cfg(feature = "simulation")]
+    pub fn now() -> Self {
+        static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let origin = *ORIGIN.get_or_init(std::time::Instant::now);
+        Self(tokio::time::Instant::now().into_std().saturating_duration_since(origin) + Duration::from_secs(1))
     }
 
     /// Milliseconds since the boot.

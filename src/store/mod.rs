@@ -1,13 +1,13 @@
 //! Fence stores: where fences live durably.
 
 mod embedded;
-mod epoch;
+pub(crate) mod epoch;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
 mod redis;
-mod registrations;
-mod shared;
+pub(crate) mod registrations;
+pub(crate) mod shared;
 
 pub use embedded::{
     Accepted as AcceptedStore, DEFAULT_CACHE_BYTES, EmbeddedStore, IDEMPOTENCY_RECORDS_MAX, OpenError,

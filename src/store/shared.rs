@@ -246,6 +246,8 @@ async fn withdraw_registrations<C: RegistryCalls>(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let idle = tokio::select! {
+            // In order, so that a simulation replays exactly.
+            biased;
             () = withdraw_now.notified() => false,
             _ = tick.tick() => true,
         };
