@@ -7,7 +7,8 @@
 //! - `load`: one bounded load against any target, with throughput, p50/p99/p99.9 and status
 //!   counts;
 //! - `run`: the whole suite (upstream directly, nginx, fencegate side by side), written as a
-//!   Markdown table and an SVG chart.
+//!   Markdown table and an SVG chart;
+//! - `sigv4-cost`: what fencegate's SigV4 check and re-signing cost natively.
 //!
 //! Layout: `upstream` (the fixture), `proxy` (the bare proxy), `sign` (SigV4 heads), `scenario` (what each connection
 //! sends), `load` (the keep-alive driver), `large` (64 MiB and 1 GiB bodies), `procs` (child
@@ -21,6 +22,7 @@ mod proxy;
 mod report;
 mod scenario;
 mod sign;
+mod sigv4_cost;
 mod suite;
 mod upstream;
 
@@ -81,6 +83,12 @@ enum Command {
     Load(LoadArgs),
     /// Run the whole suite and write `results.md` and `chart.svg` into `--out`.
     Run(suite::RunArgs),
+    /// Time fencegate's SigV4 check of a client's head and its signing of the upstream's.
+    Sigv4Cost {
+        /// Calls per round (7 rounds; the median is printed).
+        #[arg(long, default_value_t = 200_000)]
+        iterations: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -169,6 +177,10 @@ fn main() -> ExitCode {
             }
             Command::Load(args) => load_command(args).await,
             Command::Run(args) => suite::run(args).await,
+            Command::Sigv4Cost { iterations } => {
+                sigv4_cost::print(iterations);
+                Ok(())
+            }
         }
     });
     match result {

@@ -880,6 +880,7 @@ fn check_targets(ctx: &mut Ctx) {
             met: Some(worst < 64.0 && ok),
         });
     }
+    targets.extend(cpu_targets(ctx));
     let redis_missing = ctx.redis_missing.clone().unwrap_or_else(|| "not run (--no-redis)".into());
     for (prefix, what) in [("accepted", "accepted 1 KiB"), ("advancing", "advancing 1 KiB")] {
         targets.push(ratio_target(
@@ -905,6 +906,54 @@ fn check_targets(ctx: &mut Ctx) {
     ctx.suite.targets = targets;
     ctx.suite.notes.extend(floor);
     ctx.suite.notes.extend(joint_bound(ctx));
+}
+
+/// The cost of a fence in server CPU per request, each against the floor the same run
+/// measures (so the load client's share of the CPUs does not enter): accepted against the
+/// signing proxy, stale against the 409 ceiling plus one SigV4 verification (timed here, in
+/// process), advancing against the bare proxy, the Redis store against the embedded one.
+fn cpu_targets(ctx: &Ctx) -> Vec<Target> {
+    let cpu = |prefix: &str, path: &str| find_row(ctx, prefix, path).and_then(|r| r.cpu_us_per_request);
+    let ratio = |goal: &str, num: Option<f64>, den: Option<f64>, factor: f64| match (num, den) {
+        (Some(n), Some(d)) => Target {
+            goal: goal.to_owned(),
+            measured: format!("{n:.1} / {d:.1} µs = {:.2}×", n / d),
+            met: Some(n <= factor * d),
+        },
+        _ => Target { goal: goal.to_owned(), measured: "not measured".into(), met: None },
+    };
+    let mut targets = vec![ratio(
+        "server CPU, accepted, many resources: fencegate ≤ 1.15 × the signing proxy",
+        cpu("accepted", "fencegate"),
+        cpu("accepted", SIGNING_PROXY),
+        1.15,
+    )];
+    let verify_us = crate::sigv4_cost::measure(50_000).verify_ns / 1000.0;
+    let goal = "server CPU, stale 1 KiB: fencegate ≤ the 409 ceiling + one SigV4 verification + 1 µs";
+    targets.push(match (cpu("stale", "fencegate"), cpu("stale", "409 ceiling")) {
+        (Some(fenced), Some(ceiling)) => {
+            let bound = ceiling + verify_us + 1.0;
+            Target {
+                goal: goal.to_owned(),
+                measured: format!("{fenced:.1} µs against {ceiling:.1} + {verify_us:.2} + 1 = {bound:.1} µs"),
+                met: Some(fenced <= bound),
+            }
+        }
+        _ => Target { goal: goal.to_owned(), measured: "not measured".into(), met: None },
+    });
+    targets.push(ratio(
+        "server CPU, advancing: fencegate ≤ 1.8 × the bare proxy",
+        cpu("advancing", "fencegate"),
+        cpu("advancing", BARE_PROXY),
+        1.8,
+    ));
+    targets.push(ratio(
+        "server CPU, accepted, many resources: Redis store (appendfsync always) ≤ 1.15 × the embedded store",
+        cpu("accepted", "fencegate (redis store)"),
+        cpu("accepted", "fencegate"),
+        1.15,
+    ));
+    targets
 }
 
 /// What the first and third targets ask together, against what this run's own rows allow:

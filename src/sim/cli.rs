@@ -176,7 +176,7 @@ fn relevant<'a>(records: &'a [Record], violation: Option<&Violation>) -> Vec<&'a
             Happened::Note(_)
             | Happened::Registered { .. }
             | Happened::Granted { .. }
-            | Happened::StoreLostState
+            | Happened::StoreLostState { .. }
             | Happened::End { .. } => true,
             Happened::Admitted { write, token, .. }
             | Happened::Refused { write, token, .. }

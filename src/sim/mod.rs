@@ -10,6 +10,8 @@
 mod check;
 #[cfg(feature = "simulation")]
 mod cli;
+#[cfg(feature = "simulation")]
+mod link;
 #[cfg(any(test, feature = "simulation"))]
 mod rng;
 #[cfg(feature = "simulation")]
@@ -59,6 +61,30 @@ impl Bug {
 #[cfg(feature = "simulation")]
 thread_local! {
     static SEEDED: std::cell::Cell<Option<Bug>> = const { std::cell::Cell::new(None) };
+    /// The running schedule's draws for what the code would take at random (registration
+    /// ids' start, epoch marks' names), so that a seed names every value of a run.
+    static DRAWS: std::cell::RefCell<Option<rng::Rng>> = const { std::cell::RefCell::new(None) };
+}
+
+/// In a simulation, a number from the schedule's seed in place of one the code would draw at
+/// random; `None` outside one.
+#[cfg(not(feature = "simulation"))]
+#[inline(always)]
+pub(crate) const fn draw() -> Option<u64> {
+    None
+}
+
+/// In a simulation, a number from the schedule's seed in place of one the code would draw at
+/// random.
+#[cfg(feature = "simulation")]
+pub(crate) fn draw() -> Option<u64> {
+    DRAWS.with(|draws| draws.borrow_mut().as_mut().map(rng::Rng::next_u64))
+}
+
+/// Seeds [`draw`] for the schedule about to run on this thread.
+#[cfg(feature = "simulation")]
+pub(crate) fn seed_draws(seed: u64) {
+    DRAWS.with(|draws| *draws.borrow_mut() = Some(rng::Rng::new(seed ^ 0xd1ce_5eed)));
 }
 
 /// Whether `bug` is put back in this simulation (always `false` outside one).

@@ -1,18 +1,17 @@
 //! The simulated fence store: one state the processes share (a Redis with `appendfsync
 //! always`, or the embedded store's file with what an fsync made durable), reached by each
-//! process over its own [`Link`], which the schedule's faults cut, delay, make one-way or
-//! freeze. What runs on it is fencegate's own code: the gate, and for a shared store the
+//! process over its own [`Link`] (`sim::link`). What runs on it is fencegate's own code: the gate, and for a shared store the
 //! registry (`store::shared`) with this module's [`SimCalls`] as its calls, which do what the
 //! Redis scripts do (`store/redis/lua`), step for step.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::time::Instant;
 
+pub use super::link::{Link, LinkFault};
 use super::rng::Rng;
 use crate::fence::{
     AdvanceOutcome, FencePage, FenceStore, FenceToken, Hold, IdempotencyBegin, IdempotencyKey, IdempotencyRecord,
@@ -89,9 +88,16 @@ impl Backend {
         self.subscribers.lock().expect("subscribers").push((link, announcements));
     }
 
-    /// `PUBLISH fg:advances`: each live subscriber hears it after its link's delay, unless the
-    /// message is lost (one in six) or its link is cut.
-    fn publish(self: &Arc<Self>, fence: FenceToken) {
+    /// `PUBLISH fg:advances`, from inside the script that raised the fence (so an advance
+    /// whose answer is lost is still announced): each live subscriber hears it after its
+    /// link's delay, unless the message is lost (one in six) or its link is cut or one-way.
+    fn announce(&self, fence: FenceToken) {
+        if self.shared {
+            self.publish(fence);
+        }
+    }
+
+    fn publish(&self, fence: FenceToken) {
         let subscribers: Vec<(Arc<Link>, Announcements)> = self.subscribers.lock().expect("subscribers").clone();
         for (link, announcements) in subscribers {
             if link.is_dead() || self.chance.lock().expect("chance").chance(16) {
@@ -145,132 +151,6 @@ enum Gate {
     Quiet(u64),
 }
 
-/// One process's connection to the store.
-#[derive(Default)]
-pub struct Link {
-    dead: AtomicBool,
-    faults: Mutex<LinkFaults>,
-}
-
-#[derive(Default, Clone, Copy)]
-struct LinkFaults {
-    /// The process is paused (stopped, suspended) until then: it sends and reads nothing.
-    frozen_until: Option<Instant>,
-    cut_until: Option<Instant>,
-    one_way_until: Option<Instant>,
-    delay_until: Option<(Instant, Duration)>,
-}
-
-/// How a link fails for a while.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LinkFault {
-    /// Nothing gets through either way.
-    Cut,
-    /// Calls reach the store, answers are lost.
-    OneWay,
-    /// Every call and answer takes this long more.
-    Delay(u64),
-}
-
-impl Link {
-    pub fn kill(&self) {
-        self.dead.store(true, Ordering::SeqCst);
-    }
-
-    pub fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::SeqCst)
-    }
-
-    pub fn freeze(&self, until: Instant) {
-        let mut faults = self.faults.lock().expect("link");
-        faults.frozen_until = faults.frozen_until.max(Some(until));
-    }
-
-    pub fn fail(&self, fault: LinkFault, until: Instant) {
-        let mut faults = self.faults.lock().expect("link");
-        match fault {
-            LinkFault::Cut => faults.cut_until = Some(until),
-            LinkFault::OneWay => faults.one_way_until = Some(until),
-            LinkFault::Delay(ms) => faults.delay_until = Some((until, Duration::from_millis(ms))),
-        }
-    }
-
-    fn now(&self) -> LinkFaults {
-        *self.faults.lock().expect("link")
-    }
-
-    /// Waits while the process is paused; `false` if it died meanwhile.
-    pub async fn thawed(&self) -> bool {
-        loop {
-            if self.is_dead() {
-                return false;
-            }
-            match self.now().frozen_until.filter(|until| *until > Instant::now()) {
-                Some(until) => tokio::time::sleep_until(until).await,
-                None => return true,
-            }
-        }
-    }
-
-    /// Whether a message from the store gets through now, and after what delay.
-    async fn deliverable(&self) -> Option<Duration> {
-        if !self.thawed().await {
-            return None;
-        }
-        let faults = self.now();
-        let now = Instant::now();
-        if faults.cut_until.is_some_and(|until| until > now) {
-            return None;
-        }
-        Some(faults.delay_until.filter(|(until, _)| *until > now).map_or(Duration::ZERO, |(_, delay)| delay))
-    }
-
-    /// One call: `op` runs on the store's state (atomically, as a script does) if the call
-    /// reaches it; the answer comes back unless the link loses it. A dead process's call never
-    /// ends; every other one ends by `timeout` (the client's).
-    pub async fn call<T>(
-        &self,
-        backend: &Backend,
-        timeout: Duration,
-        op: impl FnOnce(&mut StoreState) -> T,
-    ) -> Result<T, StoreError> {
-        if self.is_dead() {
-            std::future::pending::<()>().await;
-        }
-        let attempt = async {
-            if !self.thawed().await {
-                std::future::pending::<()>().await;
-            }
-            let faults = self.now();
-            let now = Instant::now();
-            let delay = faults.delay_until.filter(|(until, _)| *until > now).map_or(Duration::ZERO, |(_, d)| d);
-            if faults.cut_until.is_some_and(|until| until > now) {
-                std::future::pending::<()>().await;
-            }
-            tokio::time::sleep(delay / 2).await;
-            let answer = {
-                let mut state = backend.state();
-                if state.down_until.is_some_and(|until| until > Instant::now()) {
-                    return Err(StoreError::Backend("connection refused (simulated store down)".into()));
-                }
-                op(&mut state)
-            };
-            if faults.one_way_until.is_some_and(|until| until > Instant::now()) {
-                std::future::pending::<()>().await;
-            }
-            tokio::time::sleep(delay - delay / 2).await;
-            if !self.thawed().await {
-                std::future::pending::<()>().await;
-            }
-            Ok(answer)
-        };
-        match tokio::time::timeout(timeout, attempt).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout { after_ms: crate::fence::millis(timeout) }),
-        }
-    }
-}
-
 /// One process's view of the store: what `Store` asks, over the process's link.
 pub struct SimStore {
     backend: Arc<Backend>,
@@ -318,21 +198,17 @@ impl FenceStore for SimStore {
 
     async fn advance(&self, _resource: &ResourceKey, token: FenceToken) -> Result<AdvanceOutcome, StoreError> {
         let backend = self.backend.clone();
-        let outcome = self
-            .calls
+        self.calls
             .gated(true, move |s, _| {
                 let previous = s.fence;
                 if previous.is_some_and(|fence| fence >= token) {
                     return AdvanceOutcome::Unchanged { current: previous.unwrap_or(token) };
                 }
                 s.fence = Some(token);
+                backend.announce(token);
                 AdvanceOutcome::Advanced { previous }
             })
-            .await?;
-        if matches!(outcome, AdvanceOutcome::Advanced { .. }) && backend.shared {
-            backend.publish(token);
-        }
-        Ok(outcome)
+            .await
     }
 
     fn kind(&self) -> &'static str {
@@ -378,28 +254,29 @@ impl LeaseStore for SimStore {
         command: LeaseCommand,
         now_ms: u64,
     ) -> Result<LeaseOutcome, StoreError> {
-        let gated = matches!(command, LeaseCommand::Acquire { .. });
-        let backend = self.backend.clone();
-        let (outcome, raised) = self
-            .calls
-            .gated(gated, move |s, _| {
-                let t = apply_lease(s.fence, s.lease.as_ref(), command, now_ms);
-                if let Some(fence) = t.fence {
-                    s.fence = Some(fence);
-                }
-                match t.lease {
-                    LeaseWrite::Keep => {}
-                    LeaseWrite::Put(record) => s.lease = Some(record),
-                    LeaseWrite::Delete => s.lease = None,
-                }
-                (t.outcome, t.fence)
-            })
-            .await?;
-        if let (Some(fence), true) = (raised, backend.shared) {
-            backend.publish(fence);
-        }
         let _ = resource;
-        Ok(outcome)
+        let grant = matches!(command, LeaseCommand::Acquire { .. });
+        let backend = self.backend.clone();
+        let apply = move |s: &mut StoreState, _now: u64| {
+            let t = apply_lease(s.fence, s.lease.as_ref(), command, now_ms);
+            if let Some(fence) = t.fence {
+                s.fence = Some(fence);
+                backend.announce(fence);
+            }
+            match t.lease {
+                LeaseWrite::Keep => {}
+                LeaseWrite::Put(record) => s.lease = Some(record),
+                LeaseWrite::Delete => s.lease = None,
+            }
+            t.outcome
+        };
+        // Only a grant passes the epoch gate (`lease.lua`); a renewal, release or withdrawal
+        // acts on the lease as it is.
+        if grant {
+            self.calls.gated(true, apply).await
+        } else {
+            self.link.call(&self.backend, Self::timeout(), |s| apply(s, 0)).await
+        }
     }
 
     async fn lease_record(&self, _resource: &ResourceKey) -> Result<Option<LeaseRecord>, StoreError> {
@@ -552,43 +429,40 @@ impl RegistryCalls for SimCalls {
         let Ask { floor, may_advance, ttl_ms } = *ask;
         let member = member.map(|m| self.member(m));
         let withdraw: Vec<String> = withdraw.iter().map(|m| self.member(*m)).collect();
-        let (answer, advanced) = self
-            .gated(true, move |s, now| {
-                for old in &withdraw {
-                    s.members.remove(old);
+        let backend = self.backend.clone();
+        self.gated(true, move |s, now| {
+            for old in &withdraw {
+                s.members.remove(old);
+            }
+            let mut repaired_from = None;
+            if let Some(floor) = floor
+                && s.fence.is_none_or(|fence| fence < floor)
+            {
+                repaired_from = Some(s.fence);
+                s.fence = Some(floor);
+            }
+            if let Some(current) = s.fence.filter(|fence| token < *fence) {
+                return SharedAdmit::Stale { current };
+            }
+            let mut advanced = false;
+            if s.fence.is_none_or(|fence| fence < token) {
+                if !may_advance {
+                    return SharedAdmit::Unregistered { current: s.fence, repaired_from };
                 }
-                let mut repaired_from = None;
-                if let Some(floor) = floor
-                    && s.fence.is_none_or(|fence| fence < floor)
-                {
-                    repaired_from = Some(s.fence);
-                    s.fence = Some(floor);
-                }
-                if let Some(current) = s.fence.filter(|fence| token < *fence) {
-                    return (SharedAdmit::Stale { current }, false);
-                }
-                let mut advanced = false;
-                if s.fence.is_none_or(|fence| fence < token) {
-                    if !may_advance {
-                        return (SharedAdmit::Unregistered { current: s.fence, repaired_from }, false);
-                    }
-                    s.fence = Some(token);
-                    advanced = true;
-                }
-                s.members.retain(|_, deadline| *deadline > now);
-                if s.members.keys().any(|m| token_of(m).is_some_and(|t| t < token)) {
-                    return (SharedAdmit::OlderInflight { advanced, repaired_from }, advanced);
-                }
-                if let Some(member) = member {
-                    s.members.insert(member, now + ttl_ms);
-                }
-                (SharedAdmit::Admitted { advanced, repaired_from }, advanced)
-            })
-            .await?;
-        if advanced {
-            self.backend.publish(token);
-        }
-        Ok(answer)
+                s.fence = Some(token);
+                backend.announce(token);
+                advanced = true;
+            }
+            s.members.retain(|_, deadline| *deadline > now);
+            if s.members.keys().any(|m| token_of(m).is_some_and(|t| t < token)) {
+                return SharedAdmit::OlderInflight { advanced, repaired_from };
+            }
+            if let Some(member) = member {
+                s.members.insert(member, now + ttl_ms);
+            }
+            SharedAdmit::Admitted { advanced, repaired_from }
+        })
+        .await
     }
 
     async fn renew(&self, renewal: &Renewal) -> Result<Renewed, StoreError> {

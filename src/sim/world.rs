@@ -37,7 +37,15 @@ impl Log {
 
     pub fn record(&self, what: Happened) {
         let at = self.now_ms();
-        self.records.lock().expect("log").push(Record { at, what });
+        let mut records = self.records.lock().expect("log");
+        let seq = records.len() as u64;
+        records.push(Record { at, seq, what });
+    }
+
+    /// Now, as a call asks: the ms, and how many records were made before (every one of
+    /// them happened before the call was asked).
+    pub fn ask(&self) -> (u64, u64) {
+        (self.now_ms(), self.records.lock().expect("log").len() as u64)
     }
 
     fn note(&self, note: String) {
@@ -109,6 +117,7 @@ pub fn run(schedule: &Schedule) -> Run {
         .start_paused(true)
         .build()
         .expect("a current-thread runtime");
+    super::seed_draws(schedule.seed);
     let records = runtime.block_on(async {
         let mut world = World::new(schedule);
         world.play(&schedule.events).await;
@@ -132,6 +141,9 @@ struct World {
     next_write: u64,
     next_lease: u64,
     inits: u64,
+    /// Whether every replica lives through a loss of the store's state remembering what it
+    /// acknowledged (one replica, not restarted in the schedule).
+    remembered_through_loss: bool,
 }
 
 fn limits() -> GateLimits {
@@ -165,6 +177,10 @@ impl World {
             next_write: 1,
             next_lease: 1,
             inits: 0,
+            remembered_through_loss: schedule.replicas() == 1
+                && !schedule.events.iter().any(|e| {
+                    matches!(e.what, What::Start { .. } | What::Kill { .. } | What::Reboot { .. } | What::Stop { .. })
+                }),
         };
         for replica in 0..world.replicas.len() {
             world.start(replica);
@@ -212,13 +228,15 @@ impl World {
                 self.backend.state().down_until = Some(Instant::now() + Duration::from_millis(*ms));
             }
             What::Flush => {
-                self.log.record(Happened::StoreLostState);
+                self.log.record(Happened::StoreLostState { remembered: self.remembered_through_loss });
                 *self.backend.state() = Default::default();
             }
             What::InitStore => {
+                // `SET NX`: a mark only where none is.
                 self.inits += 1;
                 self.log.note("operator ran init-store".to_owned());
-                self.backend.state().epoch = Some(format!("init-{}", self.inits));
+                let mut state = self.backend.state();
+                state.epoch = state.epoch.take().or_else(|| Some(format!("init-{}", self.inits)));
             }
             What::Reconcile { replica } => self.reconcile(*replica),
         }
@@ -298,23 +316,23 @@ impl World {
             Via::Register => {
                 let token = newest.fetch_add(1, Ordering::SeqCst) + 1;
                 process.spawn(async move {
-                    let started = log.now_ms();
+                    let (started, asked) = log.ask();
                     let (fence, raised) = match gate.register(&resource, FenceToken(token)).await {
                         Ok(Registered::Raised(fence)) => (fence, true),
                         Ok(Registered::Below(fence)) => (fence, false),
                         Err(error) => return log.note(format!("registration of token {token} failed: {error}")),
                     };
                     let by = format!("replica {replica}");
-                    log.record(Happened::Registered { token, fence: fence.0, raised, started, by });
+                    log.record(Happened::Registered { token, fence: fence.0, raised, started, asked, by });
                 });
             }
             Via::Lease { ttl_ms } => process.spawn(async move {
-                let started = log.now_ms();
+                let (started, asked) = log.ask();
                 let command = LeaseCommand::Acquire { holder: lease_id.clone(), ttl_ms, lease_id, floor: None };
                 match gate.lease(&resource, command, now_ms).await {
                     Ok(LeaseOutcome::Granted(lease)) => {
                         newest.fetch_max(lease.token.0, Ordering::SeqCst);
-                        log.record(Happened::Granted { token: lease.token.0, replica, started });
+                        log.record(Happened::Granted { token: lease.token.0, replica, started, asked });
                     }
                     Ok(other) => log.note(format!("lease not granted: {other:?}")),
                     Err(error) => log.note(format!("lease grant failed: {error}")),
@@ -337,13 +355,14 @@ impl World {
         let (gate, log, resource) = (process.gate.clone(), self.log.clone(), self.resource.clone());
         log.note(format!("operator raises the fence to the highest stamp, {stamp}, on replica {replica}"));
         process.spawn(async move {
-            let started = log.now_ms();
+            let (started, asked) = log.ask();
             match gate.advance(&resource, FenceToken(stamp)).await {
                 Ok(fence) => log.record(Happened::Registered {
                     token: stamp,
                     fence: fence.0,
                     raised: fence.0 == stamp,
                     started,
+                    asked,
                     by: "reconcile".to_owned(),
                 }),
                 Err(error) => log.note(format!("reconcile could not raise the fence: {error}")),
@@ -366,7 +385,7 @@ struct Writer {
 /// its upstream call bounded and held as `fence::outcome` does.
 async fn fenced_write(writer: Writer, id: u64, token: u64, write: Write) {
     let Writer { gate, link, log, resource, backend } = writer;
-    let started = log.now_ms();
+    let (started, asked) = log.ask();
     let permit = match gate.admit(&resource, FenceToken(token)).await {
         Ok(permit) => Arc::new(permit),
         Err(error) => {
@@ -379,7 +398,7 @@ async fn fenced_write(writer: Writer, id: u64, token: u64, write: Write) {
         }
     };
     let durable = backend.state().fence.map(|fence| fence.0);
-    log.record(Happened::Admitted { write: id, token, replica: write.replica, started, durable });
+    log.record(Happened::Admitted { write: id, token, replica: write.replica, started, asked, durable });
     let deadline = Instant::now() + schedule::REQUEST_TIMEOUT;
     let call = upstream_call(permit.clone(), link, log.clone(), id, token, write);
     let outcome = match bounded_call(&[permit], deadline, schedule::DEADLINE, call).await {

@@ -80,7 +80,9 @@ pub struct KnownEpochs {
 
 impl Default for KnownEpochs {
     fn default() -> Self {
-        Self { by_slot: Mutex::new(vec![String::new(); SLOTS]), offer_base: new_epoch(), offers: Default::default() }
+        // A simulation names it from its seed (`sim::draw`), so that a run replays exactly.
+        let offer_base = crate::sim::draw().map_or_else(new_epoch, |n| format!("{n:032x}"));
+        Self { by_slot: Mutex::new(vec![String::new(); SLOTS]), offer_base, offers: Default::default() }
     }
 }
 

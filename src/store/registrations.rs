@@ -138,7 +138,7 @@ pub struct Registrations {
 impl Default for Registrations {
     fn default() -> Self {
         // Below 2^63: as many ids again before the counter could wrap.
-        let start = uuid::Uuid::new_v4().as_u64_pair().0 >> 1;
+        let start = crate::sim::draw().unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0) >> 1;
         let start = if crate::sim::seeded(crate::sim::Bug::RegistrationIdsCollide) { 0 } else { start };
         Self { by_resource: Mutex::default(), urgent: Mutex::default(), next_id: AtomicU64::new(start) }
     }

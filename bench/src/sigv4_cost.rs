@@ -2,11 +2,12 @@
 //! (`Verifier::verify`, its signing key cached) and the signature made anew for the upstream
 //! (`Signer::sign`, its day key cached), on the head `fencegate-bench` sends for an accepted
 //! 1 KiB PUT (`UNSIGNED-PAYLOAD`: the body is not hashed). These are the floor under any
-//! fenced write, set against the bare proxy's whole CPU per request in docs/benchmarks.md.
+//! fenced write, set against the bare proxy's whole CPU per request in docs/benchmarks.md, and
+//! the verification is part of the stale path's target (`suite`).
 //!
-//!     cargo run --release --example sigv4-cost [-- ITERATIONS]
+//!     target/release/fencegate-bench sigv4-cost [--iterations N]
 //!
-//! Prints the median over 7 rounds of ITERATIONS calls each (default 200,000), in ns per call.
+//! Prints the median over 7 rounds of N calls each (default 200,000), in ns per call.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -19,8 +20,16 @@ const ACCESS_KEY: &str = "fencegate-dev";
 const SECRET: &str = "fencegate-dev-secret";
 const ROUNDS: usize = 7;
 
-fn main() {
-    let iterations: u32 = std::env::args().nth(1).map_or(200_000, |n| n.parse().expect("ITERATIONS is a count"));
+/// The medians, ns per call.
+#[derive(Debug, Clone, Copy)]
+pub struct Costs {
+    pub verify_ns: f64,
+    pub sign_ns: f64,
+    pub clone_ns: f64,
+}
+
+/// Times both signatures, `iterations` calls a round.
+pub fn measure(iterations: u32) -> Costs {
     let now = SystemTime::now();
 
     // The client's head, signed as an SDK signs it (fencegate's own signer signs every header).
@@ -32,7 +41,7 @@ fn main() {
     let (method, uri, headers) = (signed.method().as_str().to_owned(), signed.uri().clone(), signed.headers().clone());
     assert!(verifier.verify(&method, &uri, &headers, now).is_some(), "the signed head verifies");
 
-    let verify = median_ns(iterations, || {
+    let verify_ns = median_ns(iterations, || {
         black_box(verifier.verify(black_box(&method), black_box(&uri), black_box(&headers), now));
     });
 
@@ -44,14 +53,19 @@ fn main() {
         upstream.sign(&mut req, now).expect("the upstream head signs");
         black_box(req);
     });
-    let clone = median_ns(iterations, || {
+    let clone_ns = median_ns(iterations, || {
         black_box(forwarded.clone());
     });
+    Costs { verify_ns, sign_ns: sign - clone_ns, clone_ns }
+}
 
+/// `fencegate-bench sigv4-cost`.
+pub fn print(iterations: u32) {
+    let costs = measure(iterations);
     println!("iterations per round: {iterations}, rounds: {ROUNDS}, median ns per call");
-    println!("verify the client's SigV4 signature (key cached): {verify:.0} ns");
-    println!("sign the upstream request anew (day key cached):  {:.0} ns", sign - clone);
-    println!("  (the head's clone, taken out of the line above: {clone:.0} ns)");
+    println!("verify the client's SigV4 signature (key cached): {:.0} ns", costs.verify_ns);
+    println!("sign the upstream request anew (day key cached):  {:.0} ns", costs.sign_ns);
+    println!("  (the head's clone, taken out of the line above: {:.0} ns)", costs.clone_ns);
 }
 
 /// The head of an accepted 1 KiB PUT as `fencegate-bench load` sends it.
