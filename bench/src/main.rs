@@ -78,6 +78,10 @@ enum Command {
         /// upstream, with fencegate's own code (the floor under a fenced write).
         #[arg(long)]
         sigv4: bool,
+        /// Answer the 409 ceiling's 409 after the checks instead of forwarding: with `--sigv4`,
+        /// the verifying 409 ceiling.
+        #[arg(long)]
+        reject: bool,
     },
     /// Drive one bounded load against a target and print what it measured.
     Load(LoadArgs),
@@ -172,8 +176,8 @@ fn main() -> ExitCode {
                 })
                 .await
             }
-            Command::Proxy { listen, upstream, sigv4 } => {
-                proxy::serve(listen, upstream, sigv4, |addr| println!("{UPSTREAM_READY}{addr}")).await
+            Command::Proxy { listen, upstream, sigv4, reject } => {
+                proxy::serve(listen, upstream, sigv4, reject, |addr| println!("{UPSTREAM_READY}{addr}")).await
             }
             Command::Load(args) => load_command(args).await,
             Command::Run(args) => suite::run(args).await,

@@ -96,13 +96,23 @@ pub fn spawn_upstream(reject_all: bool) -> anyhow::Result<(Proc, SocketAddr)> {
 
 /// Starts the bare hyper reverse proxy (`fencegate-bench proxy`) in front of `upstream`, on
 /// `threads` runtime workers; with `sigv4`, the signing proxy.
-pub fn spawn_bare_proxy(upstream: SocketAddr, threads: usize, sigv4: bool) -> anyhow::Result<(Proc, SocketAddr)> {
+pub fn spawn_bare_proxy(
+    upstream: SocketAddr,
+    threads: usize,
+    sigv4: bool,
+    reject: bool,
+) -> anyhow::Result<(Proc, SocketAddr)> {
     let exe = std::env::current_exe()?;
-    let name = if sigv4 { "signing proxy" } else { "bare hyper proxy" };
+    let name = match (sigv4, reject) {
+        (true, true) => "verifying 409 ceiling",
+        (true, false) => "signing proxy",
+        _ => "bare hyper proxy",
+    };
     let mut child = Command::new(exe)
         .args(["--threads", &threads.to_string(), "proxy", "--listen", "127.0.0.1:0", "--upstream"])
         .arg(upstream.to_string())
         .args(sigv4.then_some("--sigv4"))
+        .args(reject.then_some("--reject"))
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .spawn()

@@ -6,6 +6,9 @@
 //! It runs on tokio's multi-threaded runtime like fencegate (`--threads`), so the two rows
 //! differ only in what each does per request.
 //!
+//! With `--sigv4 --reject` it is the **verifying 409 ceiling**: the signature checked, then the
+//! 409 ceiling's answer, nothing forwarded (the floor under a stale write's rejection).
+//!
 //! With `--sigv4` it is the **signing proxy**: the same proxy doing the two things every
 //! fenced write must do besides proxying, with fencegate's own code (`fencegate::aws::sigv4`, the
 //! lean path's check with its signing keys cached, and the re-signing fencegate does for the
@@ -62,6 +65,7 @@ pub async fn serve(
     listen: SocketAddr,
     upstream: SocketAddr,
     sigv4: bool,
+    reject: bool,
     on_bound: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
     let listener = TcpListener::bind(listen).await?;
@@ -82,7 +86,8 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let (client, authority, signing) = (client.clone(), authority.clone(), signing.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |req| forward(client.clone(), authority.clone(), signing.clone(), req));
+            let service =
+                service_fn(move |req| forward(client.clone(), authority.clone(), signing.clone(), reject, req));
             let _ = hyper::server::conn::http1::Builder::new()
                 .keep_alive(true)
                 .serve_connection(TokioIo::new(stream), service)
@@ -95,6 +100,7 @@ async fn forward(
     client: Client<HttpConnector, Incoming>,
     authority: Authority,
     signing: Option<Arc<Signing>>,
+    reject: bool,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     if let Some(signing) = &signing {
@@ -102,6 +108,10 @@ async fn forward(
         let now = SystemTime::now();
         if signing.verifier.verify(req.method().as_str(), req.uri(), req.headers(), now).is_none() {
             return Ok(empty(StatusCode::FORBIDDEN));
+        }
+        if reject {
+            // The verifying 409 ceiling: the least a rejection that knows who asks costs.
+            return Ok(crate::upstream::reject().map(|body| body.map_err(|never| match never {}).boxed()));
         }
         req.headers_mut().insert(http::header::HOST, signing.host.clone());
         if signing.signer.sign(&mut req, now).is_err() {
@@ -166,6 +176,15 @@ mod tests {
         (addr, received)
     }
 
+    /// The signing proxy (or, with `reject`, the verifying 409 ceiling) in front of `upstream`.
+    async fn signing_proxy(upstream: SocketAddr, reject: bool) -> SocketAddr {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(serve("127.0.0.1:0".parse().unwrap(), upstream, true, reject, move |a| {
+            let _ = tx.send(a);
+        }));
+        rx.await.expect("the proxy reports its address")
+    }
+
     async fn send(addr: SocketAddr, path: &str, headers: HeaderMap, body: &'static str) -> u16 {
         let mut sender = crate::load::connect::<Full<Bytes>>(addr).await.expect("connects");
         let mut req = Request::new(Full::new(Bytes::from_static(body.as_bytes())));
@@ -183,11 +202,7 @@ mod tests {
     #[tokio::test]
     async fn the_signing_proxy_checks_and_signs_anew() {
         let (upstream, received) = capturing_upstream().await;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(serve("127.0.0.1:0".parse().unwrap(), upstream, true, move |a| {
-            let _ = tx.send(a);
-        }));
-        let proxy = rx.await.expect("the proxy reports its address");
+        let proxy = signing_proxy(upstream, false).await;
         let authority = proxy.to_string();
         let length = [(http::header::CONTENT_LENGTH, HeaderValue::from(4))];
         let head = |signer: &sign::Signer| signer.sign(&Method::PUT, &authority, "/bench/k", &length).unwrap();
@@ -216,5 +231,20 @@ mod tests {
         assert!(
             verifier(CLIENT_KEY).verify(parts.method.as_str(), &parts.uri, &parts.headers, SystemTime::now()).is_none()
         );
+    }
+
+    /// The verifying 409 ceiling answers a verified write 409 and forwards nothing; a write
+    /// that does not verify still gets 403.
+    #[tokio::test]
+    async fn the_verifying_ceiling_checks_then_refuses_without_forwarding() {
+        let (upstream, received) = capturing_upstream().await;
+        let proxy = signing_proxy(upstream, true).await;
+        let authority = proxy.to_string();
+        let length = [(http::header::CONTENT_LENGTH, HeaderValue::from(4))];
+        let client = sign::Signer::new(sign::ACCESS_KEY_ID, sign::SECRET_ACCESS_KEY, sign::REGION);
+        let head = client.sign(&Method::PUT, &authority, "/bench/k", &length).unwrap();
+        assert_eq!(send(proxy, "/bench/k", head, "good").await, 409);
+        assert_eq!(send(proxy, "/bench/k", HeaderMap::new(), "bad!").await, 403);
+        assert!(received.lock().unwrap().is_empty(), "nothing reached the upstream");
     }
 }

@@ -155,7 +155,8 @@ pub async fn serve(
     }
 }
 
-fn reject() -> Response<RespBody> {
+/// The ceiling's answer: a 409 with an S3 error document.
+pub fn reject() -> Response<RespBody> {
     xml_error(StatusCode::CONFLICT, "FencingTokenStale", "the rejection ceiling answers 409 to everything")
 }
 
