@@ -133,23 +133,23 @@ pub struct Violation {
 
 /// Every checker over one run's records.
 pub fn check(records: &[Record]) -> Vec<Violation> {
-    let loss = unremembered_loss(records);
-    let mut found = commit_order(records, loss);
-    found.extend(acknowledged(records, loss));
-    if !records.iter().any(|r| matches!(r.what, Happened::StoreLostState { .. })) {
-        found.extend(durable(records));
-    }
+    let losses = unremembered_losses(records);
+    let mut found = commit_order(records, &losses);
+    found.extend(acknowledged(records, &losses));
+    found.extend(durable(records));
     found
 }
 
-/// G2 and nothing acknowledged lost, on a store that kept its state: a write is admitted only
-/// once its token is the store's fence (durable before it is forwarded), and the store ends at
-/// or above every fence acknowledged.
+/// G2 and nothing acknowledged lost: a write is admitted only once its token is the store's
+/// fence (durable before it is forwarded), and the store ends at or above every fence
+/// acknowledged. Judged up to the store's first loss of its state (after it the store's fence
+/// is what the loss left).
 fn durable(records: &[Record]) -> Vec<Violation> {
     let mut found = Vec::new();
     let mut acknowledged = None;
     for r in records {
         match &r.what {
+            Happened::StoreLostState { .. } => return found,
             Happened::Admitted { write, token, durable, .. } => {
                 if durable.is_none_or(|fence| fence < *token) {
                     found.push(Violation {
@@ -177,31 +177,42 @@ fn durable(records: &[Record]) -> Vec<Violation> {
 }
 
 /// Where the store lost its state with a replica that cannot remember what it held (several
-/// replicas, or one restarted since): the seq from which only the quiet period is judged. The
-/// fence may go back there (G1 and the cross-object order rest on the replicas' marks and the
-/// objects' stamps then: docs/design.md section 6), but no write admitted before the loss may
-/// commit after a newer token is admitted.
-fn unremembered_loss(records: &[Record]) -> Option<u64> {
-    records.iter().find_map(|r| match r.what {
-        Happened::StoreLostState { remembered: false } => Some(r.seq),
-        _ => None,
-    })
+/// replicas, or one restarted since): the seqs of those losses. The fence may go back at each
+/// (G1 and the cross-object order rest on the replicas' marks and the objects' stamps then:
+/// docs/design.md section 6), but no write admitted before a loss may commit after a newer
+/// token is admitted.
+fn unremembered_losses(records: &[Record]) -> Vec<u64> {
+    records
+        .iter()
+        .filter_map(|r| match r.what {
+            Happened::StoreLostState { remembered: false } => Some(r.seq),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The era of a call asked when `asked` records had been made: how many such losses came
+/// before it.
+fn era(losses: &[u64], asked: u64) -> usize {
+    losses.iter().filter(|loss| **loss < asked).count()
 }
 
 /// G3: a write with token `c` handed over or committed at the upstream after a write with a
 /// newer token was admitted, or a newer token registered (both answer only once older writes
-/// are resolved: cut off if their body was not handed over, awaited if it was).
-fn commit_order(records: &[Record], loss: Option<u64>) -> Vec<Violation> {
-    let mut found = Vec::new();
-    let mut admitted_at: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-    let mut newer: Vec<(u64, u64, u64, Option<u64>)> = Vec::new();
+/// are resolved: cut off if their body was not handed over, awaited if they were). Across a
+/// loss no replica remembers, an older write asked after it may follow a newer one asked
+/// before it (the fence went back: the stated limit); every other pair is judged.
+fn commit_order(records: &[Record], losses: &[u64]) -> Vec<Violation> {
+    let mut asked_of: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+    // (seq, at, token, write, asked)
+    let mut newer: Vec<(u64, u64, u64, Option<u64>, u64)> = Vec::new();
     for r in records {
         match &r.what {
-            Happened::Admitted { token, write, .. } => {
-                admitted_at.insert(*write, r.seq);
-                newer.push((r.seq, r.at, *token, Some(*write)));
+            Happened::Admitted { token, write, asked, .. } => {
+                asked_of.insert(*write, *asked);
+                newer.push((r.seq, r.at, *token, Some(*write), *asked));
             }
-            Happened::Registered { fence, raised: true, .. } => newer.push((r.seq, r.at, *fence, None)),
+            Happened::Registered { fence, raised: true, asked, .. } => newer.push((r.seq, r.at, *fence, None, *asked)),
             _ => {}
         }
     }
@@ -211,12 +222,12 @@ fn commit_order(records: &[Record], loss: Option<u64>) -> Vec<Violation> {
             Happened::HandedOver { write, token } => (*write, *token, "handed over".to_owned()),
             _ => continue,
         };
-        if loss.is_some_and(|loss| admitted_at.get(&write).is_none_or(|seq| *seq > loss)) {
-            continue;
-        }
-        let first = newer.iter().find(|(seq, _, newer_token, _)| *newer_token > token && *seq < r.seq);
-        if let Some(&(_, at, newer_token, newer_write)) = first {
-            found.push(Violation {
+        let older_era = asked_of.get(&write).map_or(0, |asked| era(losses, *asked));
+        let first = newer.iter().find(|(seq, _, newer_token, _, asked)| {
+            *newer_token > token && *seq < r.seq && older_era <= era(losses, *asked)
+        });
+        if let Some(&(_, at, newer_token, newer_write, _)) = first {
+            return vec![Violation {
                 what: format!(
                     "G3: write {write} with token {token} {what} at {} ms, after token {newer_token} was {} at {at} ms",
                     r.at,
@@ -224,37 +235,37 @@ fn commit_order(records: &[Record], loss: Option<u64>) -> Vec<Violation> {
                 ),
                 writes: [Some(write), newer_write].into_iter().flatten().collect(),
                 tokens: vec![token, newer_token],
-            });
-            break;
+            }];
         }
     }
-    found
+    Vec::new()
 }
 
 /// G1 and leases: an admission, registration or grant asked after a fence was acknowledged
 /// never answers below it; a grant is above every token acknowledged before it was asked, and
-/// no two grants share a token. Not judged for what was asked after a loss no replica
-/// remembers.
-fn acknowledged(records: &[Record], loss: Option<u64>) -> Vec<Violation> {
+/// no two grants share a token. Across a loss no replica remembers, a call is judged against
+/// what was acknowledged to calls asked since that loss (the fence may go back below what came
+/// before: the stated limit).
+fn acknowledged(records: &[Record], losses: &[u64]) -> Vec<Violation> {
     let mut found = Vec::new();
-    // (the record that acknowledged it, the fence it shows)
-    let mut acks: Vec<(u64, u64)> = Vec::new();
-    let mut granted: Vec<u64> = Vec::new();
+    // (the record that acknowledged it, the fence it shows, the era it was asked in)
+    let mut acks: Vec<(u64, u64, usize)> = Vec::new();
+    // Tokens granted, with the era they were asked in.
+    let mut granted: Vec<(u64, usize)> = Vec::new();
     for r in records {
         let (token, started, asked, grant) = match &r.what {
             Happened::Admitted { token, started, asked, .. } => (*token, *started, *asked, false),
             Happened::Registered { fence, raised: true, started, asked, .. } => (*fence, *started, *asked, false),
-            Happened::Registered { fence, raised: false, .. } => {
-                acks.push((r.seq, *fence));
+            Happened::Registered { fence, raised: false, asked, .. } => {
+                acks.push((r.seq, *fence, era(losses, *asked)));
                 continue;
             }
             Happened::Granted { token, started, asked, .. } => (*token, *started, *asked, true),
             _ => continue,
         };
-        if loss.is_some_and(|loss| asked > loss) {
-            continue;
-        }
-        let before = acks.iter().filter(|(seq, _)| *seq < asked).map(|(_, fence)| *fence).max();
+        let side = era(losses, asked);
+        let before =
+            acks.iter().filter(|(seq, _, ack_era)| *seq < asked && *ack_era == side).map(|(_, fence, _)| *fence).max();
         if let Some(before) = before
             && (token < before || (grant && token == before))
         {
@@ -269,16 +280,16 @@ fn acknowledged(records: &[Record], loss: Option<u64>) -> Vec<Violation> {
             });
         }
         if grant {
-            if granted.contains(&token) {
+            if granted.contains(&(token, side)) {
                 found.push(Violation {
                     what: format!("lease token {token} granted twice (again at {} ms)", r.at),
                     writes: Vec::new(),
                     tokens: vec![token],
                 });
             }
-            granted.push(token);
+            granted.push((token, side));
         }
-        acks.push((r.seq, token));
+        acks.push((r.seq, token, side));
     }
     found
 }
@@ -306,26 +317,26 @@ mod tests {
         assert_eq!(check(&[at(10, admitted(1, 1)), at(20, admitted(2, 2)), at(30, handed(1, 1))]).len(), 1);
     }
 
-    /// After a loss no replica remembers, an older write admitted before it still may not
-    /// commit after a newer admission; what is admitted after it is the stated limit.
+    /// Across a loss no replica remembers, an older write asked after it may follow a newer
+    /// one asked before it (the stated limit); a write admitted before the loss may not commit
+    /// after a newer admission, and two calls both asked after it are judged as ever.
     #[test]
-    fn after_an_unremembered_loss_only_the_quiet_period_is_judged() {
+    fn across_an_unremembered_loss_only_the_fence_going_back_is_let_pass() {
         let admitted =
-            |t, w| Happened::Admitted { write: w, token: t, replica: 0, started: 0, asked: 0, durable: Some(t) };
+            |t, w, asked| Happened::Admitted { write: w, token: t, replica: 0, started: 0, asked, durable: Some(t) };
         let committed = |t, w| Happened::Committed { write: w, token: t, object: 0 };
         let loss = || Happened::StoreLostState { remembered: false };
-        let before = [at(10, admitted(2, 1)), at(20, loss()), at(30, admitted(3, 2)), at(40, committed(2, 1))];
-        assert_eq!(check(&before).len(), 1);
-        let after = [
-            at(10, admitted(3, 1)),
-            at(20, loss()),
-            at(30, admitted(2, 2)),
-            at(40, admitted(3, 3)),
-            at(50, committed(2, 2)),
-        ];
-        assert!(check(&after).is_empty());
+        let before = [at(10, admitted(2, 1, 10)), at(20, loss()), at(30, admitted(3, 2, 30)), at(40, committed(2, 1))];
+        assert_eq!(check(&before).len(), 1, "the quiet period");
+        let back = [at(10, admitted(3, 1, 10)), at(20, loss()), at(30, admitted(2, 2, 30)), at(50, committed(2, 2))];
+        assert!(check(&back).is_empty(), "the fence went back: the stated limit");
+        let after = [at(20, loss()), at(30, admitted(2, 2, 30)), at(40, admitted(3, 3, 40)), at(50, committed(2, 2))];
+        assert_eq!(check(&after).len(), 1, "both after the loss");
+        let below = [at(20, loss()), at(30, admitted(3, 3, 30)), at(40, admitted(2, 4, 40))];
+        assert_eq!(check(&below).len(), 1, "G1 after the loss");
+        let twice = [at(20, loss()), at(30, admitted(3, 3, 30)), at(40, loss()), at(50, admitted(2, 4, 50))];
+        assert!(check(&twice).is_empty(), "a second loss lets the fence go back again");
     }
-
     /// An admission asked after a higher fence was acknowledged is G1's violation; a grant at
     /// an acknowledged token, or twice the same, is the lease checker's.
     #[test]
