@@ -205,29 +205,11 @@ pub fn build(scenario: Scenario, p: &Params<'_>) -> anyhow::Result<Workload> {
     })
 }
 
-/// A small deterministic generator (SplitMix64) for picking resources: no dependency, and
-/// the same seed gives the same picks in every run.
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
-
 /// Stale writes on resources picked uniformly among `resources` registered ones
 /// (`lk-{run}-{i}`): each request is one fence lookup and a rejection, nothing upstream.
 pub fn lookups(p: &Params<'_>, resources: u64, seed: u64) -> anyhow::Result<Workload> {
     let per = (p.requests_max as usize).min(SIGNED_REQUESTS_MAX).div_ceil(p.connections.max(1));
-    let mut rng = SplitMix64(seed);
+    let mut rng = fencegate::sim::rng::Rng::new(seed);
     let mut timed = Vec::with_capacity(p.connections);
     for c in 0..p.connections {
         let mut plans = Vec::with_capacity(per);

@@ -4,7 +4,8 @@
 //! operator, with faults as events of the schedule and checkers for G1, G3 and leases.
 //!
 //! Built only with the `simulation` feature (the `simulate` binary); without it this module is
-//! [`seeded`] alone, a constant `false` the compiler removes, so the request path pays nothing.
+//! [`seeded`] and [`draw`], constants the compiler removes (the request path pays nothing), and
+//! the seeded generator [`rng::Rng`].
 
 #[cfg(any(test, feature = "simulation"))]
 mod check;
@@ -12,8 +13,8 @@ mod check;
 mod cli;
 #[cfg(feature = "simulation")]
 mod link;
-#[cfg(any(test, feature = "simulation"))]
-mod rng;
+/// The simulator's generator, also the benchmark's (`fencegate-bench` picks resources with it).
+pub mod rng;
 #[cfg(feature = "simulation")]
 mod schedule;
 #[cfg(feature = "simulation")]

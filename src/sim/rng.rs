@@ -1,8 +1,5 @@
-//! The simulator's one source of chance: SplitMix64, so that a seed names a schedule on every
-//! machine and every build.
-
-// Its tests run in every build; outside a simulation build only they use it.
-#![cfg_attr(not(feature = "simulation"), allow(dead_code))]
+//! The simulator's one source of chance (and the benchmark's): SplitMix64, so that a seed names
+//! a schedule on every machine and every build.
 
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
